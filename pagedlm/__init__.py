@@ -1,0 +1,10 @@
+"""pagedlm: a small LLM inference engine with a paged KV cache and continuous batching."""
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.entrypoints.llm import LLM
+from pagedlm.outputs import CompletionOutput, RequestOutput
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "RequestOutputKind"]
+__version__ = "0.1.0"

@@ -1,0 +1,113 @@
+"""Engine configuration: one dataclass per concern, built from EngineArgs."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+# Architectures our Llama-family implementation covers (HF config "architectures").
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    model: str  # what the user asked for (None -> default)
+    model_dir: str  # resolved HF-format directory
+    dtype: torch.dtype
+    max_model_len: int
+    architecture: str
+    hf_config: dict  # the raw config.json
+    seed: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config["num_hidden_layers"]
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config["num_attention_heads"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.hf_config.get("num_key_value_heads") or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads
+
+    @property
+    def rope_theta(self) -> float:
+        # transformers 5 nests rope settings in rope_parameters; older configs keep them flat.
+        params = self.hf_config.get("rope_parameters") or {}
+        return params.get("rope_theta") or self.hf_config.get("rope_theta") or 10000.0
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        params = self.hf_config.get("rope_parameters") or self.hf_config.get("rope_scaling")
+        if not params or (params.get("rope_type") or params.get("type")) in (None, "default"):
+            return None
+        return params
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config["vocab_size"]
+
+    @classmethod
+    def from_dir(cls, model: str | None, model_dir: str, dtype: str, max_model_len: int | None,
+                 seed: int) -> "ModelConfig":
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf = json.load(f)
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"model: architecture {archs} is not supported; pagedlm runs "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+        if dtype not in _DTYPES and dtype != "auto":
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}.")
+        # float32 by default: CPU matmuls gain nothing from fp16 and lose accuracy.
+        torch_dtype = torch.float32 if dtype == "auto" else _DTYPES[dtype]
+        derived = hf.get("max_position_embeddings", 2048)
+        # Sliding-window attention is not implemented: stay inside the window so results
+        # are exact rather than silently wrong.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        if isinstance(window, int) and window > 0:
+            derived = min(derived, window)
+        if max_model_len is None:
+            max_model_len = derived
+        elif not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}.")
+        elif max_model_len > derived:
+            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
+                             f"context length ({derived}).")
+        return cls(model=model, model_dir=model_dir, dtype=torch_dtype,
+                   max_model_len=max_model_len, architecture=arch, hf_config=hf, seed=seed)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Either an explicit byte budget, an exact block count, or (neither) a share of free RAM.
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: int = 0  # filled in once the cache is sized
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: str = "cpu"

@@ -1,0 +1,62 @@
+"""EngineArgs: the user-facing engine settings (vLLM's names), turned into config dataclasses."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedlm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedlm.model_executor.model_loader.model_path import resolve_model
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+
+    def create_engine_config(self) -> EngineConfig:
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+
+        positive_int("block_size")
+        positive_int("max_num_seqs")
+        positive_int("max_num_batched_tokens", allow_none=True)
+        positive_int("kv_cache_memory_bytes", allow_none=True)
+        positive_int("num_gpu_blocks_override", allow_none=True)
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}.")
+        model_dir = resolve_model(self.model)
+        model_config = ModelConfig.from_dir(self.model, model_dir, self.dtype,
+                                            self.max_model_len, self.seed)
+        max_len = model_config.max_model_len
+        # Without chunked prefill a whole prompt must fit in one step's token budget.
+        batched = self.max_num_batched_tokens or max(max_len, 2048)
+        if batched < max_len:
+            raise ValueError(f"max_num_batched_tokens ({batched}) is smaller than max_model_len "
+                             f"({max_len}): a long prompt could never be scheduled. Raise "
+                             f"max_num_batched_tokens or lower max_model_len.")
+        if batched < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}).")
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=self.block_size,
+                                     kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                     gpu_memory_utilization=self.gpu_memory_utilization),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=batched,
+                                             max_num_seqs=self.max_num_seqs,
+                                             max_model_len=max_len))

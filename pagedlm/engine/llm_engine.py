@@ -1,0 +1,135 @@
+"""LLMEngine: add_request / abort_request / step, wiring the request's life together.
+
+prompt -> InputPreprocessor -> SequenceGroup in the Scheduler's waiting queue -> each step():
+Scheduler.schedule() -> Executor -> Worker -> ModelRunner -> OutputProcessor -> RequestOutputs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from pagedlm.config import EngineConfig
+from pagedlm.core.block_manager import BlockManager
+from pagedlm.core.scheduler import Scheduler
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.executor.executor import UniProcExecutor
+from pagedlm.inputs.preprocess import InputPreprocessor, PromptType
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.sequence import Sequence, SequenceGroup
+from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
+from pagedlm.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (recomputation included)
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    step_time: float = 0.0  # whole step() wall time
+    model_time: float = 0.0  # time inside the executor (input prep, forward, sampling)
+
+
+class LLMEngine:
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        t = time.perf_counter()
+        self.tokenizer = get_tokenizer(mc.model_dir)
+        self.eos_token_ids = eos_token_ids(mc.model_dir, self.tokenizer)
+        self.input_preprocessor = InputPreprocessor(self.tokenizer, mc.vocab_size)
+        self.executor = UniProcExecutor(config, self.eos_token_ids)
+        self.block_manager = BlockManager(self.executor.num_gpu_blocks,
+                                          config.cache_config.block_size)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.seq_counter = itertools.count()
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
+                                                self.eos_token_ids, mc.max_model_len,
+                                                self.seq_counter)
+        self.requests: dict[str, SequenceGroup] = {}
+        self.stats = EngineStats()
+        logger.info("engine ready in %.2fs: %d KV blocks of %d tokens",
+                    time.perf_counter() - t, self.block_manager.num_blocks,
+                    config.cache_config.block_size)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        processed = self.input_preprocessor.process(prompt)
+        ids = processed.prompt_token_ids
+        max_len = self.config.model_config.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty: it must have at least one token.")
+        if len(ids) > max_len:
+            raise ValueError(f"prompt is too long: {len(ids)} tokens, but max_model_len is "
+                             f"{max_len}.")
+        blocks = cdiv(len(ids), self.block_manager.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"prompt is too long for the KV cache: it needs {blocks} blocks "
+                             f"but the cache has {self.block_manager.num_blocks}.")
+        params = params.clone()
+        room = max_len - len(ids) + 1  # the last sampled token needs no cache slot
+        if params.max_tokens is None or params.max_tokens > room:
+            params.max_tokens = room
+        seq = Sequence(next(self.seq_counter), list(ids), len(ids))
+        seq.detok = self.output_processor.detokenizer.init_state(ids, params.skip_special_tokens)
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        group = SequenceGroup(request_id, [seq], params, processed.prompt, list(ids),
+                              arrival_time=arrival_time or time.time(), generator=generator)
+        self.requests[request_id] = group
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for group in self.scheduler.abort(ids):
+            self.requests.pop(group.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions += sched.preempted
+        if sched.is_empty:
+            return []
+        t1 = time.perf_counter()
+        result = self.executor.execute_model(sched)
+        t2 = time.perf_counter()
+        st = self.stats
+        st.num_steps += 1
+        st.num_prompt_tokens += sum(n for sg in sched.scheduled_groups
+                                    for s, n in zip(sg.seqs, sg.num_new_tokens)
+                                    if not (n == 1 and s.num_computed_tokens > 0))
+        st.num_generation_tokens += len(result.sampler_output.sampled_token_ids)
+        self.scheduler.update_from_output(sched)
+        outputs = self.output_processor.process(sched, result)
+        for sg in sched.scheduled_groups:
+            if sg.group.is_finished():
+                self.requests.pop(sg.group.request_id, None)
+        st.model_time += t2 - t1
+        st.step_time += time.perf_counter() - t0
+        return outputs

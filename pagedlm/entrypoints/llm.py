@@ -1,0 +1,112 @@
+"""LLM: the offline entry point (vLLM's API): generate() and chat() over an LLMEngine."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.inputs.preprocess import PromptType
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict]
+
+
+class LLM:
+    """Load a model and generate from it. `LLM()` runs the embedded SmolLM2-135M-Instruct.
+
+    Engine settings (max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+    kv_cache_memory_bytes, num_gpu_blocks_override, gpu_memory_utilization, ...) are keyword
+    arguments, as in vLLM.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", seed: int = 0,
+                 **engine_kwargs) -> None:
+        try:
+            args = EngineArgs(model=model, dtype=dtype, seed=seed, **engine_kwargs)
+        except TypeError as e:
+            raise TypeError(f"LLM(): {e}") from None
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries but there are "
+                                 f"{len(prompts)} prompts; pass one, or one per prompt.")
+        self._add_requests(prompts, params)
+        return self._run_engine(use_tqdm)
+
+    def chat(self, messages: ChatMessages | Seq[ChatMessages],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise ValueError("messages must be dicts with 'role' and 'content'.")
+            text = tokenizer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            # The template already holds the special tokens (BOS etc.): do not add them twice.
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> None:
+        added = []
+        try:
+            for prompt, p in zip(prompts, params):
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling_params entries must be SamplingParams, got "
+                                     f"{type(p).__name__}.")
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY  # generate() returns finals only
+                request_id = str(next(self.request_counter))
+                self.llm_engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            # All or nothing: a bad prompt must not leave the earlier ones queued.
+            self.llm_engine.abort_request(added)
+            raise
+
+    def _run_engine(self, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        total = engine.get_num_unfinished_requests()
+        bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm,
+                   postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        outputs: list[RequestOutput] = []
+        in_toks = out_toks = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                outputs.append(out)
+                in_toks += len(out.prompt_token_ids)
+                out_toks += sum(len(c.token_ids) for c in out.outputs)
+                elapsed = bar.format_dict["elapsed"] or 1e-9
+                bar.postfix = (f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
+                               f"output: {out_toks / elapsed:.2f} toks/s")
+                bar.update(1)
+        bar.close()
+        # Requests finish out of order; hand them back in the order they were given.
+        return sorted(outputs, key=lambda o: int(o.request_id))

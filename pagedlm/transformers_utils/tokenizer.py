@@ -1,0 +1,27 @@
+"""Tokenizer loading and the set of ids that end generation."""
+from __future__ import annotations
+
+import json
+import os
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def get_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: could not load a tokenizer from {path}: {e}") from e
+
+
+def eos_token_ids(model_dir: str, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokenizer's EOS plus generation_config's (which may list several, as Llama 3 does)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return frozenset(ids)

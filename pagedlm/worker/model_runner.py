@@ -1,0 +1,141 @@
+"""The ModelRunner: SchedulerOutput -> one flat batch -> model forward -> sampled tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk
+from pagedlm.config import ModelConfig
+from pagedlm.core.scheduler import SchedulerOutput
+from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+
+@dataclass
+class PromptLogprobsRequest:
+    group_index: int  # into scheduler_output.scheduled_groups
+    rows: slice  # rows of the flat batch whose logits score the next prompt token
+    target_ids: list[int]
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # flat-batch row of each sample (repeated for n > 1)
+    sampling_metadata: SamplingMetadata
+    prompt_logprobs: list[PromptLogprobsRequest]
+
+
+@dataclass
+class PromptLogprobs:
+    group_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampler_output: SamplerOutput
+    prompt_logprobs: list[PromptLogprobs]
+
+
+class ModelRunner:
+
+    def __init__(self, model_config: ModelConfig, model: torch.nn.Module, block_size: int,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.model_config = model_config
+        self.model = model
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed))
+
+    def prepare_input(self, out: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        # Decodes (one token after a cached context) go first, so attention can batch them.
+        decodes, prefills = [], []
+        for gi, sg in enumerate(out.scheduled_groups):
+            for si, (seq, n) in enumerate(zip(sg.seqs, sg.num_new_tokens)):
+                entry = (gi, si, seq, n)
+                (decodes if n == 1 and seq.num_computed_tokens > 0 else prefills).append(entry)
+
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_row: dict[tuple[int, int], int] = {}
+        chunks: list[PrefillChunk] = []
+        for gi, si, seq, n in decodes + prefills:
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            row0 = len(ids)
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            last_row[(gi, si)] = len(ids) - 1
+            if not (n == 1 and start > 0):
+                chunks.append(PrefillChunk(row0, len(ids), start,
+                                           torch.tensor(table) if start else None))
+
+        nd = len(decodes)
+        block_tables = mask = None
+        if nd:
+            width = max(len(seq.block_table) for _, _, seq, _ in decodes)
+            block_tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
+                                         for _, _, seq, _ in decodes])
+            seq_lens = torch.tensor([seq.num_computed_tokens + 1 for _, _, seq, _ in decodes])
+            mask = (torch.arange(width * bs).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode_tokens=nd,
+                                 decode_block_tables=block_tables, decode_mask=mask,
+                                 prefills=chunks)
+
+        rows, params, gens, outs, prompts, stops, prompt_lp = [], [], [], [], [], [], []
+        for gi, sg in enumerate(out.scheduled_groups):
+            group, sp = sg.group, sg.group.sampling_params
+            stop_ids = frozenset() if sp.ignore_eos else self.eos_token_ids
+            for si, (seq, k) in enumerate(zip(sg.seqs, sg.num_samples)):
+                rows += [last_row[(gi, si)]] * k
+                params += [sp] * k
+                gens += [group.generator] * k
+                outs += [seq.output_token_ids] * k
+                prompts += [group.prompt_token_ids] * k
+                stops += [stop_ids | sp.all_stop_token_ids] * k
+            if sp.prompt_logprobs is not None and group.prompt_logprobs is None:
+                seq, n = sg.seqs[0], sg.num_new_tokens[0]
+                start = seq.num_computed_tokens
+                end = min(start + n, seq.num_prompt_tokens - 1)  # rows that predict a prompt token
+                if end > start:
+                    first = last_row[(gi, 0)] - n + 1
+                    prompt_lp.append(PromptLogprobsRequest(
+                        gi, slice(first, first + end - start), seq.token_ids[start + 1:end + 1]))
+        want_lp = [p.logprobs for p in params if p.logprobs is not None]
+        sampling = SamplingMetadata(params=params, generators=gens, output_token_ids=outs,
+                                    prompt_token_ids=prompts, stop_ids=stops,
+                                    all_greedy=all(p.greedy for p in params),
+                                    max_num_logprobs=max(want_lp, default=-1))
+        return ModelInput(torch.tensor(ids), torch.tensor(positions), meta, torch.tensor(rows),
+                          sampling, prompt_lp)
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput, kv_caches) -> ModelRunnerOutput:
+        inp = self.prepare_input(out)
+        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_metadata)
+        logits = self.model.compute_logits(hidden[inp.sample_rows])
+        sampled = self.sampler(logits, inp.sampling_metadata)
+        return ModelRunnerOutput(sampled, [self._prompt_logprobs(hidden, r, out)
+                                           for r in inp.prompt_logprobs])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, req: PromptLogprobsRequest,
+                         out: SchedulerOutput) -> PromptLogprobs:
+        k = out.scheduled_groups[req.group_index].group.sampling_params.prompt_logprobs
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[req.rows]), dim=-1)
+        targets = torch.tensor(req.target_ids).unsqueeze(1)
+        chosen = logprobs.gather(1, targets)
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        top = logprobs.topk(k, dim=-1) if k else None
+        return PromptLogprobs(req.group_index, req.target_ids, chosen.squeeze(1).tolist(),
+                              ranks.tolist(), top.indices.tolist() if top else [],
+                              top.values.tolist() if top else [])
