@@ -16,6 +16,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
+from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -109,8 +110,6 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"))
     }
     token_ids = {k: int(v) for k, v in token_ids.items() if v is not None}
-
-    from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
     config = LlamaConfig(
         architectures=["LlamaForCausalLM"],

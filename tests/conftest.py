@@ -1,0 +1,49 @@
+"""Shared fixtures: the default model through pagedlm and transformers, and tiny random models."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """The embedded SmolLM2 GGUF, converted to an HF-format dir (cached under ~/.cache/pagedlm)."""
+    from pagedlm.model_executor.model_loader.model_path import resolve_model
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_dir):
+    """transformers on the converted GGUF: the numerical reference. (test_model_loading checks
+    that the conversion is bit-identical to transformers' own, much slower, GGUF loading.)"""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+def make_tiny_model(root, arch: str, default_model_dir: str, **overrides) -> str:
+    """A random-weight model of `arch` saved as safetensors with the SmolLM2 tokenizer."""
+    from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, MistralConfig, MistralForCausalLM)
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    kwargs = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-6,
+                  # Larger weights give peaked logits, so greedy choices are not near-ties.
+                  initializer_range=0.3, tie_word_embeddings=False,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kwargs)).eval()
+    path = os.path.join(str(root), arch)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
