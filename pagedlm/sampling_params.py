@@ -35,7 +35,6 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     # Derived in __post_init__; not user settings.
@@ -45,8 +44,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Anything but None / a list / a tuple is left as is for _verify to reject by name.
+        if self.stop is None or isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -85,17 +87,17 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens}).")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop",
-              "must be a string or a list of non-empty strings")
-        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+              "stop", "must be a string or a list of non-empty strings")
+        check(isinstance(self.stop_token_ids, list)
+              and all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be a list of non-negative integers")
         check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", "must be an integer >= 0 or None")
         check(self.prompt_logprobs is None
               or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
               "prompt_logprobs", "must be an integer >= 0 or None")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
 
     @property

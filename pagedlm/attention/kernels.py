@@ -73,6 +73,7 @@ def _build(source: Path) -> Path:
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp makes it owner-only
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

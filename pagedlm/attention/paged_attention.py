@@ -9,11 +9,12 @@ reads the cache like a decode does.
 Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V.
 
 When the native kernel (``kernels.py``, C + OpenMP) is available and everything is float32, the
-rows that read the cache (decodes and prefill chunks with earlier context) go through it in one
-call per layer: it reads each sequence's K/V once, straight from the blocks, instead of gathering
-a padded copy for SDPA. The per-step index tensors it needs are built on first use and cached on
-the metadata object, so the layers of one step share them. The PyTorch code below stays as the
-fallback (``PAGEDLM_DISABLE_KERNELS=1``) and as the reference in the tests.
+rows that read the cache (decodes, and prefill chunks of at most KERNEL_MAX_CHUNK_TOKENS tokens
+with earlier context) go through it in one call per layer: it reads each sequence's K/V once,
+straight from the blocks, instead of gathering a padded copy for SDPA. The per-step index
+tensors it needs are built on first use and cached on the metadata object, so the layers of one
+step share them. The PyTorch code below stays as the fallback (``PAGEDLM_DISABLE_KERNELS=1``)
+and as the reference in the tests.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], int32 (best) or int64
     # [num_decodes, 1, 1, max_blocks * block_size], True=keep. May be None when decode_seq_lens
-    # is given: the PyTorch path then builds it (only that path needs it).
+    # is given: only the PyTorch path needs it, and builds it (once per step) if it runs.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     # [num_decodes] int32: keys each decode attends to (its position + 1, i.e. the sequence
@@ -80,13 +81,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     use_kernel = (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-                  and query.device.type == "cpu" and kernels.available())
+                  and query.device.type == "cpu" and k_cache.is_contiguous()
+                  and v_cache.is_contiguous() and kernels.available())
     if use_kernel:
         _kernel_attention(query, k_cache, v_cache, meta, scale, out)
     else:
         _torch_decode_attention(query, k_cache, v_cache, meta, scale, out)
     for p in meta.prefills:
-        if use_kernel and p.context_len > 0:
+        if use_kernel and _kernel_chunk(p):
             continue  # done by the kernel above
         q = query[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
         if p.context_len == 0:
@@ -107,6 +109,17 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
+# Longer chunks go to SDPA: the kernel handles each query token on its own (dot products),
+# which is faster for decodes and short chunks but loses to SDPA's blocked GEMMs from about 16
+# query tokens on (measured here, ctx 512-2048: 0.9 vs 0.8 ms at 16, 4.3 vs 2.1 ms at 64).
+KERNEL_MAX_CHUNK_TOKENS = 16
+
+
+def _kernel_chunk(p: PrefillChunk) -> bool:
+    """Whether the kernel computes this prefill chunk (it reads earlier context, and is short)."""
+    return p.context_len > 0 and p.end - p.start <= KERNEL_MAX_CHUNK_TOKENS
+
+
 def _torch_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
     """Decode rows through a gather of the whole padded context and SDPA."""
@@ -114,20 +127,23 @@ def _torch_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if not nd:
         return
     mask = meta.decode_mask
-    if mask is None:
+    if mask is None:  # built once per step, from decode_seq_lens
         width = meta.decode_block_tables.shape[1] * k_cache.shape[1]
         mask = torch.arange(width) < meta.decode_seq_lens.view(-1, 1)
-        mask = mask.view(nd, 1, 1, width)
+        mask = meta.decode_mask = mask.view(nd, 1, 1, width)
     q = query[:nd].unsqueeze(2)  # [B, Hq, 1, D]
-    k = _gather(k_cache, meta.decode_block_tables)
-    v = _gather(v_cache, meta.decode_block_tables)
+    # The cache is allocated uninitialised: zero the padding read here, or NaN bit patterns
+    # would survive the mask as 0 * NaN.
+    keep = mask.view(nd, 1, -1, 1)
+    k = _gather(k_cache, meta.decode_block_tables).where(keep, 0.0)
+    v = _gather(v_cache, meta.decode_block_tables).where(keep, 0.0)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[:nd] = o.squeeze(2)
 
 
 def _kernel_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Decode rows and prefill chunks with earlier context, through the native kernel."""
+    """Decode rows and short prefill chunks with earlier context, through the native kernel."""
     block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
     plan = meta._kernel_plan
     if plan is None or plan.key != (block_size, num_blocks):
@@ -158,7 +174,7 @@ def _build_kernel_plan(meta: AttentionMetadata, block_size: int, num_blocks: int
         segments.append((meta.decode_block_tables, seq_lens,
                          torch.arange(nd, dtype=torch.int32), seq_lens, (0, nd)))
     for p in meta.prefills:
-        if p.context_len > 0:  # one table row shared by the chunk's tokens
+        if _kernel_chunk(p):  # one table row shared by the chunk's tokens
             n = p.end - p.start
             total = p.context_len + n
             segments.append((p.block_table.reshape(1, -1), torch.tensor([total]),

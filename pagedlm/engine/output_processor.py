@@ -82,10 +82,13 @@ class OutputProcessor:
                     new_chars: int) -> SequenceStatus | None:
         params = group.sampling_params
         if seq.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED
-            if token_id in params.all_stop_token_ids:
-                seq.stop_reason = token_id
+            eos = not params.ignore_eos and token_id in self.eos_token_ids
+            if eos or token_id in params.all_stop_token_ids:
+                # As in vLLM, the stopping token's text is left out of the output.
+                if new_chars and not params.include_stop_str_in_output:
+                    seq.output_text = seq.output_text[:-new_chars]
+                if not eos:
+                    seq.stop_reason = token_id
                 return SequenceStatus.FINISHED_STOPPED
             if params.stop_strings and new_chars:
                 # Only where the new text could complete a stop string: matches that straddle
@@ -133,16 +136,24 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     if finished and group.metrics.finished_time is None:
         group.metrics.finished_time = time.time()
     delta = kind is RequestOutputKind.DELTA
+    params = group.sampling_params
+    # While a sequence runs, hold back the text a stop string could still claim (it would be
+    # cut from the final text), as vLLM does: streamed text is never taken back.
+    hold = (max(map(len, params.stop_strings)) - 1
+            if params.stop_strings and not params.include_stop_str_in_output else 0)
     completions = []
     for i, seq in enumerate(group.seqs):
         sent_tokens, sent_text = group.sent.get(seq.seq_id, (0, 0))
         token_ids = seq.output_token_ids
-        logprobs = seq.output_logprobs if group.sampling_params.logprobs is not None else None
-        text = seq.output_text
+        logprobs = seq.output_logprobs if params.logprobs is not None else None
+        text_end = len(seq.output_text)
+        if hold and not seq.status.finished:
+            text_end = max(sent_text, text_end - hold)
+        text = seq.output_text[:text_end]
         if delta:
             token_ids, text = token_ids[sent_tokens:], text[sent_text:]
             logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-            group.sent[seq.seq_id] = (seq.num_output_tokens, len(seq.output_text))
+            group.sent[seq.seq_id] = (seq.num_output_tokens, text_end)
         completions.append(CompletionOutput(
             index=i, text=text, token_ids=list(token_ids),
             cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,

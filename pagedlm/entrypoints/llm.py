@@ -40,6 +40,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict, or a list of them, got "
+                             f"{type(prompts).__name__}.")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

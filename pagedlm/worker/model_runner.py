@@ -81,16 +81,16 @@ class ModelRunner:
                                            torch.tensor(table) if start else None))
 
         nd = len(decodes)
-        block_tables = mask = None
+        block_tables = seq_lens = None
         if nd:
             width = max(len(seq.block_table) for _, _, seq, _ in decodes)
             block_tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
-                                         for _, _, seq, _ in decodes])
-            seq_lens = torch.tensor([seq.num_computed_tokens + 1 for _, _, seq, _ in decodes])
-            mask = (torch.arange(width * bs).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None]
+                                         for _, _, seq, _ in decodes], dtype=torch.int32)
+            seq_lens = torch.tensor([seq.num_computed_tokens + 1 for _, _, seq, _ in decodes],
+                                    dtype=torch.int32)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode_tokens=nd,
-                                 decode_block_tables=block_tables, decode_mask=mask,
-                                 prefills=chunks)
+                                 decode_block_tables=block_tables, decode_mask=None,
+                                 prefills=chunks, decode_seq_lens=seq_lens)
 
         rows, params, gens, outs, prompts, stops, prompt_lp = [], [], [], [], [], [], []
         for gi, sg in enumerate(out.scheduled_groups):

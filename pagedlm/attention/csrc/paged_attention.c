@@ -8,36 +8,79 @@
  *
  * One work item = one (token, kv head) pair. Its G = num_q_heads / num_kv_heads query heads
  * are processed together so every K/V row is read from memory once. Softmax is computed
- * online (streaming), one tile of whole blocks at a time. No -ffast-math: the only reordering
- * is the one `omp simd reduction` allows inside a dot product.
+ * online (streaming), one tile of whole blocks at a time, while the next tile is prefetched.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
-#define TILE_KEYS 64 /* keys scored per online-softmax step (rounded to whole blocks) */
+#define TILE_KEYS 32 /* keys scored per online-softmax step (rounded to whole blocks) */
+#define ROWS_PER_THREAD 2048 /* K/V rows (x kv heads) below which another thread costs more */
 
-static void attend_one(float* out, const float* query, const float* k_cache,
-                       const float* v_cache, const int32_t* blocks, int ctx_len, int kvh, int G,
-                       int D, int num_kv_heads, int block_size, int blocks_per_tile, float scale,
-                       float* q, float* acc, float* s, float* m, float* l) {
-    const size_t row_stride = (size_t)num_kv_heads * D; /* between slots of a block */
-    const size_t block_stride = (size_t)block_size * row_stride;
-    const int tile = blocks_per_tile * block_size;
+/* Allow reassociation only, so dot products and sums use vector (tree) reductions. Not
+ * -ffast-math: no finite-math, flush-to-zero or approximate-reciprocal assumptions. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define REASSOC __attribute__((optimize("associative-math", "no-signed-zeros", "no-trapping-math")))
+#else
+#define REASSOC
+#endif
 
-    for (int g = 0; g < G; g++) {
-        for (int d = 0; d < D; d++) q[g * D + d] = query[(size_t)g * D + d] * scale;
-        for (int d = 0; d < D; d++) acc[g * D + d] = 0.0f;
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
+/* exp(x) for x <= 0 that vectorizes (Cephes polynomial, relative error < 1e-7); inputs below
+ * -87 (including -inf) give ~1.6e-38 instead of 0, which is harmless here. */
+REASSOC static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504f + 0.5f); /* x = n ln2 + r, |r| <= ln2 / 2 */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n */
+    float pow2n;
+    memcpy(&pow2n, &bits, sizeof pow2n);
+    return p * pow2n;
+}
+
+/* Offsets of the K/V rows of the tile starting at position `start`; returns how many. */
+static int tile_rows(size_t* rows, const int32_t* blocks, int start, int ctx_len, int tile,
+                     int block_size, size_t row_stride, size_t head_off) {
+    const int n = ctx_len - start < tile ? ctx_len - start : tile;
+    for (int j = 0; j < n; j++)
+        rows[j] = ((size_t)blocks[(start + j) / block_size] * block_size +
+                   (start + j) % block_size) * row_stride + head_off;
+    return n > 0 ? n : 0;
+}
+
+/* One (token, kv head): out[g] = softmax(scale * q[g] K^T) V for its G query heads.
+ * Scratch: q, acc [G * D]; s [G * tile]; m, l [G]; rows [2 * tile]. */
+REASSOC static void attend_one(float* out, const float* query, const float* k_cache,
+                               const float* v_cache, const int32_t* blocks, int ctx_len,
+                               int kvh, int G, int D, int num_kv_heads, int block_size,
+                               int tile, float scale, float* q, float* acc, float* s, float* m,
+                               float* l, size_t* rows) {
+    const size_t row_stride = (size_t)num_kv_heads * D, head_off = (size_t)kvh * D;
+    for (int i = 0; i < G * D; i++) q[i] = query[i] * scale;
+    for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
+    for (int g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+
+    size_t *cur = rows, *next = rows + tile; /* row offsets of this tile and the next */
+    tile_rows(cur, blocks, 0, ctx_len, tile, block_size, row_stride, head_off);
     for (int start = 0; start < ctx_len; start += tile) {
         const int n = ctx_len - start < tile ? ctx_len - start : tile;
-        /* Scores s[g * tile + j] = q_g . k_{start + j}. */
+        const int n_next = tile_rows(next, blocks, start + tile, ctx_len, tile, block_size,
+                                     row_stride, head_off);
+        for (int j = 0; j < n_next; j++) /* one per 64-byte line, into L2 (L1 is slower) */
+            for (int d = 0; d < D; d += 16) {
+                __builtin_prefetch(k_cache + next[j] + d, 0, 2);
+                __builtin_prefetch(v_cache + next[j] + d, 0, 2);
+            }
+        /* Scores s[g * tile + j] = q_g . k_j (scale already in q). */
         for (int j = 0; j < n; j++) {
-            const int p = start + j;
-            const float* k = k_cache + (size_t)blocks[p / block_size] * block_stride +
-                             (size_t)(p % block_size) * row_stride + (size_t)kvh * D;
+            const float* k = k_cache + cur[j];
             for (int g = 0; g < G; g++) {
                 const float* qg = q + g * D;
                 float dot = 0.0f;
@@ -48,39 +91,38 @@ static void attend_one(float* out, const float* query, const float* k_cache,
         }
         /* Online softmax: rescale the running sums to the new max, turn scores into weights. */
         for (int g = 0; g < G; g++) {
-            float* sg = s + g * tile;
-            float mx = m[g];
+            float *sg = s + g * tile, mx = m[g], sum = 0.0f;
             for (int j = 0; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
-            const float alpha = expf(m[g] - mx); /* exp(-inf) = 0 on the first tile */
-            float sum = 0.0f;
+            const float alpha = exp_neg(m[g] - mx); /* ~0 on the first tile */
+#pragma omp simd reduction(+ : sum)
             for (int j = 0; j < n; j++) {
-                sg[j] = expf(sg[j] - mx);
+                sg[j] = exp_neg(sg[j] - mx);
                 sum += sg[j];
             }
             l[g] = l[g] * alpha + sum;
             m[g] = mx;
-            if (alpha != 1.0f) {
-                float* ag = acc + g * D;
-#pragma omp simd
-                for (int d = 0; d < D; d++) ag[d] *= alpha;
-            }
+            for (int d = 0; d < D; d++) acc[g * D + d] *= alpha;
         }
-        /* acc_g += sum_j w_gj * v_j, reading each V row once for all G heads. */
-        for (int j = 0; j < n; j++) {
-            const int p = start + j;
-            const float* v = v_cache + (size_t)blocks[p / block_size] * block_stride +
-                             (size_t)(p % block_size) * row_stride + (size_t)kvh * D;
+        /* acc_g += sum_j w_gj v_j, four V rows per pass over the accumulators. */
+        for (int j = 0; j < n; j += 4) {
+            const int r = n - j < 4 ? n - j : 4;
+            const float* v[4];
+            for (int i = 0; i < 4; i++) v[i] = v_cache + cur[j + (i < r ? i : 0)];
             for (int g = 0; g < G; g++) {
-                float* ag = acc + g * D;
-                const float w = s[g * tile + j];
+                float w[4], *ag = acc + g * D;
+                for (int i = 0; i < 4; i++) w[i] = i < r ? s[g * tile + j + i] : 0.0f;
 #pragma omp simd
-                for (int d = 0; d < D; d++) ag[d] += w * v[d];
+                for (int d = 0; d < D; d++)
+                    ag[d] += (w[0] * v[0][d] + w[1] * v[1][d]) + (w[2] * v[2][d] + w[3] * v[3][d]);
             }
         }
+        size_t* t = cur; /* the next tile's offsets become current */
+        cur = next;
+        next = t;
     }
     for (int g = 0; g < G; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* ctx_len == 0 -> zeros */
-        for (int d = 0; d < D; d++) out[(size_t)g * D + d] = acc[g * D + d] * inv;
+        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
     }
 }
 
@@ -90,15 +132,18 @@ void paged_attention_f32(float* out, const float* query, const float* k_cache,
                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                          int max_blocks_per_seq, float scale, int num_threads) {
     const int G = num_q_heads / num_kv_heads;
-    const int blocks_per_tile = block_size >= TILE_KEYS ? 1 : TILE_KEYS / block_size;
-    const int tile = blocks_per_tile * block_size;
+    const int tile = block_size >= TILE_KEYS ? block_size : TILE_KEYS / block_size * block_size;
     const long num_items = (long)num_tokens * num_kv_heads;
-    if (num_threads <= 0) num_threads = 1;
+    long work = 0; /* K/V rows to read, to keep small calls on few threads */
+    for (int t = 0; t < num_tokens; t++) work += token_ctx_len[t];
+    work *= num_kv_heads;
+    if ((long)num_threads * ROWS_PER_THREAD > work) num_threads = (int)(work / ROWS_PER_THREAD);
+    if (num_threads > num_items) num_threads = (int)num_items;
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-        /* Per-thread scratch: scaled queries, accumulators, scores, running max and sum. */
-        float buf[(size_t)G * (2 * head_dim + tile + 2)];
+        float buf[(size_t)G * (2 * head_dim + tile + 2)]; /* per-thread scratch */
+        size_t rows[2 * tile];
         float *q = buf, *acc = q + (size_t)G * head_dim, *s = acc + (size_t)G * head_dim;
         float *m = s + (size_t)G * tile, *l = m + G;
 #pragma omp for schedule(dynamic, 1)
@@ -107,8 +152,8 @@ void paged_attention_f32(float* out, const float* query, const float* k_cache,
             const size_t off = ((size_t)t * num_q_heads + (size_t)kvh * G) * head_dim;
             attend_one(out + off, query + off, k_cache, v_cache,
                        block_tables + (size_t)token_seq[t] * max_blocks_per_seq,
-                       token_ctx_len[t], kvh, G, head_dim, num_kv_heads, block_size,
-                       blocks_per_tile, scale, q, acc, s, m, l);
+                       token_ctx_len[t], kvh, G, head_dim, num_kv_heads, block_size, tile,
+                       scale, q, acc, s, m, l, rows);
         }
     }
 }

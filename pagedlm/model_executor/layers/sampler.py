@@ -66,17 +66,19 @@ class Sampler(torch.nn.Module):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         probs = logits.softmax(dim=-1)
-        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p; seeded rows draw their
-        # noise from their own generator so the result does not depend on the batch.
-        noise = torch.empty_like(probs)
+        # Inverse-CDF sampling: one uniform draw per row. Seeded rows draw from their own
+        # generator, so their result does not depend on what else is in the batch.
+        u = torch.empty(len(params), dtype=probs.dtype)
         unseeded = [i for i, g in enumerate(meta.generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
-                generator=self.generator)
+            u[unseeded] = torch.rand(len(unseeded), generator=self.generator, dtype=probs.dtype)
         for i, g in enumerate(meta.generators):
             if g is not None:
-                noise[i].exponential_(generator=g)
-        random_tokens = (probs / noise).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=g, dtype=probs.dtype)[0]
+        cdf = probs.cumsum(dim=-1)
+        # Zero-probability tokens have a flat CDF step, so `right=True` never lands on them.
+        random_tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)
+        random_tokens = random_tokens.squeeze(1).clamp_(max=probs.shape[1] - 1)
         return torch.where(greedy, greedy_tokens, random_tokens)
 
 

@@ -1,0 +1,219 @@
+"""Offline throughput benchmark for pagedlm, modelled on vLLM's benchmark_throughput.
+
+Random-token prompts with fixed (or uniformly drawn) input/output lengths, all
+submitted to ``LLM.generate`` at once.  With ``--baseline hf`` the same requests
+are also run through plain transformers ``generate`` (static batches, left
+padding), so the two can be compared in one invocation.
+
+Acceptance workload:
+    python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 \
+        --output-len 16:256 --baseline hf
+"""
+import argparse
+import gc
+import json
+import os
+import random
+import shlex
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+# Make `python benchmarks/throughput.py` work from a plain checkout (no pip install).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pagedlm import LLM, SamplingParams  # noqa: E402
+from pagedlm.model_executor.model_loader.model_path import default_model_file  # noqa: E402
+
+
+def parse_len(text):
+    """'N' -> (N, N); 'LO:HI' -> (LO, HI), inclusive."""
+    lo, _, hi = text.partition(":")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"bad length {text!r}: need 1 <= LO <= HI")
+    return lo, hi
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file or HF dir (default: embedded SmolLM2-135M)")
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=parse_len, default=(128, 128), help="N or LO:HI")
+    p.add_argument("--output-len", type=parse_len, default=(128, 128), help="N or LO:HI")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for both runs (default: torch's choice)")
+    p.add_argument("--output-json", default=None, help="write config and all figures here")
+    p.add_argument("--no-tqdm", action="store_true")
+    return p.parse_args()
+
+
+def hf_location(model_path):
+    """(dir, gguf_file or None) in the form from_pretrained wants."""
+    if os.path.isfile(model_path):
+        return os.path.dirname(os.path.abspath(model_path)), os.path.basename(model_path)
+    return model_path, None
+
+
+def make_requests(tokenizer, args):
+    """[(prompt_token_ids, output_len)], reproducible for a given --seed."""
+    rng = random.Random(args.seed)
+    # Special tokens (BOS/EOS/chat markers) would change model behaviour; draw only ordinary ones.
+    special = set(tokenizer.all_special_ids)
+    vocab = sorted(set(tokenizer.get_vocab().values()) - special)
+    requests = []
+    for _ in range(args.num_prompts):
+        in_len = rng.randint(*args.input_len)
+        out_len = rng.randint(*args.output_len)
+        requests.append(([rng.choice(vocab) for _ in range(in_len)], out_len))
+    return requests
+
+
+def figures(requests, elapsed, load_s):
+    """Throughput figures; each request counts its prompt once and only the output it asked for."""
+    prompt_toks = sum(len(p) for p, _ in requests)
+    output_toks = sum(n for _, n in requests)
+    return {
+        "load_s": round(load_s, 3),
+        "elapsed_s": round(elapsed, 3),
+        "num_requests": len(requests),
+        "prompt_tokens": prompt_toks,
+        "output_tokens": output_toks,
+        "requests_per_s": len(requests) / elapsed,
+        "total_tokens_per_s": (prompt_toks + output_toks) / elapsed,
+        "output_tokens_per_s": output_toks / elapsed,
+    }
+
+
+def run_pagedlm(requests, args, model_file):
+    engine_kwargs = {k: v for k, v in {
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }.items() if v is not None}
+    start = time.perf_counter()
+    llm = LLM(model=model_file, seed=args.seed, **engine_kwargs)
+    load_s = time.perf_counter() - start
+
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    # temperature=1.0 (random sampling) as in vLLM's benchmark; ignore_eos pins the output length.
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True)
+              for _, n in requests]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    elapsed = time.perf_counter() - start
+
+    assert len(outs) == len(requests), (len(outs), len(requests))
+    for out, (prompt, n) in zip(outs, requests):
+        assert list(out.prompt_token_ids) == prompt, "outputs not in input order"
+        got = len(out.outputs[0].token_ids)
+        assert got == n, f"pagedlm produced {got} tokens, asked for {n}"
+    st = llm.llm_engine.stats
+    print(f"pagedlm step breakdown: {st.num_steps} steps, {st.step_time:.1f}s in step(): "
+          f"model (input prep + forward + sampling) {st.model_time:.1f}s "
+          f"({100 * st.model_time / max(st.step_time, 1e-9):.0f}%), scheduler + output "
+          f"processing {st.step_time - st.model_time:.1f}s; "
+          f"{st.num_preemptions} preemptions")
+    del llm
+    gc.collect()  # free the engine's KV cache before the baseline loads its own model
+    return figures(requests, elapsed, load_s)
+
+
+def run_hf(requests, args, model_file, tokenizer):
+    """Plain transformers: fp32 model, static batches in arrival order, left padding."""
+    model_dir, gguf = hf_location(model_file)
+    extra = {"gguf_file": gguf} if gguf else {}
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
+    load_s = time.perf_counter() - start
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    torch.manual_seed(args.seed)
+    bs = args.hf_batch_size
+    num_batches = (len(requests) + bs - 1) // bs
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for b in range(num_batches):
+            batch = requests[b * bs:(b + 1) * bs]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, (p, _) in enumerate(batch):
+                ids[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            # A static batch runs until its longest request is done; min_new_tokens stops
+            # EOS from ending any row early, so every request gets at least what it asked.
+            n_new = max(n for _, n in batch)
+            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0, max_new_tokens=n_new,
+                                 min_new_tokens=n_new, pad_token_id=pad_id)
+            assert out.shape[1] - width >= n_new, (out.shape, width, n_new)
+            if not args.no_tqdm:
+                print(f"  hf batch {b + 1}/{num_batches}: {len(batch)} reqs, pad width {width}, "
+                      f"{n_new} new tokens, {time.perf_counter() - start:.1f}s", flush=True)
+    elapsed = time.perf_counter() - start
+    return figures(requests, elapsed, load_s)
+
+
+def report(name, fig):
+    print(f"[{name}] load {fig['load_s']:.2f}s (not timed) | elapsed {fig['elapsed_s']:.2f}s | "
+          f"{fig['num_requests']} reqs, {fig['prompt_tokens']} prompt + "
+          f"{fig['output_tokens']} output tokens")
+    print(f"[{name}] {fig['requests_per_s']:.2f} requests/s, "
+          f"{fig['total_tokens_per_s']:.1f} total tokens/s, "
+          f"{fig['output_tokens_per_s']:.1f} output tokens/s", flush=True)
+
+
+def main():
+    args = parse_args()
+    model_file = args.model or default_model_file()
+    if args.threads:
+        # On a shared/oversubscribed box, torch's default (one thread per core) can spin and
+        # run several times slower than fewer threads; pin it for both engines alike.
+        torch.set_num_threads(args.threads)
+    config = {k: (f"{v[0]}:{v[1]}" if isinstance(v, tuple) else v) for k, v in vars(args).items()}
+    # Load average is recorded because CPU figures are meaningless on a busy machine.
+    config.update(model=model_file, torch=torch.__version__,
+                  torch_threads=torch.get_num_threads(), cpus=os.cpu_count(),
+                  loadavg_1m=round(os.getloadavg()[0], 2))
+    print("command:", shlex.join(["python"] + sys.argv))
+    print("config:", json.dumps(config))
+
+    # Requests are built from the model's own tokenizer, independent of either engine
+    # (the HF baseline reuses it: GGUF tokenizer conversion takes several seconds).
+    model_dir, gguf = hf_location(model_file)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"gguf_file": gguf} if gguf else {}))
+    requests = make_requests(tokenizer, args)
+
+    results = {"pagedlm": run_pagedlm(requests, args, model_file)}
+    report("pagedlm", results["pagedlm"])
+    if args.baseline == "hf":
+        results["hf"] = run_hf(requests, args, model_file, tokenizer)
+        report("pagedlm", results["pagedlm"])  # repeated so both sit together at the end
+        report("hf", results["hf"])
+        ratios = {}
+        for key, label in [("requests_per_s", "requests/s"),
+                           ("total_tokens_per_s", "total tokens/s"),
+                           ("output_tokens_per_s", "output tokens/s")]:
+            ratios[key] = results["pagedlm"][key] / results["hf"][key]
+            print(f"{label} ratio (pagedlm / hf): {ratios[key]:.2f}x")
+        results["ratios_pagedlm_over_hf"] = ratios
+
+    if args.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+        with open(args.output_json, "w") as f:
+            json.dump({"command": shlex.join(["python"] + sys.argv), "config": config,
+                       "results": results}, f, indent=2)
+        print("wrote", args.output_json)
+
+
+if __name__ == "__main__":
+    main()
