@@ -8,7 +8,7 @@ from pagedlm import LLM, SamplingParams
 from tests.conftest import make_tiny_model
 
 PROMPTS = [
-    "The capital of France is",
+    "The capital of France is a city that",
     "def fibonacci(n):",
     "Once upon a time, in a small village,",
     "1, 2, 3, 4,",
@@ -43,6 +43,8 @@ def test_default_model_greedy_matches_transformers(llm, hf_default_model):
         ids = tok.encode(prompt)
         assert out.prompt_token_ids == ids
         expected = hf_greedy(hf_default_model, tok, ids, NUM_TOKENS, ignore_eos=False)
+        # Completion prompts: no early EOS, so every prompt compares all NUM_TOKENS tokens.
+        assert len(expected) == NUM_TOKENS
         assert out.outputs[0].token_ids == expected, prompt
         assert out.outputs[0].text == tok.decode(expected, skip_special_tokens=True)
 

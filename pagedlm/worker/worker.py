@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from pagedlm.attention import kernels
 from pagedlm.config import CacheConfig, ModelConfig
 from pagedlm.core.scheduler import SchedulerOutput
 from pagedlm.model_executor.model_loader.loader import get_model
@@ -25,6 +26,9 @@ class Worker:
         t = time.perf_counter()
         self.model = get_model(model_config)
         logger.info("model weights loaded in %.2fs", time.perf_counter() - t)
+        # Build (first run only) and load the native attention kernel now rather than in the
+        # middle of the first request; without a compiler this warns and falls back.
+        kernels.available()
         self.runner = ModelRunner(model_config, self.model, cache_config.block_size, eos_token_ids)
         self.cache_engine: CacheEngine | None = None
 

@@ -44,4 +44,5 @@ def get_model(config: ModelConfig) -> torch.nn.Module:
                                  config.rope_scaling)
             module.cos, module.sin = fresh.cos, fresh.sin
     model.load_weights(iterate_safetensors(config.model_dir))
+    model.process_weights_after_loading()
     return model.eval().requires_grad_(False)

@@ -14,7 +14,7 @@ from pagedlm.attention.paged_attention import AttentionMetadata, paged_attention
 from pagedlm.config import ModelConfig
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
-from pagedlm.model_executor.layers.linear import StackedLinear
+from pagedlm.model_executor.layers.linear import Linear, StackedLinear
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -31,8 +31,8 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = StackedLinear(hf["hidden_size"], {"q": q_size, "k": kv_size, "v": kv_size},
                                       bias=bias)
-        self.o_proj = nn.Linear(q_size, hf["hidden_size"], bias=bool(hf.get("attention_bias", False))
-                                and cfg.architecture != "Qwen2ForCausalLM")
+        self.o_proj = Linear(q_size, hf["hidden_size"], bias=bool(hf.get("attention_bias", False))
+                             and cfg.architecture != "Qwen2ForCausalLM")
         self.rotary = rotary
         self.split = (q_size, kv_size, kv_size)
         self.scale = self.head_dim ** -0.5
@@ -55,7 +55,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = StackedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias)
         self.act = SiluAndMul()
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -99,8 +99,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hf["hidden_size"], hf["vocab_size"], bias=False)
+        self.lm_head = Linear(hf["hidden_size"], hf["vocab_size"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -112,10 +111,16 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.tie_word_embeddings:  # re-tie: materialising meta tensors unties them
+            self.lm_head.weight = self.embed_tokens.weight
         params = dict(self.named_parameters())
         loaded: dict[str, set[str]] = {}
         for name, tensor in weights:
