@@ -117,11 +117,7 @@ def run_pagedlm(requests, args, model_file):
         got = len(out.outputs[0].token_ids)
         assert got == n, f"pagedlm produced {got} tokens, asked for {n}"
     st = llm.llm_engine.stats
-    print(f"pagedlm step breakdown: {st.num_steps} steps, {st.step_time:.1f}s in step(): "
-          f"model (input prep + forward + sampling) {st.model_time:.1f}s "
-          f"({100 * st.model_time / max(st.step_time, 1e-9):.0f}%), scheduler + output "
-          f"processing {st.step_time - st.model_time:.1f}s; "
-          f"{st.num_preemptions} preemptions")
+    print(f"pagedlm step breakdown: {st.breakdown()}; {st.num_preemptions} preemptions")
     del llm
     gc.collect()  # free the engine's KV cache before the baseline loads its own model
     return figures(requests, elapsed, load_s)

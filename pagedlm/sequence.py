@@ -106,8 +106,3 @@ class SequenceGroup:
     def max_num_seqs(self) -> int:
         """Sequences this group will run at once, reserved against max_num_seqs at admission."""
         return self.sampling_params.n if len(self.seqs) == 1 else len(self.unfinished_seqs())
-
-    @property
-    def is_prefill(self) -> bool:
-        return any(s.num_uncomputed_tokens > 1 or s.num_computed_tokens == 0
-                   for s in self.unfinished_seqs())

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch
 
+from pagedlm.model_executor.model_loader.model_path import cache_root
+from pagedlm.utils import env_flag
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
@@ -33,13 +36,11 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
 def kernels_disabled() -> bool:
-    return os.environ.get("PAGEDLM_DISABLE_KERNELS", "").strip().lower() not in (
-        "", "0", "false", "no", "off")
+    return env_flag("PAGEDLM_DISABLE_KERNELS")
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLM_CACHE_DIR") or os.path.join("~", ".cache", "pagedlm")
-    return Path(root).expanduser() / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_signature() -> str:

@@ -6,6 +6,7 @@ blocks; a shared block is copied before it is written to (copy-on-write).
 from __future__ import annotations
 
 from pagedlm.sequence import Sequence
+from pagedlm.utils import cdiv
 
 
 class BlockManager:
@@ -41,7 +42,7 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to take for the next num_new_tokens, counting a copy-on-write."""
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         needed = max(0, total - len(seq.block_table))
         if self._shared_write_block(seq) is not None:
             needed += 1
@@ -68,7 +69,7 @@ class BlockManager:
             self._release(src)
             seq.block_table[idx] = dst
             copies.append((src, dst))
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         while len(seq.block_table) < total:
             seq.block_table.append(self._take())
         return copies

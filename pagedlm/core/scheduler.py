@@ -38,9 +38,6 @@ class SchedulerOutput:
     num_prefill_groups: int
     num_batched_tokens: int
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    ignored_groups: list[SequenceGroup] = field(default_factory=list)
     preempted: int = 0
     running_queue_size: int = 0
     waiting_queue_size: int = 0

@@ -36,7 +36,19 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     step_time: float = 0.0  # whole step() wall time
-    model_time: float = 0.0  # time inside the executor (input prep, forward, sampling)
+    model_time: float = 0.0  # inside the executor: the three below plus block copies
+    prepare_time: float = 0.0  # building the flat batch
+    forward_time: float = 0.0  # model forward and logits
+    sample_time: float = 0.0  # sampler
+
+    def breakdown(self) -> str:
+        rest = self.step_time - self.model_time
+        parts = [("forward", self.forward_time), ("sampling", self.sample_time),
+                 ("input prep", self.prepare_time),
+                 ("scheduler + output processing", rest)]
+        total = self.step_time or 1e-9
+        return (f"{self.num_steps} steps, {self.step_time:.1f}s: " + ", ".join(
+            f"{name} {t:.1f}s ({100 * t / total:.1f}%)" for name, t in parts))
 
 
 class LLMEngine:
@@ -131,5 +143,8 @@ class LLMEngine:
             if sg.group.is_finished():
                 self.requests.pop(sg.group.request_id, None)
         st.model_time += t2 - t1
+        st.prepare_time += result.timings.prepare_s
+        st.forward_time += result.timings.forward_s
+        st.sample_time += result.timings.sample_s
         st.step_time += time.perf_counter() - t0
         return outputs

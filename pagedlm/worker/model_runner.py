@@ -1,6 +1,7 @@
 """The ModelRunner: SchedulerOutput -> one flat batch -> model forward -> sampled tokens."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +40,17 @@ class PromptLogprobs:
 
 
 @dataclass
+class StepTimings:
+    prepare_s: float  # building the flat batch
+    forward_s: float  # model forward and logits
+    sample_s: float  # sampler and prompt logprobs
+
+
+@dataclass
 class ModelRunnerOutput:
     sampler_output: SamplerOutput
     prompt_logprobs: list[PromptLogprobs]
+    timings: StepTimings
 
 
 class ModelRunner:
@@ -121,12 +130,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput, kv_caches) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
         inp = self.prepare_input(out)
+        t1 = time.perf_counter()
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_metadata)
         logits = self.model.compute_logits(hidden[inp.sample_rows])
+        t2 = time.perf_counter()
         sampled = self.sampler(logits, inp.sampling_metadata)
-        return ModelRunnerOutput(sampled, [self._prompt_logprobs(hidden, r, out)
-                                           for r in inp.prompt_logprobs])
+        prompt_logprobs = [self._prompt_logprobs(hidden, r, out) for r in inp.prompt_logprobs]
+        return ModelRunnerOutput(sampled, prompt_logprobs,
+                                 StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: PromptLogprobsRequest,
                          out: SchedulerOutput) -> PromptLogprobs:

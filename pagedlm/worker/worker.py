@@ -4,13 +4,11 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from pagedlm.attention import kernels
 from pagedlm.config import CacheConfig, ModelConfig
 from pagedlm.core.scheduler import SchedulerOutput
 from pagedlm.model_executor.model_loader.loader import get_model
-from pagedlm.utils import available_memory_bytes
+from pagedlm.utils import available_memory_bytes, cdiv
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagedlm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -41,7 +39,7 @@ class Worker:
             return cc.kv_cache_memory_bytes // per_block
         # A share of the memory free now, but no more than the longest possible batch needs.
         budget = int(available_memory_bytes() * cc.gpu_memory_utilization)
-        return min(budget // per_block, -(-max_tokens_needed // cc.block_size))
+        return min(budget // per_block, cdiv(max_tokens_needed, cc.block_size))
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_blocks
