@@ -32,12 +32,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict | None = None) -> None:
         super().__init__()
-        inv_freq = _inv_freq(head_dim, base, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        # cos/sin tables looked up by position: one gather per step instead of trig per token.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Computed on the CPU even when the model is built on the meta device, and kept as
+        # plain attributes (not buffers) so materialising the model leaves them alone.
+        with torch.device("cpu"):
+            inv_freq = _inv_freq(head_dim, base, scaling)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            # Tables looked up by position: one gather per step instead of trig per token.
+            self.cos, self.sin = freqs.cos(), freqs.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,12 +37,6 @@ def get_model(config: ModelConfig) -> torch.nn.Module:
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device="cpu")
-    # Buffers (rope tables) are computed, not loaded: rebuild them after to_empty.
-    for name, module in model.named_modules():
-        if hasattr(module, "cos"):
-            fresh = type(module)(config.head_dim, module.cos.shape[0], config.rope_theta,
-                                 config.rope_scaling)
-            module.cos, module.sin = fresh.cos, fresh.sin
     model.load_weights(iterate_safetensors(config.model_dir))
     model.process_weights_after_loading()
     return model.eval().requires_grad_(False)

@@ -16,6 +16,7 @@ from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.linear import Linear, StackedLinear
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedlm.model_executor.layers.vocab_embedding import VocabEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -93,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         self.config = cfg
-        self.embed_tokens = nn.Embedding(hf["vocab_size"], hf["hidden_size"])
+        self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
         rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, hf.get("max_position_embeddings", 0)),
                                  cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
