@@ -5,6 +5,7 @@ plus an independent dense re-computation that does not touch block tables at all
 shared by both paged paths (e.g. in the block-table convention) is caught too.
 """
 import math
+import shutil
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 from pagedlm.attention import kernels
 from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk, paged_attention
 
-needs_kernel = pytest.mark.skipif(not kernels.available(), reason="native kernel unavailable")
+# The kernel is optional only where there is no C compiler; with one, a failed build must fail.
+needs_kernel = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
 TOL = 2e-5
 
 
@@ -166,8 +168,8 @@ def test_torch_fallback_matches_dense(decode_lens, chunks, monkeypatch):
     (True, False, False), (False, True, True), (True, True, True)])
 def test_metadata_variants(disable, with_mask, with_seq_lens, int32_tables, monkeypatch):
     """decode_mask / decode_seq_lens are each optional, block tables may be int32."""
-    if not disable and not kernels.available():
-        pytest.skip("native kernel unavailable")
+    if not disable and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
     sc = _scenario(3, [7, 70, 16, 1], [(20, 4)], 2, 4, 64, with_mask=with_mask,
                    with_seq_lens=with_seq_lens, int32_tables=int32_tables)
     out = _run(sc, disable=disable, monkeypatch=monkeypatch)
