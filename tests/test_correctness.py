@@ -130,3 +130,33 @@ def test_all_blocks_free_after_finish_and_abort(llm):
     assert bm.num_free_blocks == bm.num_blocks
     assert all(c == 0 for c in bm.ref_counts)
     assert not engine.requests
+
+
+def test_request_outgrowing_the_whole_cache_finishes_instead_of_hanging():
+    # Two blocks hold 32 tokens; this request wants ~10 + 100. Once it has filled the cache it
+    # cannot be run or re-admitted, so it must end ("length") with what it has, not wait forever.
+    small = LLM(num_gpu_blocks_override=2)
+    engine = small.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    engine.add_request("big", "The capital of France is", params)
+    engine.add_request("small", "Hi", SamplingParams(temperature=0, max_tokens=4))
+    finished = {}
+    for _ in range(300):  # bounded: a regression fails here instead of hanging the suite
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finished) == {"big", "small"}
+    big = finished["big"].outputs[0]
+    assert big.finish_reason == "length"
+    assert 0 < len(big.token_ids) < 100
+    assert len(finished["big"].prompt_token_ids) + len(big.token_ids) <= 2 * 16 + 1
+    assert len(finished["small"].outputs[0].token_ids) == 4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.requests
+
+
+def test_n_larger_than_max_num_seqs_is_rejected():
+    small = LLM(num_gpu_blocks_override=8, max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"\bn\b.*max_num_seqs"):
+        small.generate("Hi", SamplingParams(n=5), use_tqdm=False)
+    assert not small.llm_engine.has_unfinished_requests()

@@ -38,13 +38,15 @@ class SchedulerOutput:
     num_prefill_groups: int
     num_batched_tokens: int
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Groups that can never be scheduled (they outgrew the whole cache or budget): finished.
+    ignored_groups: list[SequenceGroup] = field(default_factory=list)
     preempted: int = 0
     running_queue_size: int = 0
     waiting_queue_size: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled_groups
+        return not self.scheduled_groups and not self.ignored_groups
 
 
 class Scheduler:
@@ -103,13 +105,22 @@ class Scheduler:
 
         # 2. Admit waiting groups in order, unless we just had to preempt (no room to grow).
         num_prefill_groups = 0
+        ignored: list[SequenceGroup] = []
         while self.waiting and not preempted:
             group = self.waiting[0]
             seqs = group.unfinished_seqs()
             tokens = [s.num_uncomputed_tokens for s in seqs]
+            blocks = sum(self.block_manager.blocks_needed(s, n) for s, n in zip(seqs, tokens))
+            if not self._can_ever_fit(sum(tokens), blocks):
+                # Waiting would be forever (a sequence grew past the whole cache, say):
+                # finish it with what it has, as the seeds' ignored_seq_groups.
+                self.waiting.popleft()
+                for s in seqs:
+                    s.status = SequenceStatus.FINISHED_LENGTH
+                ignored.append(group)
+                continue
             if sum(tokens) > budget or num_seqs + group.max_num_seqs > self.config.max_num_seqs:
                 break
-            blocks = sum(self.block_manager.blocks_needed(s, n) for s, n in zip(seqs, tokens))
             if not self.block_manager.can_allocate(blocks, admission=True):
                 break
             self.waiting.popleft()
@@ -126,8 +137,13 @@ class Scheduler:
         return SchedulerOutput(
             scheduled_groups=scheduled, num_prefill_groups=num_prefill_groups,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            blocks_to_copy=copies, preempted=preempted,
+            blocks_to_copy=copies, ignored_groups=ignored, preempted=preempted,
             running_queue_size=len(self.running), waiting_queue_size=len(self.waiting))
+
+    def _can_ever_fit(self, num_tokens: int, num_blocks: int) -> bool:
+        bm = self.block_manager
+        return (num_tokens <= self.config.max_num_batched_tokens
+                and num_blocks <= bm.num_blocks - bm.watermark_blocks)
 
     def _preempt(self, group: SequenceGroup) -> None:
         """Recompute preemption: drop the group's KV and queue it to be prefilled again."""

@@ -15,9 +15,9 @@ import torch
 
 from pagedlm.config import EngineConfig
 from pagedlm.core.block_manager import BlockManager
-from pagedlm.core.scheduler import Scheduler
+from pagedlm.core.scheduler import Scheduler, SchedulerOutput
 from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.engine.output_processor import OutputProcessor, make_request_output
 from pagedlm.executor.executor import UniProcExecutor
 from pagedlm.inputs.preprocess import InputPreprocessor, PromptType
 from pagedlm.outputs import RequestOutput
@@ -96,6 +96,9 @@ class LLMEngine:
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt is too long for the KV cache: it needs {blocks} blocks "
                              f"but the cache has {self.block_manager.num_blocks}.")
+        if params.n > self.config.scheduler_config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) is larger than max_num_seqs "
+                             f"({self.config.scheduler_config.max_num_seqs}).")
         params = params.clone()
         room = max_len - len(ids) + 1  # the last sampled token needs no cache slot
         if params.max_tokens is None or params.max_tokens > room:
@@ -128,23 +131,30 @@ class LLMEngine:
         self.stats.num_preemptions += sched.preempted
         if sched.is_empty:
             return []
+        outputs = []
+        if sched.scheduled_groups:
+            outputs = self._execute(sched)
+        for group in sched.ignored_groups:  # finished without running: still reported
+            if (out := make_request_output(group)) is not None:
+                outputs.append(out)
+        for group in [sg.group for sg in sched.scheduled_groups] + sched.ignored_groups:
+            if group.is_finished():
+                self.requests.pop(group.request_id, None)
+        self.stats.step_time += time.perf_counter() - t0
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> list[RequestOutput]:
         t1 = time.perf_counter()
         result = self.executor.execute_model(sched)
-        t2 = time.perf_counter()
         st = self.stats
+        st.model_time += time.perf_counter() - t1
+        st.prepare_time += result.timings.prepare_s
+        st.forward_time += result.timings.forward_s
+        st.sample_time += result.timings.sample_s
         st.num_steps += 1
         st.num_prompt_tokens += sum(n for sg in sched.scheduled_groups
                                     for s, n in zip(sg.seqs, sg.num_new_tokens)
                                     if not (n == 1 and s.num_computed_tokens > 0))
         st.num_generation_tokens += len(result.sampler_output.sampled_token_ids)
         self.scheduler.update_from_output(sched)
-        outputs = self.output_processor.process(sched, result)
-        for sg in sched.scheduled_groups:
-            if sg.group.is_finished():
-                self.requests.pop(sg.group.request_id, None)
-        st.model_time += t2 - t1
-        st.prepare_time += result.timings.prepare_s
-        st.forward_time += result.timings.forward_s
-        st.sample_time += result.timings.sample_s
-        st.step_time += time.perf_counter() - t0
-        return outputs
+        return self.output_processor.process(sched, result)
