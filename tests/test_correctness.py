@@ -160,3 +160,21 @@ def test_n_larger_than_max_num_seqs_is_rejected():
     with pytest.raises(ValueError, match=r"\bn\b.*max_num_seqs"):
         small.generate("Hi", SamplingParams(n=5), use_tqdm=False)
     assert not small.llm_engine.has_unfinished_requests()
+
+
+def test_bfloat16_is_selectable_and_tracks_float32(llm):
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+    bf16 = LLM(dtype="bfloat16", kv_cache_memory_bytes=256 * 2**20)
+    engine = bf16.llm_engine
+    assert engine.config.model_config.dtype == torch.bfloat16
+    assert engine.executor.worker.cache_engine.kv_caches[0][0].dtype == torch.bfloat16
+    low = bf16.generate(prompts, params, use_tqdm=False)
+    full = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(low, full):
+        # bf16 rounding may flip a late near-tie, but not the first confident tokens.
+        assert a.outputs[0].token_ids[:2] == b.outputs[0].token_ids[:2]
+        first = a.outputs[0].token_ids[0]
+        assert a.outputs[0].logprobs[0][first].logprob == pytest.approx(
+            b.outputs[0].logprobs[0][first].logprob, abs=0.2)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
