@@ -1,6 +1,7 @@
 """Per-request sampling settings, validated when they are built."""
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ class SamplingParams:
 
     # Derived in __post_init__; not user settings.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    max_stop_len: int = field(init=False, repr=False)
     all_stop_token_ids: frozenset[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +55,7 @@ class SamplingParams:
             self.top_k = 0
         self._verify()
         self.stop_strings = tuple(self.stop)
+        self.max_stop_len = max(map(len, self.stop_strings), default=0)
         self.all_stop_token_ids = frozenset(self.stop_token_ids)
 
     def _verify(self) -> None:
@@ -110,5 +113,4 @@ class SamplingParams:
                 or self.repetition_penalty != 1)
 
     def clone(self) -> "SamplingParams":
-        import copy
         return copy.deepcopy(self)

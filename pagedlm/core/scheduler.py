@@ -15,6 +15,11 @@ from pagedlm.core.block_manager import BlockManager
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
+def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
+    """One new token after a cached context: attention batches these; the rest are prefills."""
+    return num_new_tokens == 1 and seq.num_computed_tokens > 0
+
+
 @dataclass
 class ScheduledGroup:
     group: SequenceGroup

@@ -15,7 +15,7 @@ import torch
 
 from pagedlm.config import EngineConfig
 from pagedlm.core.block_manager import BlockManager
-from pagedlm.core.scheduler import Scheduler, SchedulerOutput
+from pagedlm.core.scheduler import Scheduler, SchedulerOutput, is_decode
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.output_processor import OutputProcessor, make_request_output
 from pagedlm.executor.executor import UniProcExecutor
@@ -154,7 +154,7 @@ class LLMEngine:
         st.num_steps += 1
         st.num_prompt_tokens += sum(n for sg in sched.scheduled_groups
                                     for s, n in zip(sg.seqs, sg.num_new_tokens)
-                                    if not (n == 1 and s.num_computed_tokens > 0))
+                                    if not is_decode(s, n))
         st.num_generation_tokens += len(result.sampler_output.sampled_token_ids)
         self.scheduler.update_from_output(sched)
         return self.output_processor.process(sched, result)

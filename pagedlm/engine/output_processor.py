@@ -93,8 +93,7 @@ class OutputProcessor:
             if params.stop_strings and new_chars:
                 # Only where the new text could complete a stop string: matches that straddle
                 # token boundaries are found, and the scan stays short.
-                longest = max(map(len, params.stop_strings))
-                start = max(0, len(seq.output_text) - new_chars - longest + 1)
+                start = max(0, len(seq.output_text) - new_chars - params.max_stop_len + 1)
                 for stop in params.stop_strings:
                     idx = seq.output_text.find(stop, start)
                     if idx != -1:
@@ -139,7 +138,7 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     params = group.sampling_params
     # While a sequence runs, hold back the text a stop string could still claim (it would be
     # cut from the final text), as vLLM does: streamed text is never taken back.
-    hold = (max(map(len, params.stop_strings)) - 1
+    hold = (params.max_stop_len - 1
             if params.stop_strings and not params.include_stop_str_in_output else 0)
     completions = []
     for i, seq in enumerate(group.seqs):

@@ -8,7 +8,7 @@ import torch
 
 from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk
 from pagedlm.config import ModelConfig
-from pagedlm.core.scheduler import SchedulerOutput
+from pagedlm.core.scheduler import SchedulerOutput, is_decode
 from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 
@@ -70,14 +70,14 @@ class ModelRunner:
         for gi, sg in enumerate(out.scheduled_groups):
             for si, (seq, n) in enumerate(zip(sg.seqs, sg.num_new_tokens)):
                 entry = (gi, si, seq, n)
-                (decodes if n == 1 and seq.num_computed_tokens > 0 else prefills).append(entry)
+                (decodes if is_decode(seq, n) else prefills).append(entry)
 
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last_row: dict[tuple[int, int], int] = {}
         chunks: list[PrefillChunk] = []
-        for gi, si, seq, n in decodes + prefills:
+        for i, (gi, si, seq, n) in enumerate(decodes + prefills):
             start = seq.num_computed_tokens
             table = seq.block_table
             row0 = len(ids)
@@ -85,7 +85,7 @@ class ModelRunner:
             positions += range(start, start + n)
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             last_row[(gi, si)] = len(ids) - 1
-            if not (n == 1 and start > 0):
+            if i >= len(decodes):
                 chunks.append(PrefillChunk(row0, len(ids), start,
                                            torch.tensor(table) if start else None))
 
@@ -104,14 +104,20 @@ class ModelRunner:
         rows, params, gens, outs, prompts, stops, prompt_lp = [], [], [], [], [], [], []
         for gi, sg in enumerate(out.scheduled_groups):
             group, sp = sg.group, sg.group.sampling_params
-            stop_ids = frozenset() if sp.ignore_eos else self.eos_token_ids
+            # History and stop ids only where used (penalties, min_tokens): copying every
+            # sequence's output each step would grow with its length.
+            stop_ids = frozenset()
+            if sp.min_tokens:
+                stop_ids = sp.all_stop_token_ids | (frozenset() if sp.ignore_eos
+                                                    else self.eos_token_ids)
             for si, (seq, k) in enumerate(zip(sg.seqs, sg.num_samples)):
+                history = seq.output_token_ids if sp.has_penalties or sp.min_tokens else []
                 rows += [last_row[(gi, si)]] * k
                 params += [sp] * k
                 gens += [group.generator] * k
-                outs += [seq.output_token_ids] * k
+                outs += [history] * k
                 prompts += [group.prompt_token_ids] * k
-                stops += [stop_ids | sp.all_stop_token_ids] * k
+                stops += [stop_ids] * k
             if sp.prompt_logprobs is not None and group.prompt_logprobs is None:
                 seq, n = sg.seqs[0], sg.num_new_tokens[0]
                 start = seq.num_computed_tokens

@@ -16,7 +16,8 @@ from pagedlm.sampling_params import SamplingParams
 class SamplingMetadata:
     params: list[SamplingParams]  # one per row
     generators: list[torch.Generator | None]  # per row: the request's seeded generator
-    output_token_ids: list[list[int]]  # per row, for penalties and min_tokens
+    # Per row; filled only for rows with penalties or min_tokens (empty otherwise).
+    output_token_ids: list[list[int]]
     prompt_token_ids: list[list[int]]  # per row, for the repetition penalty
     stop_ids: list[frozenset[int]]  # per row: ids masked while under min_tokens
     all_greedy: bool

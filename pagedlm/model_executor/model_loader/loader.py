@@ -11,10 +11,6 @@ from safetensors import safe_open
 from pagedlm.config import ModelConfig
 from pagedlm.model_executor.models.llama import LlamaForCausalLM
 
-# Every supported architecture is the Llama block with small config differences.
-_MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-                  "Qwen2ForCausalLM": LlamaForCausalLM}
-
 
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -27,7 +23,8 @@ def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def get_model(config: ModelConfig) -> torch.nn.Module:
-    cls = _MODEL_CLASSES[config.architecture]
+    # Every architecture ModelConfig accepts is the Llama block with small config differences.
+    cls = LlamaForCausalLM
     old = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
