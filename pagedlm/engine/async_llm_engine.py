@@ -1,0 +1,355 @@
+"""AsyncLLMEngine: the LLMEngine's step loop on a background thread, for asyncio callers.
+
+LLMEngine.step() is synchronous and CPU-bound (torch releases the GIL in its kernels), so one
+dedicated engine thread owns the LLMEngine and is the only thread that touches it. Callers on an
+asyncio event loop send it new requests and aborts through a thread-safe queue; it hands each
+request's RequestOutputs back to that request's asyncio queue with loop.call_soon_threadsafe.
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs())
+    params = SamplingParams(max_tokens=32, output_kind=RequestOutputKind.DELTA)
+    async for out in engine.generate("Hello", params, request_id="r1"):
+        print(out.outputs[0].text, end="")
+
+Closing or cancelling the iterator aborts the request (its KV blocks are freed). A request the
+engine rejects raises its ValueError from add_request()/the first iteration. If step() raises,
+every in-flight request's iterator raises that error and the engine is dead: later requests get
+AsyncEngineDeadError.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterable
+
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.engine.metrics import EngineMetrics, EngineSnapshot
+from pagedlm.inputs.preprocess import PromptType
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngineDeadError(RuntimeError):
+    """The engine loop has stopped (it failed, or was shut down): no request can run."""
+
+
+_END = object()  # stream sentinel: the request ended without a final output (aborted)
+
+
+class RequestStream:
+    """One request's RequestOutputs as an async iterator, fed from the engine thread."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False  # the consumer has seen the end (final output, abort or error)
+
+    def _put(self, item) -> None:  # on the stream's event loop
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    stream: RequestStream
+    ack: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: set[str]
+
+
+_SHUTDOWN = object()
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping for one request: where its outputs go, and its timings."""
+    stream: RequestStream
+    kind: RequestOutputKind
+    arrival_time: float
+    last_output_time: float | None = None
+    tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens so far
+    ttft_recorded: bool = False
+
+
+def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():  # the caller gave up waiting (cancelled)
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+def _deliver(items: list[tuple[RequestStream, object]]) -> None:
+    for stream, item in items:
+        stream._put(item)
+
+
+class AsyncLLMEngine:
+
+    def __init__(self, engine: LLMEngine, *, log_stats: bool = True,
+                 log_stats_interval: float = 5.0, model_name: str | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.engine = engine
+        self.log_stats = log_stats
+        self.log_stats_interval = log_stats_interval
+        name = model_name or engine.config.model_config.model or "default"
+        self.metrics = metrics if metrics is not None else EngineMetrics(name)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._lock = threading.Lock()  # orders "is it dead?" against queueing a command
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pagedlm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(args), **kwargs)
+
+    # ---- caller side (any thread for abort/shutdown; an event loop for the rest) ----
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None and not isinstance(self._dead, AsyncEngineDeadError)
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def check_health(self) -> None:
+        if not self.is_running:
+            raise AsyncEngineDeadError(f"the engine loop is not running: {self._dead!r}")
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.config.model_config
+
+    def _submit(self, command) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise AsyncEngineDeadError(
+                    f"the engine loop is not running: {self._dead!r}") from self._dead
+            self._commands.put(command)
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; returns its output stream once the engine accepted it.
+
+        Raises the engine's ValueError for an invalid request (too long, bad params, ...).
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop)
+        ack = loop.create_future()
+        self._submit(_Add(request_id, prompt, params, arrival_time or time.time(), stream, ack))
+        try:
+            await ack
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added meanwhile
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream the request's RequestOutputs (per sampling_params.output_kind)."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:  # the consumer left early (closed, cancelled, error)
+                self.abort(request_id)
+
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored). Safe from any thread."""
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        if not ids:
+            return
+        try:
+            self._submit(_Abort(ids))
+        except AsyncEngineDeadError:
+            pass  # nothing runs any more
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread; requests still in flight fail with AsyncEngineDeadError."""
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(_SHUTDOWN)
+        self._thread.join(timeout)
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._process_commands(block=not self.engine.has_unfinished_requests()):
+                    self._stop(AsyncEngineDeadError("the engine was shut down"))
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                self._publish_stats()
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the callers
+            logger.exception("engine loop failed; failing all in-flight requests")
+            self._stop(e)
+
+    def _process_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False on shutdown."""
+        try:
+            timeout = max(0.1, min(1.0, self.log_stats_interval))
+            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is _SHUTDOWN:
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_ids)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, cmd: _Add) -> None:
+        error = None
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+        except Exception as e:  # noqa: BLE001 - a bad request fails itself, not the loop
+            error = e
+        else:
+            self._tracked[cmd.request_id] = _Tracked(cmd.stream, cmd.params.output_kind,
+                                                     cmd.arrival_time)
+        self._call(cmd.stream.loop, _resolve, cmd.ack, error)
+
+    def _abort(self, ids: set[str]) -> None:
+        present = [rid for rid in ids if rid in self._tracked]
+        if not present:
+            return
+        self.engine.abort_request(present)
+        by_loop = defaultdict(list)
+        for rid in present:
+            tracked = self._tracked.pop(rid)
+            self.metrics.record_finished("abort")
+            by_loop[tracked.stream.loop].append((tracked.stream, _END))
+        for loop, items in by_loop.items():
+            self._call(loop, _deliver, items)
+        logger.debug("aborted %d request(s)", len(present))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        by_loop = defaultdict(list)
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            self._observe(tracked, out, now)
+            if out.finished:
+                del self._tracked[out.request_id]
+            by_loop[tracked.stream.loop].append((tracked.stream, out))
+        for loop, items in by_loop.items():
+            self._call(loop, _deliver, items)
+
+    def _observe(self, t: _Tracked, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        new = 0
+        for c in out.outputs:
+            before = t.tokens.get(c.index, 0)
+            total = before + len(c.token_ids) if t.kind is RequestOutputKind.DELTA \
+                else len(c.token_ids)
+            t.tokens[c.index] = total
+            new += total - before
+        first = out.metrics.first_token_time if out.metrics else None
+        if first is not None and not t.ttft_recorded:
+            m.ttft.observe(max(0.0, first - t.arrival_time))
+            t.ttft_recorded = True
+        if new > 0 and t.kind is not RequestOutputKind.FINAL_ONLY:
+            if t.last_output_time is not None:
+                m.itl.observe(now - t.last_output_time)
+            t.last_output_time = now
+        if out.finished:
+            m.e2e.observe(max(0.0, now - t.arrival_time))
+            num_tokens = max(t.tokens.values(), default=0)
+            if first is not None and num_tokens > 1:
+                m.tpot.observe(max(0.0, now - first) / (num_tokens - 1))
+            reason = out.outputs[0].finish_reason if out.outputs else None
+            m.record_finished(reason if reason in m.finished else "length")
+
+    def _publish_stats(self) -> None:
+        e = self.engine
+        self.metrics.update(EngineSnapshot(
+            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
+            kv_cache_usage=e.block_manager.usage(), prompt_tokens=e.stats.num_prompt_tokens,
+            generation_tokens=e.stats.num_generation_tokens,
+            preemptions=e.stats.num_preemptions))
+        if self.log_stats:
+            self.metrics.maybe_log(self.log_stats_interval)
+
+    @staticmethod
+    def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+    def _stop(self, error: BaseException) -> None:
+        """Mark the engine dead and fail everything in flight or still queued with `error`."""
+        with self._lock:
+            self._dead = error
+        by_loop = defaultdict(list)
+        for tracked in self._tracked.values():
+            by_loop[tracked.stream.loop].append((tracked.stream, error))
+        ids = list(self._tracked)
+        self._tracked.clear()
+        while True:  # commands queued before we were marked dead
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._call(command.stream.loop, _resolve, command.ack,
+                           AsyncEngineDeadError(f"the engine loop is not running: {error!r}"))
+        for loop, items in by_loop.items():
+            self._call(loop, _deliver, items)
+        try:  # free the KV blocks of whatever was running, if the engine still can
+            self.engine.abort_request(ids)
+        except Exception:  # noqa: BLE001
+            logger.debug("could not abort requests after the engine loop stopped",
+                         exc_info=True)

@@ -1,0 +1,114 @@
+"""Serving metrics: Prometheus gauges, counters and histograms, and the periodic stats log line.
+
+One EngineMetrics per AsyncLLMEngine, each with its own CollectorRegistry (no global state), so
+several engines (or test servers) in one process do not collide. Only the engine thread records;
+prometheus_client's metric objects are thread-safe, so /metrics can be scraped from any thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+logger = logging.getLogger(__name__)
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0, 20.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0)
+
+
+@dataclass
+class EngineSnapshot:
+    """Totals the engine thread publishes after each step (read by the stats log)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+
+
+class EngineMetrics:
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("pagedlm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("pagedlm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("pagedlm:kv_cache_usage_perc",
+                              "Fraction of KV-cache blocks in use (1 = full).")
+        self.prompt_tokens = counter("pagedlm:prompt_tokens",
+                                     "Prompt tokens computed (recomputation after preemption "
+                                     "included).")
+        self.generation_tokens = counter("pagedlm:generation_tokens", "Tokens generated.")
+        self.preemptions = counter("pagedlm:num_preemptions", "Requests preempted.")
+        self._finished = Counter("pagedlm:request_finished",
+                                 "Requests finished, by reason (stop, length, abort); a request "
+                                 "with n > 1 counts once, with its first sequence's reason.",
+                                 labels + ["finished_reason"], registry=r)
+        self.finished = {reason: self._finished.labels(model_name, reason)
+                         for reason in ("stop", "length", "abort")}
+        self.ttft = histogram("pagedlm:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.", _TTFT_BUCKETS)
+        self.itl = histogram("pagedlm:inter_token_latency_seconds",
+                             "Time between successive outputs of a streamed request.",
+                             _ITL_BUCKETS)
+        self.tpot = histogram("pagedlm:request_time_per_output_token_seconds",
+                              "Per request: (finish - first token) / (output tokens - 1).",
+                              _ITL_BUCKETS)
+        self.e2e = histogram("pagedlm:e2e_request_latency_seconds",
+                             "Time from arrival to finish.", _E2E_BUCKETS)
+        self.num_finished: dict[str, int] = {}  # the same counts, readable without a scrape
+        self.snapshot = EngineSnapshot()
+        self._last_log_time = time.monotonic()
+        self._last_logged = EngineSnapshot()
+
+    def update(self, snap: EngineSnapshot) -> None:
+        """Publish the engine's state; counters advance by what changed since the last call."""
+        old = self.snapshot
+        self.running.set(snap.num_running)
+        self.waiting.set(snap.num_waiting)
+        self.kv_usage.set(snap.kv_cache_usage)
+        self.prompt_tokens.inc(max(0, snap.prompt_tokens - old.prompt_tokens))
+        self.generation_tokens.inc(max(0, snap.generation_tokens - old.generation_tokens))
+        self.preemptions.inc(max(0, snap.preemptions - old.preemptions))
+        self.snapshot = snap
+
+    def record_finished(self, reason: str) -> None:
+        self.finished[reason].inc()
+        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+
+    def maybe_log(self, interval: float, now: float | None = None) -> bool:
+        """Log vLLM's stats line if `interval` seconds passed and anything happened."""
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._last_log_time
+        if elapsed < interval:
+            return False
+        snap, last = self.snapshot, self._last_logged
+        prompt_tps = (snap.prompt_tokens - last.prompt_tokens) / elapsed
+        gen_tps = (snap.generation_tokens - last.generation_tokens) / elapsed
+        self._last_log_time = now
+        self._last_logged = snap
+        if not (prompt_tps or gen_tps or snap.num_running or snap.num_waiting):
+            return False  # idle: stay quiet
+        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+                    "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                    "Preemptions: %d", prompt_tps, gen_tps, snap.num_running, snap.num_waiting,
+                    100 * snap.kv_cache_usage, snap.preemptions)
+        return True
