@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (needs the `server` extra: fastapi, uvicorn, prometheus_client)."""

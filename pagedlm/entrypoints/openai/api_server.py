@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over an AsyncLLMEngine, run by uvicorn.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus), GET /version. With an API key, /v1/* needs `Authorization: Bearer
+KEY`. Errors are OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
+
+    pagedlm serve [MODEL] --port 8000      (see pagedlm/entrypoints/cli.py)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import socket
+from typing import Awaitable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedlm
+from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                 ModelCard, ModelList)
+from pagedlm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedlm.entrypoints.openai.serving_engine import (error_body, error_response,
+                                                       validation_error_response)
+
+logger = logging.getLogger(__name__)
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (streaming and disconnects pass through untouched): /v1/* needs the key."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
+                or not scope.get("path", "").startswith("/v1")):
+            return await self.app(scope, receive, send)
+        given = Headers(scope=scope).get("authorization", "").encode()
+        if not hmac.compare_digest(given, self.expected):
+            message = ("Missing API key: send it as 'Authorization: Bearer KEY'." if not given
+                       else "Incorrect API key provided.")
+            response = JSONResponse(error_body(message, 401), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def _listen_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def with_cancellation(handler: Awaitable[Response], request: Request) -> Response:
+    """Run a handler, cancelling it if the client disconnects first (its requests abort)."""
+    handler_task = asyncio.ensure_future(handler)
+    disconnect_task = asyncio.ensure_future(_listen_for_disconnect(request))
+    try:
+        await asyncio.wait([handler_task, disconnect_task],
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect_task.cancel()
+        if not handler_task.done():
+            handler_task.cancel()
+    if handler_task.done() and not handler_task.cancelled():
+        return handler_task.result()
+    logger.debug("client disconnected before the response was ready")
+    return Response(status_code=499)  # nobody reads it
+
+
+async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as e:
+        return validation_error_response(e)
+
+
+def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
+              api_key: str | None = None, allowed_origins: list[str] | None = None,
+              allowed_methods: list[str] | None = None,
+              allowed_headers: list[str] | None = None,
+              allow_credentials: bool = False) -> FastAPI:
+    """The FastAPI app serving `engine`. The caller owns the engine (and shuts it down)."""
+    names = served_model_names or [engine.model_config.model or "default"]
+    app = FastAPI(title="pagedlm OpenAI-compatible server", version=pagedlm.__version__)
+    app.state.engine = engine
+    app.state.served_model_names = names
+    completion = OpenAIServingCompletion(engine, names)
+    chat = OpenAIServingChat(engine, names)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(_, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unhandled(_, exc: Exception):
+        logger.exception("unhandled error: %r", exc)
+        return error_response(f"Internal server error: {exc!r}", 500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return Response(status_code=200)
+        return error_response(f"The engine is not running: {engine.dead_error!r}", 500)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedlm.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        mc = engine.model_config
+        cards = [ModelCard(id=name, root=mc.model_dir, max_model_len=mc.max_model_len)
+                 for name in names]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request) -> Response:
+        request = await _parse(raw, CompletionRequest)
+        if isinstance(request, Response):
+            return request
+        return await with_cancellation(completion.create_completion(request), raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        request = await _parse(raw, ChatCompletionRequest)
+        if isinstance(request, Response):
+            return request
+        return await with_cancellation(chat.create_chat_completion(request), raw)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Added last, so outermost: error responses (a 401 too) carry the CORS headers.
+    app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
+                       allow_credentials=allow_credentials,
+                       allow_methods=allowed_methods or ["*"],
+                       allow_headers=allowed_headers or ["*"])
+    return app
+
+
+def default_served_name(model: str | None) -> str:
+    from pagedlm.entrypoints.cli_args import DEFAULT_MODEL_NAME
+    return model if model is not None else DEFAULT_MODEL_NAME
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """`pagedlm serve`: build the engine from the flags, serve until interrupted."""
+    from pagedlm.entrypoints.cli_args import engine_args_from_namespace
+
+    engine_args = engine_args_from_namespace(args)
+    names = args.served_model_name or [default_served_name(engine_args.model)]
+    engine = AsyncLLMEngine.from_engine_args(engine_args, log_stats=not args.disable_log_stats,
+                                             log_stats_interval=args.log_stats_interval,
+                                             model_name=names[0])
+    try:
+        app = build_app(engine, served_model_names=names, api_key=args.api_key,
+                        allowed_origins=args.allowed_origins,
+                        allowed_methods=args.allowed_methods,
+                        allowed_headers=args.allowed_headers,
+                        allow_credentials=args.allow_credentials)
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.uvicorn_log_level,
+                                timeout_keep_alive=args.timeout_keep_alive)
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+        host, port = sock.getsockname()[:2]
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(names),
+                    host, port)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.shutdown()

@@ -1,0 +1,130 @@
+"""/v1/chat/completions: messages -> the tokenizer's chat template -> a reply, streamed or not."""
+from __future__ import annotations
+
+import time
+
+import jinja2
+from fastapi.responses import JSONResponse, Response
+
+from pagedlm.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCompletionRequest,
+                                                 ChatCompletionResponse,
+                                                 ChatCompletionResponseChoice,
+                                                 ChatCompletionStreamChoice,
+                                                 ChatCompletionStreamResponse, ChatLogProb,
+                                                 ChatLogProbsContent, ChatResponseMessage,
+                                                 DeltaMessage, UsageInfo, random_uuid)
+from pagedlm.entrypoints.openai.serving_engine import (OpenAIServing, clean_logprob,
+                                                       error_response, merge_streams,
+                                                       param_from_message, sse, token_text,
+                                                       _PARAMS)
+from pagedlm.outputs import PositionLogprobs
+
+
+def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, chat_template: str | None = None,
+                        add_special_tokens: bool = False, **template_kwargs) -> dict:
+    """The engine prompt for a conversation: the rendered text and its token ids."""
+    kwargs = dict(template_kwargs)
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    # The template already holds the special tokens (BOS etc.): by default do not add them twice.
+    return {"prompt": text,
+            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=add_special_tokens)}
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
+        if (err := self.check_model(request.model)) is not None:
+            return err
+        try:
+            params = request.to_sampling_params()
+            prompt = apply_chat_template(
+                self.tokenizer, [m.to_template_dict() for m in request.messages],
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template=request.chat_template,
+                add_special_tokens=request.add_special_tokens,
+                **(request.chat_template_kwargs or {}))
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
+        request_id = f"chatcmpl-{random_uuid()}"
+        streams = await self.submit(request_id, [prompt], params)
+        if isinstance(streams, JSONResponse):
+            return streams
+        model = self.model_name(request.model)
+        if request.stream:
+            return self.streaming_response(
+                self._stream(request, request_id, model, streams), streams)
+        try:
+            (final,) = await self.collect(streams)
+        except Exception as e:  # noqa: BLE001 - the engine failed while we waited
+            return error_response(str(e) or repr(e), 500)
+        choices, completion_tokens = [], 0
+        for c in final.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append(ChatCompletionResponseChoice(
+                index=c.index, message=ChatResponseMessage(content=c.text),
+                logprobs=self._logprobs(request, c.token_ids, c.logprobs),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        prompt_tokens = len(final.prompt_token_ids)
+        response = ChatCompletionResponse(
+            id=request_id, model=model, choices=choices,
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens))
+        return JSONResponse(response.model_dump())
+
+    def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
+                  positions: list[PositionLogprobs] | None) -> ChatCompletionLogProbs | None:
+        if not request.logprobs:
+            return None
+        top_n = request.top_logprobs or 0
+        content = []
+        for tid, pos in zip(token_ids, positions or []):
+            text = token_text(self.tokenizer, tid, pos)
+            top = [ChatLogProb(token=token_text(self.tokenizer, cid, pos),
+                               logprob=clean_logprob(lp.logprob),
+                               bytes=list(token_text(self.tokenizer, cid, pos).encode()))
+                   for cid, lp in sorted(pos.items(), key=lambda kv: kv[1].rank or 0)
+                   if lp.rank is not None and lp.rank <= top_n]
+            content.append(ChatLogProbsContent(token=text, logprob=clean_logprob(pos[tid].logprob),
+                                               bytes=list(text.encode()), top_logprobs=top))
+        return ChatCompletionLogProbs(content=content)
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
+                      streams):
+        created = int(time.time())
+
+        def chunk(choices, usage=None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                    choices=choices, usage=usage)
+                       .model_dump_json())
+
+        prompt_tokens = completion_tokens = 0
+        try:
+            # The role comes first, once per choice, as OpenAI sends it.
+            for i in range(request.n):
+                yield chunk([ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=""))])
+            async for _, out in merge_streams(streams):
+                prompt_tokens = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and not (
+                            request.logprobs and c.token_ids):
+                        continue
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text),
+                        logprobs=self._logprobs(request, c.token_ids, c.logprobs),
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            if request.include_usage:
+                yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
+                                          completion_tokens=completion_tokens,
+                                          total_tokens=prompt_tokens + completion_tokens))
+        except Exception as e:  # noqa: BLE001 - report it in the stream, then end it
+            yield self.stream_error(e)
+        finally:
+            self.abort(streams)
+        yield sse("[DONE]")

@@ -1,0 +1,154 @@
+"""/v1/completions: prompts (text or token ids, one or a batch) -> completions, streamed or not."""
+from __future__ import annotations
+
+import time
+
+from fastapi.responses import JSONResponse, Response
+
+from pagedlm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
+                                                 CompletionResponse, CompletionResponseChoice,
+                                                 CompletionStreamResponse, UsageInfo,
+                                                 random_uuid)
+from pagedlm.entrypoints.openai.serving_engine import (OpenAIServing, clean_logprob,
+                                                       error_response, merge_streams,
+                                                       param_from_message, sse, token_text,
+                                                       _PARAMS)
+from pagedlm.inputs.preprocess import PromptType
+from pagedlm.outputs import PositionLogprobs, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+
+    async def create_completion(self, request: CompletionRequest) -> Response:
+        if (err := self.check_model(request.model)) is not None:
+            return err
+        try:
+            params = request.to_sampling_params()
+            prompts = self._prompts(request)
+        except ValueError as e:
+            return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
+        request_id = f"cmpl-{random_uuid()}"
+        streams = await self.submit(request_id, prompts, params)
+        if isinstance(streams, JSONResponse):
+            return streams
+        model = self.model_name(request.model)
+        if request.stream:
+            return self.streaming_response(
+                self._stream(request, request_id, model, streams), streams)
+        try:
+            finals = await self.collect(streams)
+        except Exception as e:  # noqa: BLE001 - the engine failed while we waited
+            return error_response(str(e) or repr(e), 500)
+        return JSONResponse(self._response(request, request_id, model, finals).model_dump())
+
+    def _prompts(self, request: CompletionRequest) -> list[PromptType]:
+        p = request.prompt
+        if isinstance(p, str):
+            texts, id_lists = [p], None
+        elif not p:
+            raise ValueError("prompt must not be empty.")
+        elif isinstance(p[0], str):
+            texts, id_lists = p, None
+        elif isinstance(p[0], int):
+            texts, id_lists = None, [p]
+        else:
+            texts, id_lists = None, p
+        if texts is not None:
+            return [{"prompt": t,
+                     "prompt_token_ids": self.tokenizer.encode(
+                         t, add_special_tokens=request.add_special_tokens)} for t in texts]
+        return [{"prompt_token_ids": list(ids)} for ids in id_lists]
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(
+            out.prompt_token_ids)
+
+    def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None],
+                  offset: int) -> CompletionLogProbs:
+        """The legacy format: tokens, their logprobs, the top alternatives, text offsets."""
+        lp = CompletionLogProbs()
+        for tid, pos in zip(token_ids, positions):
+            text = token_text(self.tokenizer, tid, pos)
+            lp.tokens.append(text)
+            lp.text_offset.append(offset)
+            offset += len(text)
+            if pos is None:  # the first prompt token: nothing to score it against
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            lp.token_logprobs.append(clean_logprob(pos[tid].logprob))
+            top = {}
+            for cand_id, cand in sorted(pos.items(), key=lambda kv: kv[1].rank or 0):
+                top.setdefault(token_text(self.tokenizer, cand_id, pos), clean_logprob(cand.logprob))
+            lp.top_logprobs.append(top)
+        return lp
+
+    def _response(self, request: CompletionRequest, request_id: str, model: str,
+                  finals: list[RequestOutput]) -> CompletionResponse:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            prompt_text = self._prompt_text(out) if request.echo else ""
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    ids, positions = list(c.token_ids), list(c.logprobs or [])
+                    if request.echo:
+                        ids = list(out.prompt_token_ids) + ids
+                        positions = list(out.prompt_logprobs or
+                                         [None] * len(out.prompt_token_ids)) + positions
+                    logprobs = self._logprobs(ids, positions, 0)
+                choices.append(CompletionResponseChoice(
+                    index=i * request.n + c.index, text=prompt_text + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        choices.sort(key=lambda ch: ch.index)
+        return CompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=UsageInfo(prompt_tokens=prompt_tokens,
+                                                  completion_tokens=completion_tokens,
+                                                  total_tokens=prompt_tokens + completion_tokens))
+
+    async def _stream(self, request: CompletionRequest, request_id: str, model: str, streams):
+        created = int(time.time())
+        n = request.n
+        offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        try:
+            async for i, out in merge_streams(streams):
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    index = i * n + c.index
+                    completion_tokens += len(c.token_ids)
+                    text, ids, positions = c.text, list(c.token_ids), list(c.logprobs or [])
+                    if index not in offsets:
+                        offsets[index] = 0
+                        if request.echo:
+                            text = self._prompt_text(out) + text
+                            ids = list(out.prompt_token_ids) + ids
+                            positions = list(out.prompt_logprobs or
+                                             [None] * len(out.prompt_token_ids)) + positions
+                    wants_lp = request.logprobs is not None
+                    if not text and c.finish_reason is None and not (wants_lp and ids):
+                        continue  # nothing new to say (text held back, or partial UTF-8)
+                    logprobs = self._logprobs(ids, positions, offsets[index]) if wants_lp \
+                        else None
+                    offsets[index] += len(text)
+                    chunk = CompletionStreamResponse(
+                        id=request_id, created=created, model=model,
+                        choices=[CompletionResponseChoice(
+                            index=index, text=text, logprobs=logprobs,
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    yield sse(chunk.model_dump_json())
+            if request.include_usage:
+                p = sum(prompt_tokens.values())
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=UsageInfo(prompt_tokens=p, completion_tokens=completion_tokens,
+                                    total_tokens=p + completion_tokens))
+                yield sse(chunk.model_dump_json())
+        except Exception as e:  # noqa: BLE001 - report it in the stream, then end it
+            yield self.stream_error(e)
+        finally:
+            self.abort(streams)
+        yield sse("[DONE]")

@@ -1,0 +1,191 @@
+"""What the completion and chat handlers share: model checks, errors, submitting requests,
+streaming responses that abort their requests when the client goes away, logprob formatting."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from http import HTTPStatus
+from typing import AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
+from pagedlm.inputs.preprocess import PromptType
+from pagedlm.outputs import PositionLogprobs
+from pagedlm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, status: int = 400, param: str | None = None) -> dict:
+    err_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def validation_error_response(e: ValidationError) -> JSONResponse:
+    """pydantic's errors as one 400 (FastAPI would answer 422), naming the first bad field."""
+    parts, param = [], None
+    for err in e.errors(include_url=False):
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        if err.get("type") == "json_invalid":
+            parts.append(f"Invalid JSON body: {err.get('msg')}")
+            continue
+        if param is None and loc:
+            param = loc
+        msg = err.get("msg", "invalid")
+        if loc and "input" in err and not isinstance(err["input"], (dict, list)):
+            msg += f", got {err['input']!r}"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return error_response("; ".join(parts) or "Invalid request body.", 400, param)
+
+
+def param_from_message(message: str, known: set[str]) -> str | None:
+    """SamplingParams' errors start with the field's name: report it as the error's param."""
+    word = message.split(" ", 1)[0].strip(":,.()")
+    return word if word in known else None
+
+
+def clean_logprob(x: float | None) -> float | None:
+    """JSON has no -inf or NaN."""
+    if x is None:
+        return None
+    if math.isnan(x):
+        return -9999.0
+    return max(x, -9999.0)
+
+
+def token_text(tokenizer, token_id: int, position: PositionLogprobs | None) -> str:
+    lp = position.get(token_id) if position else None
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
+    """Yield (index, output) from several request streams as outputs arrive."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, item
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends: finished, failed, or cancelled
+    because the client disconnected (even before the body generator first ran)."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, media_type="text/event-stream", **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except BaseException:  # noqa: BLE001 - best effort: the request is aborted
+                    pass
+
+
+class OpenAIServing:
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len = engine.model_config.max_model_len
+
+    def check_model(self, model: str | None) -> JSONResponse | None:
+        if model is None or model in self.served_model_names:
+            return None
+        return error_response(f"The model `{model}` does not exist.", 404, "model")
+
+    def model_name(self, model: str | None) -> str:
+        return model if model is not None else self.served_model_names[0]
+
+    async def submit(self, request_id: str, prompts: list[PromptType],
+                     params: SamplingParams) -> list[RequestStream] | JSONResponse:
+        """Add one engine request per prompt, all or nothing; an error becomes a response."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, prompt, params))
+        except ValueError as e:
+            self.abort(streams)
+            return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
+        except AsyncEngineDeadError as e:
+            self.abort(streams)
+            return error_response(str(e), 500)
+        except BaseException:
+            self.abort(streams)  # cancelled: the client went away while we waited
+            raise
+        return streams
+
+    def abort(self, streams: list[RequestStream]) -> None:
+        self.engine.abort([s.request_id for s in streams if not s.finished])
+
+    async def collect(self, streams: list[RequestStream]) -> list:
+        """The final output of each stream (FINAL_ONLY requests); aborts them if cancelled."""
+        async def last(stream: RequestStream):
+            out = None
+            async for out in stream:
+                pass
+            return out
+
+        try:
+            return await asyncio.gather(*(last(s) for s in streams))
+        finally:
+            self.abort(streams)
+
+    def streaming_response(self, body: AsyncIterator[str],
+                           streams: list[RequestStream]) -> EngineStreamingResponse:
+        return EngineStreamingResponse(body, on_close=lambda: self.abort(streams))
+
+    @staticmethod
+    def stream_error(e: BaseException) -> str:
+        status = 400 if isinstance(e, ValueError) else 500
+        logger.error("request failed mid-stream: %r", e)
+        return sse(json.dumps(error_body(str(e) or repr(e), status)))
+
+
+def _known_params() -> set[str]:
+    from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    return (set(SamplingParams.__dataclass_fields__) | set(CompletionRequest.model_fields)
+            | set(ChatCompletionRequest.model_fields))
+
+
+_PARAMS = _known_params()
