@@ -1,0 +1,212 @@
+"""The `pagedlm` command: serve an OpenAI-compatible API, or generate / chat in the terminal.
+
+    pagedlm serve [MODEL] [--port 8000] [--api-key KEY] [engine flags]
+    pagedlm generate [MODEL] --prompt "Once upon a time" [--max-tokens 64]
+    pagedlm chat [MODEL] [--system "You are terse."]
+
+MODEL is a GGUF file or a local HuggingFace model directory; without one, the embedded
+SmolLM2-135M-Instruct runs. `pagedlm CMD --help` lists every flag.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import textwrap
+
+import pagedlm
+from pagedlm.entrypoints.cli_args import (add_engine_args, add_model_positional,
+                                          add_server_args, engine_args_from_namespace)
+
+logger = logging.getLogger("pagedlm.cli")
+
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    """Logging is set up here, by the command, never on import."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, datefmt="%m-%d %H:%M:%S",
+                        stream=sys.stderr)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=36, width=100)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=default_max_tokens,
+                   help=f"Most tokens to generate. (default: {default_max_tokens})")
+    g.add_argument("--temperature", type=float, default=0.7,
+                   help="0 for greedy decoding. (default: 0.7)")
+    g.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="0: disabled. (default: 0)")
+    g.add_argument("--min-p", type=float, default=0.0, help="(default: 0.0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: 1.0)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="Stop string (repeatable).")
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", default=default,
+                        choices=["debug", "info", "warning", "error"],
+                        help=f"pagedlm's log level (to stderr). (default: {default})")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedlm", formatter_class=_Formatter,
+        description="pagedlm: a small LLM inference engine with a paged KV cache and "
+                    "continuous batching.",
+        epilog=textwrap.dedent("""\
+            examples:
+              pagedlm serve                          # OpenAI-compatible API on 127.0.0.1:8000
+              pagedlm serve model.gguf --port 9000 --api-key secret
+              pagedlm generate --prompt "The capital of France is" --temperature 0
+              pagedlm chat
+
+            Run `pagedlm COMMAND --help` for a command's flags."""))
+    parser.add_argument("--version", action="version", version=f"pagedlm {pagedlm.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser(
+        "serve", formatter_class=_Formatter, help="Serve an OpenAI-compatible HTTP API.",
+        description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/completions, "
+                    "/v1/chat/completions, /v1/models, plus /health and /metrics "
+                    "(Prometheus).")
+    add_model_positional(serve)
+    add_server_args(serve)
+    add_engine_args(serve)
+    _add_log_level(serve, "info")
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", formatter_class=_Formatter,
+                         help="Complete a prompt, streaming the text to stdout.",
+                         description="Complete a prompt (plain text, no chat template), "
+                                     "streaming the text to stdout as it is generated.")
+    add_model_positional(gen)
+    gen.add_argument("--prompt", "-p", default=None,
+                     help="The prompt. Default: read it from stdin.")
+    _add_sampling_args(gen, 128)
+    add_engine_args(gen)
+    _add_log_level(gen, "warning")
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser(
+        "chat", formatter_class=_Formatter, help="Chat in the terminal (streaming, with history).",
+        description="Chat with MODEL through its chat template. Each line you type is a user "
+                    "message; the reply streams back and the conversation is kept. Works with "
+                    "piped input too (one message per line). /clear forgets the history; "
+                    "/exit, Ctrl-D or end of input quits.")
+    add_model_positional(chat)
+    chat.add_argument("--system", default=None, help="A system message to start with.")
+    _add_sampling_args(chat, 512)
+    add_engine_args(chat)
+    _add_log_level(chat, "warning")
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from pagedlm.entrypoints.openai.api_server import run_server
+    run_server(args)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, stop=args.stop,
+                          output_kind=RequestOutputKind.DELTA)
+
+
+def _stream(engine, request_id: str, prompt, params, out) -> str:
+    """Run one request on a synchronous LLMEngine, writing its text as it comes."""
+    engine.add_request(request_id, prompt, params)
+    text = []
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id == request_id and output.outputs:
+                    delta = output.outputs[0].text
+                    text.append(delta)
+                    out.write(delta)
+                    out.flush()
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        out.write(" [interrupted]")
+    return "".join(text)
+
+
+def _build_engine(args: argparse.Namespace):
+    from pagedlm.engine.llm_engine import LLMEngine
+    return LLMEngine.from_engine_args(engine_args_from_namespace(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt:
+        raise SystemExit("error: empty prompt (give --prompt or pipe one in)")
+    params = _sampling_params(args)
+    engine = _build_engine(args)
+    _stream(engine, "generate-0", prompt, params, sys.stdout)
+    sys.stdout.write("\n")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from pagedlm.entrypoints.openai.serving_chat import apply_chat_template
+
+    params = _sampling_params(args)
+    engine = _build_engine(args)
+    tokenizer = engine.get_tokenizer()
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chatting with pagedlm. /clear forgets the history, /exit or Ctrl-D quits.",
+              file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not interactive and line == "":
+            break  # end of piped input
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/clear":
+            history = list(start)
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = apply_chat_template(tokenizer, history)
+        try:
+            reply = _stream(engine, f"chat-{turn}", prompt, params, sys.stdout)
+        except ValueError as e:  # e.g. the conversation outgrew the context: drop the turn
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        turn += 1
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        pass
+    except ValueError as e:  # bad engine settings and the like: a message, not a traceback
+        logger.debug("error", exc_info=True)
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Command-line flags: engine settings generated from the EngineArgs dataclass, server settings.
+
+Every EngineArgs field becomes `--field-name` (vLLM's spelling), typed from its annotation;
+bool fields get `--flag/--no-flag`. A field added to EngineArgs later gets its flag without
+changes here (its help text comes from _HELP, else from the comment after the field).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import inspect
+import json
+import os
+import re
+import types
+import typing
+
+from pagedlm.engine.arg_utils import EngineArgs
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_HELP = {
+    "model": "A GGUF file or a local HuggingFace model directory. Default: the embedded "
+             f"{DEFAULT_MODEL_NAME}.",
+    "dtype": "Weights and KV-cache dtype: auto (float32 on CPU), float32, bfloat16, float16.",
+    "max_model_len": "Context length (prompt + output) in tokens. Default: the model's.",
+    "seed": "Random seed for requests that do not bring their own.",
+    "block_size": "Tokens per KV-cache block.",
+    "kv_cache_memory_bytes": "KV-cache size: a byte count or a size such as 2GiB, 512MiB, 1.5GB. "
+                             "Default: --gpu-memory-utilization of the memory available.",
+    "num_gpu_blocks_override": "Exact number of KV-cache blocks (overrides the memory "
+                               "settings).",
+    "gpu_memory_utilization": "Share of the memory available at start-up the KV cache may use, "
+                              "when no size is given.",
+    "max_num_batched_tokens": "Token budget of one engine step. Default: max(max_model_len, "
+                              "2048).",
+    "max_num_seqs": "Most sequences in the running batch.",
+}
+# Extra spellings, as vLLM users know them.
+_ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"]}
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648, '1.5GB' -> 1500000000, '4096' -> 4096."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?\s*", str(text), re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB, 1e9)")
+    value = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+_PARSERS = {"kv_cache_memory_bytes": parse_size}
+
+
+def _field_comments() -> dict[str, str]:
+    """`name: type = default  # comment` lines of EngineArgs: fallback help texts."""
+    try:
+        source = inspect.getsource(EngineArgs)
+    except (OSError, TypeError):
+        return {}
+    found = {}
+    for m in re.finditer(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", source, re.M):
+        found[m.group(1)] = m.group(2).strip()
+    return found
+
+
+def _unwrap(tp):
+    """(base type, allows None) of an annotation such as `int | None`."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else str), True
+    return tp, False
+
+
+def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
+    group = parser.add_argument_group("engine", "Engine settings (vLLM's names).")
+    hints = typing.get_type_hints(EngineArgs)
+    comments = _field_comments()
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "model" and not include_model:
+            continue
+        if not f.init:
+            continue
+        base, optional = _unwrap(hints.get(f.name, str))
+        flags = ["--" + f.name.replace("_", "-")] + _ALIASES.get(f.name, [])
+        help_text = _HELP.get(f.name) or comments.get(f.name) or f"EngineArgs.{f.name}"
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+            if default is not None and "Default:" not in help_text:
+                help_text += f" (default: {default})"
+        else:
+            default = argparse.SUPPRESS  # a default_factory: let EngineArgs build it
+        kwargs: dict = {"dest": f.name, "default": default, "help": help_text}
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(base))
+        elif isinstance(base, type) and issubclass(base, enum.Enum):
+            kwargs["type"] = lambda s, e=base: e[s.upper()] if s.upper() in e.__members__ \
+                else e(s)
+            kwargs["metavar"] = "{" + ",".join(m.name.lower() for m in base) + "}"
+        elif f.name in _PARSERS:
+            kwargs["type"] = _PARSERS[f.name]
+            kwargs["metavar"] = "SIZE"
+        elif base in (int, float, str):
+            kwargs["type"] = base
+            kwargs["metavar"] = {int: "N", float: "X", str: "TEXT"}[base]
+        elif typing.get_origin(base) in (list, tuple):
+            item = (typing.get_args(base) or (str,))[0]
+            kwargs["type"] = item if item in (int, float, str) else str
+            kwargs["nargs"] = "+"
+        else:
+            kwargs["type"] = str
+        if f.name == "model":
+            kwargs["metavar"] = "MODEL"
+        group.add_argument(*flags, **kwargs)
+
+
+def add_model_positional(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                        help=f"A GGUF file or a local HuggingFace model directory (or use "
+                             f"--model). Default: the embedded {DEFAULT_MODEL_NAME}.")
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
+              if f.init and hasattr(ns, f.name)}
+    if getattr(ns, "model_tag", None) is not None:
+        if kwargs.get("model") not in (None, ns.model_tag):
+            raise SystemExit(f"error: two models given: {ns.model_tag!r} and --model "
+                             f"{kwargs['model']!r}")
+        kwargs["model"] = ns.model_tag
+    return EngineArgs(**kwargs)
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = [s.strip() for s in text.split(",") if s.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="Address to listen on; 0.0.0.0 for every interface. (default: "
+                            "127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, metavar="N",
+                       help="Port to listen on; 0 picks a free one (logged). (default: 8000)")
+    group.add_argument("--api-key", default=os.environ.get("PAGEDLM_API_KEY"), metavar="KEY",
+                       help="Require `Authorization: Bearer KEY` on /v1/* (default: "
+                            "$PAGEDLM_API_KEY, else no key).")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="Model name(s) the API answers to; the first one is reported. "
+                            "Default: MODEL as given, or " + DEFAULT_MODEL_NAME + ".")
+    group.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                       help='CORS: allowed origins, a JSON list. (default: ["*"])')
+    group.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                       help='CORS: allowed methods, a JSON list. (default: ["*"])')
+    group.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                       help='CORS: allowed headers, a JSON list. (default: ["*"])')
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: allow credentials.")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level (its access log is at info). (default: info)")
+    group.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
+                       help="Seconds an idle HTTP keep-alive connection stays open. "
+                            "(default: 5)")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="Do not log the periodic engine stats line.")
+    group.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
+                       help="Seconds between engine stats lines. (default: 5)")
