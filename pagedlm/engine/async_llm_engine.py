@@ -346,10 +346,10 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 self._call(command.stream.loop, _resolve, command.ack,
                            AsyncEngineDeadError(f"the engine loop is not running: {error!r}"))
-        for loop, items in by_loop.items():
-            self._call(loop, _deliver, items)
         try:  # free the KV blocks of whatever was running, if the engine still can
             self.engine.abort_request(ids)
         except Exception:  # noqa: BLE001
             logger.debug("could not abort requests after the engine loop stopped",
                          exc_info=True)
+        for loop, items in by_loop.items():  # last: callers see the engine already cleaned up
+            self._call(loop, _deliver, items)

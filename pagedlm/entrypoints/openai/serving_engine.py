@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from http import HTTPStatus
 from typing import AsyncIterator, Callable
 
@@ -33,20 +34,32 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|tuple)\b|[\[\]-]")
+
+
 def validation_error_response(e: ValidationError) -> JSONResponse:
-    """pydantic's errors as one 400 (FastAPI would answer 422), naming the first bad field."""
-    parts, param = [], None
+    """pydantic's errors as one 400 (FastAPI would answer 422), naming the first bad field.
+
+    A value that fits none of a union's types gives one error per alternative: they are merged
+    into one line ("Input should be a valid string or ... array").
+    """
+    by_loc: dict[str, tuple[list[str], object]] = {}
     for err in e.errors(include_url=False):
-        loc = ".".join(str(x) for x in err.get("loc", ()))
         if err.get("type") == "json_invalid":
-            parts.append(f"Invalid JSON body: {err.get('msg')}")
-            continue
-        if param is None and loc:
-            param = loc
-        msg = err.get("msg", "invalid")
-        if loc and "input" in err and not isinstance(err["input"], (dict, list)):
-            msg += f", got {err['input']!r}"
+            return error_response(f"Invalid JSON body: {err.get('msg')}", 400)
+        # Drop the union-member tags pydantic puts in the location ("stop.str", "stop.list[str]").
+        loc = ".".join(str(x) for x in err.get("loc", ())
+                       if isinstance(x, int) or not _UNION_TAG.search(str(x)))
+        msgs, value = by_loc.setdefault(loc, ([], err.get("input")))
+        if err.get("msg") not in msgs:
+            msgs.append(err.get("msg", "invalid"))
+    parts = []
+    for loc, (msgs, value) in by_loc.items():
+        msg = " or ".join(msgs)
+        if loc and not isinstance(value, (dict, list)) and value is not None:
+            msg += f", got {value!r}"
         parts.append(f"{loc}: {msg}" if loc else msg)
+    param = next((loc for loc in by_loc if loc), None)
     return error_response("; ".join(parts) or "Invalid request body.", 400, param)
 
 

@@ -1,0 +1,150 @@
+"""AsyncLLMEngine on the default model: streaming, cancellation, rejected requests, engine death."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedlm import EngineArgs, SamplingParams
+from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from pagedlm.sampling_params import RequestOutputKind
+from tests.server_utils import assert_all_blocks_free, wait_until_idle
+
+ARGS = dict(max_model_len=256, num_gpu_blocks_override=128)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(**ARGS), log_stats=False)
+    yield eng
+    eng.shutdown()
+
+
+def params(kind: RequestOutputKind, **kw) -> SamplingParams:
+    kw.setdefault("max_tokens", 12)
+    return SamplingParams(temperature=0.8, seed=5, ignore_eos=True, output_kind=kind, **kw)
+
+
+async def collect(engine, prompt, p, rid):
+    return [out async for out in engine.generate(prompt, p, rid)]
+
+
+def test_deltas_add_up_to_the_final_output(engine):
+    async def run():
+        return await asyncio.gather(
+            collect(engine, "Once upon a time", params(RequestOutputKind.DELTA, n=2), "delta"),
+            collect(engine, "Once upon a time", params(RequestOutputKind.FINAL_ONLY, n=2),
+                    "final"))
+
+    deltas, finals = asyncio.run(run())
+    assert len(finals) == 1 and finals[0].finished
+    assert len(deltas) >= 12 and deltas[-1].finished and not deltas[0].finished
+    for c in finals[0].outputs:
+        text = "".join(o.outputs[c.index].text for o in deltas if len(o.outputs) > c.index)
+        ids = [t for o in deltas if len(o.outputs) > c.index for t in o.outputs[c.index].token_ids]
+        assert text == c.text and ids == c.token_ids and len(ids) == 12
+    wait_until_idle(engine)
+    assert_all_blocks_free(engine)
+
+
+def test_cancelled_consumers_abort_their_requests(engine):
+    aborted_before = engine.metrics.num_finished.get("abort", 0)
+
+    async def consume(i, stop_after):
+        seen = 0
+        async for _ in engine.generate(f"Count to {i}:", params(RequestOutputKind.DELTA,
+                                                                  max_tokens=100), f"c{i}"):
+            seen += 1
+            if seen == stop_after:
+                await asyncio.sleep(3600)  # parked until cancelled
+        return seen
+
+    async def run():
+        tasks = [asyncio.create_task(consume(i, 2)) for i in range(6)]
+        # A consumer that breaks out of its loop also ends its request.
+        async def breaker():
+            gen = engine.generate("Break", params(RequestOutputKind.DELTA, max_tokens=100), "b")
+            async for _ in gen:
+                break
+            await gen.aclose()
+        await breaker()
+        while engine.metrics.snapshot.num_running < 6:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        for t in tasks:
+            t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results)
+
+    asyncio.run(run())
+    wait_until_idle(engine)
+    assert engine.metrics.num_finished["abort"] - aborted_before == 7
+    assert_all_blocks_free(engine)
+
+
+def test_rejected_request_raises_and_the_engine_keeps_going(engine):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(engine, "word " * 400, params(RequestOutputKind.DELTA), "too-long")
+        with pytest.raises(ValueError, match="already in use"):
+            stream = await engine.add_request("dup", "Hi", params(RequestOutputKind.DELTA))
+            await engine.add_request("dup", "Hi", params(RequestOutputKind.DELTA))
+        async for _ in stream:
+            pass
+        outs = await collect(engine, "Hello", params(RequestOutputKind.FINAL_ONLY), "after")
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
+
+    asyncio.run(run())
+    assert engine.is_running and not engine.errored
+
+
+def test_engine_error_fails_in_flight_requests_instead_of_hanging():
+    """A step() that raises (fault injected at the LLMEngine boundary) must fail every waiting
+    request with that error, mark the engine dead, and refuse new requests."""
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(**ARGS), log_stats=False)
+    try:
+        real_step = eng.engine.step
+        calls = 0
+
+        def failing_step():
+            nonlocal calls
+            calls += 1
+            if calls == 4:
+                raise RuntimeError("injected step failure")
+            return real_step()
+
+        eng.engine.step = failing_step
+
+        async def run():
+            tasks = [collect(eng, f"Prompt {i}", params(RequestOutputKind.DELTA, max_tokens=50),
+                             f"r{i}") for i in range(5)]
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+            for r in results:
+                assert isinstance(r, RuntimeError) and "injected step failure" in str(r)
+            with pytest.raises(AsyncEngineDeadError):
+                await collect(eng, "After", params(RequestOutputKind.DELTA), "after")
+
+        asyncio.run(run())
+        assert eng.errored and not eng.is_running
+        with pytest.raises(AsyncEngineDeadError):
+            eng.check_health()
+        bm = eng.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks  # the failed requests were released
+    finally:
+        eng.shutdown()
+
+
+def test_shutdown_fails_waiting_requests():
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(**ARGS), log_stats=False)
+
+    async def run():
+        stream = await eng.add_request("s", "Hello", params(RequestOutputKind.DELTA,
+                                                             max_tokens=200))
+        await stream.__anext__()
+        await asyncio.to_thread(eng.shutdown)
+        with pytest.raises(AsyncEngineDeadError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+    assert not eng.is_running and not eng.errored

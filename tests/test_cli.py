@@ -1,0 +1,196 @@
+"""The `pagedlm` command line: flags generated from EngineArgs, and `serve`, `generate` and `chat`
+run as real subprocesses on the default model."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+import typing
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.entrypoints.cli import make_parser
+from pagedlm.entrypoints.cli_args import engine_args_from_namespace, parse_size
+from tests.server_utils import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_FLAGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "64"]
+API_KEY = "sk-cli-test"
+PROMPT = "The best way to learn a language is"
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pagedlm.entrypoints.cli", *args]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("PAGEDLM_API_KEY", None)
+    return env
+
+
+def _sample_value(name: str, tp):
+    """A value of the field's type that differs from its default, and its command-line form."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if tp is bool:
+        return None, None  # handled separately: --flag / --no-flag
+    if typing.get_origin(tp) is typing.Literal:
+        v = typing.get_args(tp)[-1]
+        return v, str(v)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        member = list(tp)[-1]
+        return member, member.name.lower()
+    if tp is int:
+        return 4096, "4096"
+    if tp is float:
+        return 0.5, "0.5"
+    return "float32" if name == "dtype" else "some-value", ("float32" if name == "dtype"
+                                                            else "some-value")
+
+
+def test_every_engine_arg_has_a_flag():
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if not f.init:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        base = hints[f.name]
+        if base is bool:
+            for argv, expected in (([flag], True), (["--no-" + flag[2:]], False)):
+                ns = make_parser().parse_args(["serve", *argv])
+                assert getattr(engine_args_from_namespace(ns), f.name) is expected, f.name
+            continue
+        value, text = _sample_value(f.name, base)
+        if f.name == "kv_cache_memory_bytes":
+            value = 4096
+        ns = make_parser().parse_args(["serve", flag, text])
+        assert getattr(engine_args_from_namespace(ns), f.name) == value, f.name
+    # Unset flags keep EngineArgs' defaults.
+    assert engine_args_from_namespace(make_parser().parse_args(["serve"])) == EngineArgs()
+
+
+def test_vllm_style_flags_and_sizes():
+    ns = make_parser().parse_args(["serve", "model.gguf", "--kv-cache-memory", "2GiB",
+                                   "--max-model-len", "1024", "--max-num-seqs", "8",
+                                   "--max-num-batched-tokens", "2048", "--block-size", "32",
+                                   "--dtype", "bfloat16", "--seed", "3"])
+    args = engine_args_from_namespace(ns)
+    assert args == EngineArgs(model="model.gguf", kv_cache_memory_bytes=2 * 2**30,
+                              max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=2048,
+                              block_size=32, dtype="bfloat16", seed=3)
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    assert parse_size("1e9") == 10**9
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "--kv-cache-memory", "lots"])
+
+
+def test_help():
+    out = subprocess.run(cli("serve", "--help"), capture_output=True, text=True, cwd=REPO,
+                         env=_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--block-size", "--dtype", "--seed", "--kv-cache-memory", "--api-key",
+                 "--served-model-name", "--allowed-origins", "--port", "MODEL"):
+        assert flag in out.stdout, flag
+    top = subprocess.run(cli("--help"), capture_output=True, text=True, cwd=REPO, env=_env(),
+                         timeout=120)
+    assert all(cmd in top.stdout for cmd in ("serve", "generate", "chat"))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`pagedlm serve` as a real subprocess."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cli("serve", "--port", str(port), "--api-key", API_KEY, "--served-model-name",
+                "cli-model", "--log-stats-interval", "1", *ENGINE_FLAGS),
+            stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"pagedlm serve exited: {log.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"pagedlm serve did not come up: {log.read_text()}")
+        time.sleep(0.3)
+    yield url, proc, log
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_serve_subprocess(served):
+    url, proc, log = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["cli-model"]
+    r = client.completions.create(model="cli-model", prompt=PROMPT, max_tokens=8,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8 and r.choices[0].text
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    time.sleep(1.2)  # one stats interval
+    text = log.read_text()
+    assert "serving cli-model on http://127.0.0.1" in text
+    assert "Avg prompt throughput" in text and "KV cache usage" in text
+
+
+def test_generate_subprocess_matches_the_server(served):
+    url = served[0]
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    expected = client.completions.create(model="cli-model", prompt=PROMPT, max_tokens=10,
+                                         temperature=0).choices[0].text
+    out = subprocess.run(cli("generate", "--prompt", PROMPT, "--max-tokens", "10",
+                             "--temperature", "0", *ENGINE_FLAGS),
+                         capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected + "\n"
+
+
+def test_chat_subprocess_keeps_history(served):
+    url = served[0]
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    questions = ["What is the capital of France?", "And of Italy?"]
+    history, replies = [], []
+    for q in questions:
+        history.append({"role": "user", "content": q})
+        reply = client.chat.completions.create(model="cli-model", messages=history,
+                                               max_tokens=12,
+                                               temperature=0).choices[0].message.content
+        history.append({"role": "assistant", "content": reply})
+        replies.append(reply)
+    out = subprocess.run(cli("chat", "--max-tokens", "12", "--temperature", "0", *ENGINE_FLAGS),
+                         input="\n".join(questions) + "\n", capture_output=True, text=True,
+                         cwd=REPO, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "".join(r + "\n" for r in replies)
+
+
+def test_serve_stops_cleanly_on_sigint(served):
+    proc = served[1]
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0

@@ -1,0 +1,415 @@
+"""The OpenAI-compatible server, over a real socket with the `openai` client, on the default model.
+
+One server (real uvicorn, in a thread of this process) serves the module, so the tests can also
+look at the engine behind it: after 64 concurrent streams with a quarter dropped midway, every
+KV block must be free again.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import openai
+import pytest
+
+from pagedlm import EngineArgs
+from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
+
+MODEL = "smollm2-test"
+API_KEY = "sk-pagedlm-test"
+MAX_MODEL_LEN = 512
+PROMPT = "The three most common colors of cars are"
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=320),
+        log_stats=False, model_name=MODEL)
+    try:
+        with serve_in_thread(engine, served_model_names=[MODEL, "alias"],
+                             api_key=API_KEY) as running:
+            yield running
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    return server.engine.get_tokenizer()
+
+
+def chat_prompt_len(tokenizer, messages) -> int:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_usage_matches_tokenizer(client, tokenizer):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == MODEL
+    (choice,) = r.choices
+    assert choice.finish_reason == "length" and choice.text
+    assert r.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert r.usage.completion_tokens == 9
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 9
+    # The served alias answers too, with the same greedy text.
+    again = client.completions.create(model="alias", prompt=PROMPT, max_tokens=9, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].text == choice.text and again.model == "alias"
+
+
+def _stream_completion(client, **kwargs):
+    texts, finish, usage, chunks = {}, {}, None, 0
+    for chunk in client.completions.create(stream=True, **kwargs):
+        chunks += 1
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    return texts, finish, usage, chunks
+
+
+def test_completion_stream_equals_non_stream_with_seed_and_n(client, tokenizer):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, seed=1234, n=3)
+    full = client.completions.create(**kwargs)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts, finish, usage, chunks = _stream_completion(
+        client, stream_options={"include_usage": True}, **kwargs)
+    assert chunks > 3  # really streamed, not one blob
+    assert texts == {c.index: c.text for c in full.choices}
+    assert finish == {c.index: c.finish_reason for c in full.choices}
+    assert len(set(texts.values())) > 1  # n samples, not one sample three times
+    assert usage.prompt_tokens == full.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert usage.completion_tokens == full.usage.completion_tokens
+    # Exact counts: with ignore_eos every sample runs to max_tokens.
+    exact = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, n=2, seed=3,
+                                      extra_body={"ignore_eos": True})
+    assert exact.usage.completion_tokens == 14
+
+
+def test_chat_stream_equals_non_stream(client, tokenizer):
+    messages = [{"role": "system", "content": "You answer in one sentence."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    kwargs = dict(model=MODEL, messages=messages, max_completion_tokens=20, temperature=0.8,
+                  seed=7)
+    full = client.chat.completions.create(**kwargs)
+    assert full.object == "chat.completion"
+    (choice,) = full.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert full.usage.prompt_tokens == chat_prompt_len(tokenizer, messages)
+    text, roles, finish, usage = "", [], None, None
+    for chunk in client.chat.completions.create(stream=True,
+                                                stream_options={"include_usage": True},
+                                                **kwargs):
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.append(c.delta.role)
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert roles == ["assistant"]
+    assert text == choice.message.content
+    assert finish == choice.finish_reason
+    assert usage.model_dump() == full.usage.model_dump()
+
+
+def test_chat_max_tokens_and_n(client, tokenizer):
+    messages = [{"role": "user", "content": "Tell me a joke."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, n=2,
+                                       temperature=1.0, seed=11,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == chat_prompt_len(tokenizer, messages)
+
+
+def test_completion_logprobs(client, tokenizer):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 1 <= len(top) <= 4
+        # Greedy: the chosen token is the most likely one.
+        assert top[token] == pytest.approx(logprob)
+        assert logprob == pytest.approx(max(top.values()))
+
+
+def test_completion_echo_with_logprobs(client, tokenizer):
+    n_prompt = len(tokenizer.encode(PROMPT))
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    (choice,) = r.choices
+    assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
+    lp = choice.logprobs
+    assert len(lp.tokens) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert choice.text == PROMPT + plain.choices[0].text
+    # Streaming echo: the prompt comes first.
+    texts, _, _, _ = _stream_completion(client, model=MODEL, prompt=PROMPT, max_tokens=4,
+                                        temperature=0, echo=True,
+                                        extra_body={"ignore_eos": True})
+    assert texts[0] == choice.text
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    assert "".join(x.token for x in content) == r.choices[0].message.content
+    for x in content:
+        assert len(x.top_logprobs) == 2
+        assert x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob
+        assert x.token == x.top_logprobs[0].token  # greedy
+        assert x.bytes == list(x.token.encode())
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    words = re.findall(r"[A-Za-z]{3,}", base)
+    assert len(words) >= 3, base
+    stop = words[2]
+    cut = base.index(stop)
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "@@@"])
+    r = client.completions.create(**kwargs)
+    assert r.choices[0].text == base[:cut]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    texts, finish, _, _ = _stream_completion(client, **kwargs)
+    assert texts[0] == base[:cut] and finish[0] == "stop"
+    inclusive = client.completions.create(**kwargs,
+                                          extra_body={"include_stop_str_in_output": True})
+    assert inclusive.choices[0].text == base[:cut + len(stop)]
+
+
+def test_batch_of_prompts(client, tokenizer):
+    prompts = [PROMPT, "Paris is a city in"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, n=2,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert r.usage.completion_tokens == 20
+    single = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=5,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[2].text == r.choices[3].text == single.choices[0].text
+    # Token-id prompts work as well.
+    ids = tokenizer.encode(prompts[1])
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == single.choices[0].text
+
+
+# ---- errors ----
+
+def _error(exc_info, status: int, param: str | None = None) -> dict:
+    e = exc_info.value
+    assert e.status_code == status
+    body = e.body
+    assert set(body) >= {"message", "type", "param", "code"}, body
+    assert body["code"] == status and body["message"]
+    if param is not None:
+        assert body["param"] == param, body
+    return body
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"max_tokens": "abc"}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"n": "two"}, "n"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"stop": 5}, "stop"),
+    ({"logprobs": 100}, "logprobs"),
+    ({"seed": "x"}, "seed"),
+])
+def test_bad_fields_are_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=extra)
+    body = _error(exc_info, 400, param)
+    assert body["type"] == "BadRequestError"
+
+
+def test_bad_chat_requests_are_400(client):
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}],
+                                       max_tokens="many")
+    _error(exc_info, 400, "max_tokens")
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    _error(exc_info, 400, "messages")
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as exc_info:
+        client.completions.create(model="gpt-9", prompt=PROMPT, max_tokens=4)
+    body = _error(exc_info, 404, "model")
+    assert body["type"] == "NotFoundError" and "gpt-9" in body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user",
+                                                                 "content": "hi"}])
+
+
+def test_prompt_over_the_context_is_400(client):
+    long_prompt = "hello " * (MAX_MODEL_LEN + 50)
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+    body = _error(exc_info, 400)
+    assert "max_model_len" in body["message"] and str(MAX_MODEL_LEN) in body["message"]
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        client.chat.completions.create(model=MODEL, max_tokens=4,
+                                       messages=[{"role": "user", "content": long_prompt}])
+    assert "max_model_len" in _error(exc_info, 400)["message"]
+
+
+@pytest.mark.parametrize("content", [b'{"model": "x", "prompt": ', b"not json", b"", b"[1, 2]"])
+def test_invalid_json_is_400(server, content):
+    r = httpx.post(server.base_url + "/completions", content=content,
+                   headers={"Authorization": f"Bearer {API_KEY}",
+                            "Content-Type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["message"]
+
+
+def test_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(server.base_url + "/completions", headers=headers,
+                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 401
+        err = r.json()["error"]
+        assert err["code"] == 401 and err["type"] == "AuthenticationError" and err["message"]
+    assert httpx.get(server.base_url + "/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError) as exc_info:
+        openai.OpenAI(base_url=server.base_url, api_key="nope", max_retries=0).models.list()
+    _error(exc_info, 401)
+    # Health and metrics stay open (for probes and scrapers).
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_cors_preflight(server):
+    r = httpx.options(server.base_url + "/chat/completions",
+                      headers={"Origin": "http://example.test",
+                               "Access-Control-Request-Method": "POST",
+                               "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] in ("*", "http://example.test")
+
+
+def test_server_keeps_serving_after_errors(client):
+    for bad in ({"max_tokens": "abc"}, {"max_tokens": -3}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt=PROMPT, extra_body=bad)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+# ---- load: 64 streams, a quarter dropped midway ----
+
+def test_64_streams_dropping_a_quarter_frees_every_block(server):
+    engine = server.engine
+    aborted_before = engine.metrics.num_finished.get("abort", 0)
+    max_tokens = 32
+
+    async def one(i: int, client: openai.AsyncOpenAI):
+        drop = i % 4 == 0
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"Story number {i}: once upon a time", max_tokens=max_tokens,
+            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        chunks, finish, usage = 0, None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                chunks += 1
+                finish = c.finish_reason or finish
+            if drop and chunks >= 3:
+                await stream.close()  # hang up mid-stream
+                return "dropped", chunks, None
+        return finish, chunks, usage
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
+                                      max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(i, client) for i in range(64)))
+
+    results = asyncio.run(run())
+    dropped = [r for r in results if r[0] == "dropped"]
+    finished = [r for r in results if r[0] != "dropped"]
+    assert len(dropped) == 16 and len(finished) == 48
+    for finish, chunks, usage in finished:
+        assert finish == "length"
+        assert usage.completion_tokens == max_tokens
+    wait_until_idle(engine)
+    # The engine aborted exactly the 16 dropped requests, and every KV block is free again.
+    assert engine.metrics.num_finished.get("abort", 0) - aborted_before == 16
+    assert_all_blocks_free(engine)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert re.search(r'pagedlm:request_finished_total\{finished_reason="abort",'
+                     r'model_name="smollm2-test"\} (\d+)', metrics)
+
+
+def test_metrics_endpoint(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=False,
+                              extra_body={"ignore_eos": True})
+    wait_until_idle(server.engine)
+    text = httpx.get(server.url + "/metrics").text
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
+        assert m, name
+        return float(m.group(1))
+
+    assert value("pagedlm:num_requests_running") == 0
+    assert value("pagedlm:num_requests_waiting") == 0
+    assert value("pagedlm:kv_cache_usage_perc") == 0
+    assert value("pagedlm:prompt_tokens_total") > 0
+    assert value("pagedlm:generation_tokens_total") >= 4
+    assert value("pagedlm:time_to_first_token_seconds_count") > 0
+    assert value("pagedlm:inter_token_latency_seconds_count") > 0
+    assert value("pagedlm:e2e_request_latency_seconds_count") > 0
+    assert 'finished_reason="length"' in text
+
+
+def test_non_streaming_request_is_aborted_when_the_client_hangs_up(server):
+    engine = server.engine
+    aborted_before = engine.metrics.num_finished.get("abort", 0)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/completions", json=body, timeout=httpx.Timeout(5, read=1.0),
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    wait_until_idle(engine)
+    assert engine.metrics.num_finished.get("abort", 0) - aborted_before == 1
+    assert_all_blocks_free(engine)
