@@ -8,3 +8,11 @@ from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestOutputKind"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Imported on first use: it needs the `server` extra (prometheus_client).
+    if name == "AsyncLLMEngine":
+        from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+        return AsyncLLMEngine
+    raise AttributeError(f"module 'pagedlm' has no attribute {name!r}")

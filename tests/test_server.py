@@ -7,7 +7,11 @@ KV block must be free again.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import re
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -413,3 +417,24 @@ def test_non_streaming_request_is_aborted_when_the_client_hangs_up(server):
     wait_until_idle(engine)
     assert engine.metrics.num_finished.get("abort", 0) - aborted_before == 1
     assert_all_blocks_free(engine)
+
+
+def test_serving_benchmark_against_the_server(server, tmp_path):
+    """benchmarks/serving.py end to end (a small run): every request succeeds and is timed."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serving.py"
+    spec = importlib.util.spec_from_file_location("serving_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    plot, out = tmp_path / "latency.png", tmp_path / "result.json"
+    summary = bench.main(["--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6",
+                          "--request-rate", "20", "--input-len", "16", "--output-len", "5",
+                          "--save-plot", str(plot), "--output-json", str(out)])
+    assert summary["successful_requests"] == 6 and summary["failed_requests"] == 0
+    assert summary["total_output_tokens"] == 30 and summary["total_input_tokens"] >= 6 * 16
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        stats = summary[key]
+        assert 0 < stats["median"] <= stats["p99"], (key, stats)
+    assert summary["ttft_ms"]["p99"] <= summary["e2el_ms"]["p99"]
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    assert len(json.loads(out.read_text())["requests"]) == 6
