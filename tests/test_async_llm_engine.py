@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
+import httpx
 import pytest
 
 from pagedlm import EngineArgs, SamplingParams
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from pagedlm.sampling_params import RequestOutputKind
-from tests.server_utils import assert_all_blocks_free, wait_until_idle
+from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
 
 ARGS = dict(max_model_len=256, num_gpu_blocks_override=128)
 
@@ -148,3 +150,51 @@ def test_shutdown_fails_waiting_requests():
 
     asyncio.run(asyncio.wait_for(run(), 60))
     assert not eng.is_running and not eng.errored
+
+
+def test_server_fails_requests_and_health_when_the_engine_dies():
+    """Over HTTP: a failing step() turns the in-flight requests into errors (a 500 body, or an
+    error event in the stream) instead of hanging them; /health then answers 500."""
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(**ARGS), log_stats=False)
+    real_step = eng.engine.step
+    calls = 0
+
+    def failing_step():
+        nonlocal calls
+        calls += 1
+        if calls == 8:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    eng.engine.step = failing_step
+    body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True}
+    try:
+        with serve_in_thread(eng) as server:
+            async def run():
+                async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as c:
+                    async def streamed():
+                        lines = []
+                        async with c.stream("POST", "/completions",
+                                            json={**body, "stream": True}) as r:
+                            assert r.status_code == 200
+                            async for line in r.aiter_lines():
+                                if line:
+                                    lines.append(line)
+                        return lines
+
+                    return await asyncio.gather(c.post("/completions", json=body), streamed())
+
+            response, lines = asyncio.run(asyncio.wait_for(run(), 120))
+            assert response.status_code == 500
+            err = response.json()["error"]
+            assert err["code"] == 500 and "injected step failure" in err["message"]
+            assert len(lines) > 2 and lines[-1] == "data: [DONE]"
+            assert lines[0].startswith("data: {") and '"text"' in lines[0]  # it was streaming
+            event = json.loads(lines[-2][len("data: "):])
+            assert "injected step failure" in event["error"]["message"]
+            health = httpx.get(server.url + "/health")
+            assert health.status_code == 500 and health.json()["error"]["code"] == 500
+            after = httpx.post(server.base_url + "/completions", json=body)
+            assert after.status_code == 500 and "not running" in after.json()["error"]["message"]
+    finally:
+        eng.shutdown()

@@ -18,6 +18,7 @@ AsyncEngineDeadError.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -130,6 +131,7 @@ class AsyncLLMEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._lock = threading.Lock()  # orders "is it dead?" against queueing a command
         self._dead: BaseException | None = None
+        self._tokenizer = None
         self._thread = threading.Thread(target=self._run, name="pagedlm-engine", daemon=True)
         self._thread.start()
 
@@ -156,7 +158,11 @@ class AsyncLLMEngine:
             raise AsyncEngineDeadError(f"the engine loop is not running: {self._dead!r}")
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        """The tokenizer for the callers' side: a copy of the engine's, so that tokenizing on
+        the event loop never shares a tokenizer object with the engine thread."""
+        if self._tokenizer is None:
+            self._tokenizer = copy.deepcopy(self.engine.tokenizer)
+        return self._tokenizer
 
     @property
     def model_config(self):

@@ -81,9 +81,12 @@ async def with_cancellation(handler: Awaitable[Response], request: Request) -> R
 
 async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
     try:
-        return model.model_validate_json(await raw.body())
+        request = model.model_validate_json(await raw.body())
     except ValidationError as e:
         return validation_error_response(e)
+    if request.model_extra:
+        logger.info("ignoring unknown request fields: %s", sorted(request.model_extra))
+    return request
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
