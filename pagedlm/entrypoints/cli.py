@@ -145,6 +145,8 @@ def _build_engine(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    if args.prompt is None and sys.stdin.isatty():
+        print("Reading the prompt from stdin; end it with Ctrl-D.", file=sys.stderr)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise SystemExit("error: empty prompt (give --prompt or pipe one in)")

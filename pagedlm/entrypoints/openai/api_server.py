@@ -162,15 +162,31 @@ def default_served_name(model: str | None) -> str:
     return model if model is not None else DEFAULT_MODEL_NAME
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> None:
     """`pagedlm serve`: build the engine from the flags, serve until interrupted."""
     from pagedlm.entrypoints.cli_args import engine_args_from_namespace
 
     engine_args = engine_args_from_namespace(args)
     names = args.served_model_name or [default_served_name(engine_args.model)]
-    engine = AsyncLLMEngine.from_engine_args(engine_args, log_stats=not args.disable_log_stats,
-                                             log_stats_interval=args.log_stats_interval,
-                                             model_name=names[0])
+    sock = _bind(args.host, args.port)  # before the model loads: a taken port fails at once
+    try:
+        engine = AsyncLLMEngine.from_engine_args(
+            engine_args, log_stats=not args.disable_log_stats,
+            log_stats_interval=args.log_stats_interval, model_name=names[0])
+    except BaseException:
+        sock.close()
+        raise
     try:
         app = build_app(engine, served_model_names=names, api_key=args.api_key,
                         allowed_origins=args.allowed_origins,
@@ -180,12 +196,10 @@ def run_server(args: argparse.Namespace) -> None:
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=args.timeout_keep_alive)
-        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((args.host, args.port))
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(names),
                     host, port)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
