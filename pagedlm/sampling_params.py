@@ -140,3 +140,20 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search settings, as vLLM names them."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(n=self.beam_width, best_of=self.beam_width, use_beam_search=True,
+                              temperature=self.temperature, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos, length_penalty=self.length_penalty,
+                              include_stop_str_in_output=self.include_stop_str_in_output)

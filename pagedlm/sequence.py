@@ -98,6 +98,7 @@ class SequenceGroup:
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)
     prompt_logprobs_sent: bool = False
     priority: int = 0  # lower runs first under the priority policy
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     arrival_order: int = 0  # set by the scheduler: breaks ties in arrival order
     # Beam search: the best finished hypotheses so far, as (score, sequence), best first.
     beam_finished: list[tuple[float, Sequence]] = field(default_factory=list)

@@ -213,6 +213,8 @@ class Scheduler:
             for s, p in zip(all_seqs, prefixes):
                 bm.use_cached_prefix(s, p)
                 s.status = SequenceStatus.RUNNING
+            if group.metrics.first_scheduled_time is None:
+                group.num_cached_tokens = all_seqs[0].num_computed_tokens
             self._run(group, seqs, tokens, out)
             self.running.append(group)
             out.num_prefill_groups += 1

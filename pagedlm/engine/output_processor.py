@@ -38,6 +38,8 @@ class OutputProcessor:
                 row = self.beam_search.step(group, sg, s, row)
                 continue
             for seq, k in zip(list(sg.seqs), sg.num_samples):
+                if k == 0:
+                    continue  # mid-prompt: nothing sampled yet
                 # A prompt sampled k > 1 times forks into k sequences sharing its blocks.
                 targets = [seq] + [self.fork(group, seq) for _ in range(k - 1)]
                 for target in targets:
@@ -56,6 +58,8 @@ class OutputProcessor:
 
         outputs = []
         for sg in sched.scheduled_groups:
+            if not any(sg.num_samples) and not sg.group.is_finished():
+                continue  # a prompt chunk: nothing new to report
             out = make_request_output(sg.group)
             if out is not None:
                 outputs.append(out)
@@ -177,4 +181,5 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                          prompt_token_ids=group.prompt_token_ids,
                          prompt_logprobs=group.prompt_logprobs if send_prompt_lp else None,
-                         outputs=completions, finished=finished, metrics=group.metrics)
+                         outputs=completions, finished=finished, metrics=group.metrics,
+                         num_cached_tokens=group.num_cached_tokens)
