@@ -99,9 +99,9 @@ def test_beam_search_matches_transformers_with_eos(llm, hf_default_model, questi
                                    add_generation_prompt=True)
     ids = tok.encode(text, add_special_tokens=False)
     out = llm.beam_search([{"prompt_token_ids": ids}],
-                          BeamSearchParams(beam_width=3, max_tokens=16,
+                          BeamSearchParams(beam_width=3, max_tokens=24,
                                            length_penalty=length_penalty))[0]
-    expected = hf_beams(hf_default_model, ids, 3, 16, length_penalty)
+    expected = hf_beams(hf_default_model, ids, 3, 24, length_penalty)
     assert any(b.finish_reason == "stop" for b in out.sequences)  # EOS ended some beams
     assert len(out.sequences) == 3
     for ours, theirs in zip(out.sequences, expected):
