@@ -8,6 +8,11 @@ padding), so the two can be compared in one invocation.
 Acceptance workload:
     python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 \
         --output-len 16:256 --baseline hf
+
+With ``--baseline no-chunked-prefill`` the baseline is pagedlm itself with chunked prefill off,
+so chunked prefill (the default) can be compared with one-step prefills:
+    python benchmarks/throughput.py --num-prompts 64 --input-len 1024 --output-len 128 \
+        --baseline no-chunked-prefill
 """
 import argparse
 import gc
@@ -47,7 +52,12 @@ def parse_args():
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=None, help="(default: the engine's default, on)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="(default: the engine's default, on)")
+    p.add_argument("--baseline", choices=["none", "hf", "no-chunked-prefill"], default="none",
+                   help="hf: transformers generate; no-chunked-prefill: pagedlm without it")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for both runs (default: torch's choice)")
@@ -93,12 +103,15 @@ def figures(requests, elapsed, load_s):
     }
 
 
-def run_pagedlm(requests, args, model_file):
+def run_pagedlm(requests, args, model_file, **overrides):
     engine_kwargs = {k: v for k, v in {
         "dtype": args.dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "enable_prefix_caching": args.enable_prefix_caching,
     }.items() if v is not None}
+    engine_kwargs.update(overrides)
     start = time.perf_counter()
     llm = LLM(model=model_file, seed=args.seed, **engine_kwargs)
     load_s = time.perf_counter() - start
@@ -191,17 +204,22 @@ def main():
 
     results = {"pagedlm": run_pagedlm(requests, args, model_file)}
     report("pagedlm", results["pagedlm"])
-    if args.baseline == "hf":
-        results["hf"] = run_hf(requests, args, model_file, tokenizer)
+    if args.baseline != "none":
+        name = args.baseline
+        if name == "hf":
+            results[name] = run_hf(requests, args, model_file, tokenizer)
+        else:
+            results[name] = run_pagedlm(requests, args, model_file, enable_chunked_prefill=False,
+                                        max_num_batched_tokens=None)
         report("pagedlm", results["pagedlm"])  # repeated so both sit together at the end
-        report("hf", results["hf"])
+        report(name, results[name])
         ratios = {}
         for key, label in [("requests_per_s", "requests/s"),
                            ("total_tokens_per_s", "total tokens/s"),
                            ("output_tokens_per_s", "output tokens/s")]:
-            ratios[key] = results["pagedlm"][key] / results["hf"][key]
-            print(f"{label} ratio (pagedlm / hf): {ratios[key]:.2f}x")
-        results["ratios_pagedlm_over_hf"] = ratios
+            ratios[key] = results["pagedlm"][key] / results[name][key]
+            print(f"{label} ratio (pagedlm / {name}): {ratios[key]:.2f}x")
+        results[f"ratios_pagedlm_over_{name}"] = ratios
 
     if args.output_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)

@@ -2,11 +2,12 @@
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.entrypoints.llm import LLM
-from pagedlm.outputs import CompletionOutput, RequestOutput
-from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from pagedlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "RequestOutputKind"]
+           "CompletionOutput", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence"]
 __version__ = "0.1.0"
 
 

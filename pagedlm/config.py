@@ -96,6 +96,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks: int = 0  # filled in once the cache is sized
+    enable_prefix_caching: bool = True
+    swap_space_bytes: int = 0  # host memory for swapped-out blocks
+    num_cpu_blocks: int = 0  # filled in once the cache is sized
 
 
 @dataclass
@@ -103,6 +106,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+    preemption_mode: str = "recompute"  # or "swap"
 
 
 @dataclass

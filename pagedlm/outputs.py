@@ -47,3 +47,17 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of LLM.beam_search: as in vLLM, tokens and text include the prompt."""
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

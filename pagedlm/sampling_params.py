@@ -19,6 +19,7 @@ class SamplingParams:
     """What a request wants generated and how: the vLLM field names and defaults."""
 
     n: int = 1
+    best_of: int | None = None  # sequences generated; the n best are returned (default n)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -37,6 +38,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Beam search with best_of beams (vLLM's classic parameters); scores follow transformers:
+    # cumulative logprob / generated_length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
 
     # Derived in __post_init__; not user settings.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
@@ -53,6 +59,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.best_of is None:
+            self.best_of = self.n
         self._verify()
         self.stop_strings = tuple(self.stop)
         self.max_stop_len = max(map(len, self.stop_strings), default=0)
@@ -100,9 +108,27 @@ class SamplingParams:
         check(self.prompt_logprobs is None
               or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
               "prompt_logprobs", "must be an integer >= 0 or None")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "use_beam_search"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
+        check(is_int(self.best_of) and self.best_of >= self.n, "best_of",
+              f"must be an integer >= n ({self.n!r})")
+        if self.use_beam_search:
+            self._verify_beam_search(check, is_num)
 
+    def _verify_beam_search(self, check, is_num) -> None:
+        check(self.greedy, "temperature", "must be 0 with use_beam_search")
+        check(self.top_p == 1.0, "top_p", "must be 1 with use_beam_search")
+        check(self.top_k == 0, "top_k", "must be -1 or 0 with use_beam_search")
+        check(self.min_p == 0.0, "min_p", "must be 0 with use_beam_search")
+        check(not self.stop, "stop", "is not supported with use_beam_search")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check(getattr(self, name) == 0, name, "must be 0 with use_beam_search")
+        check(self.repetition_penalty == 1, "repetition_penalty",
+              "must be 1 with use_beam_search")
+        check(is_num(self.length_penalty), "length_penalty", "must be a number")
+        check(self.early_stopping in (True, False, "never"), "early_stopping",
+              "must be True, False or 'never'")
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
@@ -114,3 +140,20 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search settings, as vLLM names them."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(n=self.beam_width, best_of=self.beam_width, use_beam_search=True,
+                              temperature=self.temperature, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos, length_penalty=self.length_penalty,
+                              include_stop_str_in_output=self.include_stop_str_in_output)

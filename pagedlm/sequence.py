@@ -18,6 +18,7 @@ from pagedlm.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its KV blocks are in the host pool
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -49,6 +50,11 @@ class Sequence:
     output_text: str = ""
     detok: DetokenizerState = field(default_factory=DetokenizerState)
     stop_reason: int | str | None = None
+    # Prefix caching: hashes of the full blocks so far, how many of the block table's blocks
+    # are registered in the cache, and an extra key mixed into the first hash.
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    cache_key: object = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -69,7 +75,7 @@ class Sequence:
                         num_computed_tokens=self.num_computed_tokens,
                         status=self.status, cumulative_logprob=self.cumulative_logprob,
                         output_logprobs=list(self.output_logprobs),
-                        output_text=self.output_text,
+                        output_text=self.output_text, cache_key=self.cache_key,
                         detok=DetokenizerState(list(self.detok.tokens), self.detok.prefix_offset,
                                                self.detok.read_offset))
 
@@ -91,6 +97,12 @@ class SequenceGroup:
     # For DELTA outputs: seq_id -> (tokens, characters) already sent.
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)
     prompt_logprobs_sent: bool = False
+    priority: int = 0  # lower runs first under the priority policy
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    arrival_order: int = 0  # set by the scheduler: breaks ties in arrival order
+    # Beam search: the best finished hypotheses so far, as (score, sequence), best first.
+    beam_finished: list[tuple[float, Sequence]] = field(default_factory=list)
+    beam_done: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -105,4 +117,6 @@ class SequenceGroup:
     @property
     def max_num_seqs(self) -> int:
         """Sequences this group will run at once, reserved against max_num_seqs at admission."""
-        return self.sampling_params.n if len(self.seqs) == 1 else len(self.unfinished_seqs())
+        if len(self.seqs) == 1 and self.seqs[0].num_output_tokens == 0:
+            return self.sampling_params.best_of
+        return len(self.unfinished_seqs())

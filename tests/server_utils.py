@@ -71,6 +71,6 @@ def assert_all_blocks_free(engine: AsyncLLMEngine) -> None:
     bm = llm.block_manager
     assert not llm.scheduler.waiting and not llm.scheduler.running
     assert llm.requests == {}
+    assert not getattr(llm.scheduler, "swapped", [])
     assert bm.num_free_blocks == bm.num_blocks
     assert all(rc == 0 for rc in bm.ref_counts)
-    assert sorted(bm.free_block_ids) == list(range(bm.num_blocks))

@@ -15,9 +15,11 @@ def make_group(rid: str, prompt_len: int, seq_id: int, n: int = 1) -> SequenceGr
                          None, ids)
 
 
-def make_scheduler(num_blocks=64, budget=64, max_seqs=8, block_size=4):
+def make_scheduler(num_blocks=64, budget=64, max_seqs=8, block_size=4, chunked=False,
+                   **config):
     bm = BlockManager(num_blocks, block_size, watermark=0.0)
-    return Scheduler(SchedulerConfig(budget, max_seqs, 1024), bm), bm
+    return Scheduler(SchedulerConfig(budget, max_seqs, 1024, enable_chunked_prefill=chunked,
+                                     **config), bm), bm
 
 
 def run_step(sched: Scheduler):
@@ -124,3 +126,196 @@ def test_watermark_holds_back_admissions():
     assert bm.can_allocate(90, admission=True)
     assert not bm.can_allocate(91, admission=True)
     assert bm.can_allocate(100)  # running sequences may use the reserve
+
+
+# -- chunked prefill ---------------------------------------------------------------------------
+
+def test_chunked_prefill_runs_decodes_first_and_splits_the_prompt_over_steps():
+    sched, bm = make_scheduler(budget=16, chunked=True)
+    sched.add_seq_group(make_group("a", 6, 0))
+    run_step(sched)  # a's prompt in one go; it now decodes
+    long_group = make_group("long", 40, 1)
+    sched.add_seq_group(long_group)
+    chunks = []
+    while not long_group.seqs[0].num_output_tokens:
+        out = run_step(sched)
+        ids = [sg.group.request_id for sg in out.scheduled_groups]
+        assert ids[0] == "a" and out.scheduled_groups[0].num_new_tokens == [1]  # decode first
+        assert out.num_batched_tokens <= 16
+        long = out.scheduled_groups[1]
+        chunks.append(long.num_new_tokens[0])
+        # Mid-prompt chunks sample nothing; the last one samples the first output token.
+        assert long.num_samples == [0 if sum(chunks) < 40 else 1]
+    assert chunks == [15, 15, 10]
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    sched, _ = make_scheduler(budget=32, chunked=False)
+    sched.add_seq_group(make_group("a", 20, 0))
+    sched.add_seq_group(make_group("b", 20, 1))
+    out = run_step(sched)
+    assert [sg.num_new_tokens for sg in out.scheduled_groups] == [[20]]
+    chunked, _ = make_scheduler(budget=32, chunked=True)
+    chunked.add_seq_group(make_group("a", 20, 0))
+    chunked.add_seq_group(make_group("b", 20, 1))
+    out = run_step(chunked)
+    assert [sg.num_new_tokens for sg in out.scheduled_groups] == [[20], [12]]
+
+
+# -- prefix caching ----------------------------------------------------------------------------
+
+def make_caching_scheduler(num_blocks=32, budget=256, block_size=4, **config):
+    bm = BlockManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=True)
+    return Scheduler(SchedulerConfig(budget, 8, 1024, **config), bm), bm
+
+
+def group_with(rid: str, ids: list[int], seq_id: int, **params) -> SequenceGroup:
+    return SequenceGroup(rid, [Sequence(seq_id, list(ids), len(ids))], SamplingParams(**params),
+                         None, list(ids))
+
+
+def test_prefix_cache_reuses_the_longest_cached_prefix():
+    sched, bm = make_caching_scheduler()
+    prefix = list(range(100, 112))  # 3 full blocks of 4
+    a = group_with("a", prefix + [1, 2], 0)
+    sched.add_seq_group(a)
+    run_step(sched)
+    b = group_with("b", prefix + [7, 8, 9], 1)
+    sched.add_seq_group(b)
+    out = run_step(sched)
+    sb = next(sg for sg in out.scheduled_groups if sg.group is b)
+    assert sb.num_new_tokens == [3]  # only the suffix is computed
+    assert b.seqs[0].block_table[:3] == a.seqs[0].block_table[:3]
+    assert [bm.ref_counts[x] for x in b.seqs[0].block_table[:3]] == [2, 2, 2]
+    assert b.num_cached_tokens == 12
+    assert bm.prefix_hits == 12 and bm.prefix_queries == 14 + 15
+    # A prompt that is entirely cached still computes its last token (the step needs logits).
+    c = group_with("c", prefix, 2)
+    sched.add_seq_group(c)
+    out = run_step(sched)
+    sc = next(sg for sg in out.scheduled_groups if sg.group is c)
+    assert sc.num_new_tokens == [4] and c.seqs[0].block_table[:2] == a.seqs[0].block_table[:2]
+
+
+def test_prefix_is_shared_within_the_same_step():
+    # Every layer writes the step's K/V before reading, so a prompt admitted after another in
+    # the same step can already use the blocks the first one computes.
+    sched, bm = make_caching_scheduler()
+    prefix = list(range(100, 116))
+    a, b = group_with("a", prefix + [1], 0), group_with("b", prefix + [2], 1)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    out = run_step(sched)
+    assert [sg.num_new_tokens for sg in out.scheduled_groups] == [[17], [1]]
+    assert a.seqs[0].block_table[:4] == b.seqs[0].block_table[:4]
+
+
+def test_prompt_logprobs_requests_skip_the_cache_but_still_fill_it():
+    sched, bm = make_caching_scheduler()
+    prefix = list(range(100, 112))
+    sched.add_seq_group(group_with("a", prefix + [1], 0))
+    run_step(sched)
+    b = group_with("b", prefix + [2], 1, prompt_logprobs=1)
+    sched.add_seq_group(b)
+    out = run_step(sched)
+    assert next(sg for sg in out.scheduled_groups if sg.group is b).num_new_tokens == [13]
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first():
+    from pagedlm.core.block_pool import BlockPool
+    pool = BlockPool(4, enable_caching=True)
+    blocks = [pool.take() for _ in range(4)]
+    for i, b in enumerate(blocks[:3]):
+        pool.register(b, hash(("h", i)))
+    for b in [blocks[1], blocks[0], blocks[2], blocks[3]]:
+        pool.release(b)
+    assert pool.num_free_blocks == 4
+    # The uncached block goes first; then cached ones in the order they were freed.
+    assert pool.take() == blocks[3] and pool.num_evictions == 0
+    assert pool.take() == blocks[1] and pool.lookup(hash(("h", 1))) is None
+    # A hit revives a free cached block: it leaves the free list and is not evicted.
+    assert pool.lookup(hash(("h", 2))) == blocks[2]
+    pool.share(blocks[2])
+    assert pool.take() == blocks[0] and pool.num_free_blocks == 0
+    assert pool.num_evictions == 2 and pool.lookup(hash(("h", 2))) == blocks[2]
+
+
+# -- swapping ----------------------------------------------------------------------------------
+
+def test_swap_preemption_moves_blocks_to_host_and_back_before_new_admissions():
+    bm = BlockManager(6, 4, watermark=0.0, num_cpu_blocks=8)
+    sched = Scheduler(SchedulerConfig(100, 8, 1024, preemption_mode="swap"), bm)
+    groups = [make_group(f"r{i}", 8, i) for i in range(3)]
+    for g in groups:
+        sched.add_seq_group(g)
+    run_step(sched)
+    victim = groups[2]
+    device_blocks = list(victim.seqs[0].block_table)
+    out = run_step(sched)
+    assert out.preempted == 1 and out.swapped_out == 1 and sched.swapped == [victim]
+    assert [p[0] for p in out.blocks_to_swap_out] == device_blocks
+    swapped_out = out.blocks_to_swap_out
+    assert victim.seqs[0].status is SequenceStatus.SWAPPED
+    assert victim.seqs[0].num_computed_tokens == 8  # its KV is kept, not recomputed
+    assert bm.cpu.num_free_blocks == 6
+    # r1 leaves 3 blocks free: room for a new 4-token prompt but not for r2 with its next
+    # token. New prompts wait while a swapped group is pending.
+    sched.abort({"r1"})
+    sched.add_seq_group(make_group("new", 4, 9))
+    out = run_step(sched)
+    assert out.swapped_in == 0 and [sg.group.request_id for sg in out.scheduled_groups] == ["r0"]
+    assert [g.request_id for g in sched.waiting] == ["new"]
+    sched.abort({"r0"})
+    out = run_step(sched)
+    assert out.swapped_in == 1 and sched.swapped == []
+    assert [sg.group.request_id for sg in out.scheduled_groups] == ["r2", "new"]
+    assert sorted(p[0] for p in out.blocks_to_swap_in) == sorted(p[1] for p in swapped_out)
+    assert out.scheduled_groups[0].num_new_tokens == [1]  # straight back to decoding
+    assert bm.cpu.num_free_blocks == 8
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
+    bm = BlockManager(6, 4, watermark=0.0, num_cpu_blocks=1)
+    sched = Scheduler(SchedulerConfig(100, 8, 1024, preemption_mode="swap"), bm)
+    for i in range(3):
+        sched.add_seq_group(make_group(f"r{i}", 8, i))
+    run_step(sched)
+    out = run_step(sched)
+    assert out.preempted == 1 and out.swapped_out == 0 and not sched.swapped
+    assert sched.waiting[0].request_id == "r2"
+
+
+def test_forked_sequences_swap_their_shared_blocks_once():
+    bm = BlockManager(16, 4, watermark=0.0, num_cpu_blocks=16)
+    parent = Sequence(0, list(range(10)), 10)
+    bm.allocate(parent, 10)
+    parent.num_computed_tokens = 10
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    pairs = bm.swap_out([parent, child])
+    assert len(pairs) == 3 and bm.num_free_blocks == 16
+    assert parent.block_table == child.block_table
+    assert [bm.cpu.ref_counts[b] for b in parent.block_table] == [2, 2, 2]
+    back = bm.swap_in([parent, child])
+    assert len(back) == 3 and bm.cpu.num_free_blocks == 16
+    assert [bm.ref_counts[b] for b in parent.block_table] == [2, 2, 2]
+
+
+# -- priorities --------------------------------------------------------------------------------
+
+def test_priority_policy_admits_by_priority_and_preempts_lower_priority_running():
+    sched, bm = make_scheduler(budget=100, max_seqs=2, policy="priority")
+    low = [make_group(f"low{i}", 5, i) for i in range(3)]
+    for g in low:
+        g.priority = 5
+        sched.add_seq_group(g)
+    run_step(sched)
+    assert [g.request_id for g in sched.running] == ["low0", "low1"]
+    high = make_group("high", 5, 9)
+    high.priority = 0
+    sched.add_seq_group(high)
+    out = run_step(sched)
+    assert out.preempted == 1 and low[1].seqs[0].status is SequenceStatus.WAITING
+    assert [sg.group.request_id for sg in out.scheduled_groups] == ["low0", "high"]
+    # The preempted group waits ahead of the later low-priority one.
+    assert [g.request_id for g in sched.waiting] == ["low1", "low2"]

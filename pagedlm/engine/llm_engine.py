@@ -34,7 +34,10 @@ class EngineStats:
     num_steps: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed (recomputation included)
     num_generation_tokens: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # by recompute or swap
+    num_swapped_out: int = 0  # groups moved to the host pool
+    num_swapped_in: int = 0
+    num_ignored: int = 0  # groups finished unscheduled: they could never fit
     step_time: float = 0.0  # whole step() wall time
     model_time: float = 0.0  # inside the executor: the three below plus block copies
     prepare_time: float = 0.0  # building the flat batch
@@ -61,8 +64,10 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(mc.model_dir, self.tokenizer)
         self.input_preprocessor = InputPreprocessor(self.tokenizer, mc.vocab_size)
         self.executor = UniProcExecutor(config, self.eos_token_ids)
-        self.block_manager = BlockManager(self.executor.num_gpu_blocks,
-                                          config.cache_config.block_size)
+        cc = config.cache_config
+        self.block_manager = BlockManager(self.executor.num_gpu_blocks, cc.block_size,
+                                          num_cpu_blocks=self.executor.num_cpu_blocks,
+                                          enable_prefix_caching=cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.seq_counter = itertools.count()
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
@@ -79,11 +84,16 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}.")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(f"priority ({priority}) is only used with "
+                             f"scheduling_policy='priority'; this engine is 'fcfs'.")
         processed = self.input_preprocessor.process(prompt)
         ids = processed.prompt_token_ids
         max_len = self.config.model_config.max_model_len
@@ -96,8 +106,9 @@ class LLMEngine:
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt is too long for the KV cache: it needs {blocks} blocks "
                              f"but the cache has {self.block_manager.num_blocks}.")
-        if params.n > self.config.scheduler_config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) is larger than max_num_seqs "
+        if params.best_of > self.config.scheduler_config.max_num_seqs:
+            name = "n" if params.best_of == params.n else "best_of"
+            raise ValueError(f"{name} ({params.best_of}) is larger than max_num_seqs "
                              f"({self.config.scheduler_config.max_num_seqs}).")
         params = params.clone()
         room = max_len - len(ids) + 1  # the last sampled token needs no cache slot
@@ -107,7 +118,8 @@ class LLMEngine:
         seq.detok = self.output_processor.detokenizer.init_state(ids, params.skip_special_tokens)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         group = SequenceGroup(request_id, [seq], params, processed.prompt, list(ids),
-                              arrival_time=arrival_time or time.time(), generator=generator)
+                              arrival_time=arrival_time or time.time(), generator=generator,
+                              priority=priority)
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -125,15 +137,30 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens found in the prefix cache."""
+        return self.block_manager.prefix_hit_rate()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage()
+
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        self.stats.num_preemptions += sched.preempted
+        st = self.stats
+        st.num_preemptions += sched.preempted
+        st.num_swapped_out += sched.swapped_out
+        st.num_swapped_in += sched.swapped_in
+        st.num_ignored += len(sched.ignored_groups)
         if sched.is_empty:
             return []
         outputs = []
         if sched.scheduled_groups:
             outputs = self._execute(sched)
+        elif sched.has_cache_ops:  # everything was swapped out: the copies must still happen
+            self.executor.execute_model(sched)
         for group in sched.ignored_groups:  # finished without running: still reported
             if (out := make_request_output(group)) is not None:
                 outputs.append(out)

@@ -6,6 +6,7 @@ import time
 from transformers import PreTrainedTokenizerBase
 
 from pagedlm.core.scheduler import Scheduler, SchedulerOutput
+from pagedlm.engine.beam_search import BeamSearch
 from pagedlm.engine.detokenizer import IncrementalDetokenizer
 from pagedlm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedlm.sampling_params import RequestOutputKind
@@ -23,6 +24,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.next_seq_id = next_seq_id
+        self.beam_search = BeamSearch(self)
 
     def process(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
@@ -32,9 +34,14 @@ class OutputProcessor:
             group = sg.group
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
+            if group.sampling_params.use_beam_search:
+                row = self.beam_search.step(group, sg, s, row)
+                continue
             for seq, k in zip(list(sg.seqs), sg.num_samples):
+                if k == 0:
+                    continue  # mid-prompt: nothing sampled yet
                 # A prompt sampled k > 1 times forks into k sequences sharing its blocks.
-                targets = [seq] + [self._fork(group, seq) for _ in range(k - 1)]
+                targets = [seq] + [self.fork(group, seq) for _ in range(k - 1)]
                 for target in targets:
                     lp = None
                     if s.sampled_logprobs is not None:
@@ -51,12 +58,14 @@ class OutputProcessor:
 
         outputs = []
         for sg in sched.scheduled_groups:
+            if not any(sg.num_samples) and not sg.group.is_finished():
+                continue  # a prompt chunk: nothing new to report
             out = make_request_output(sg.group)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+    def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = parent.fork(next(self.next_seq_id))
         self.scheduler.fork_seq(parent, child)
         group.seqs.append(child)
@@ -128,20 +137,27 @@ class OutputProcessor:
 
 def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     """The RequestOutput this step owes the user, by the request's output kind."""
-    kind = group.sampling_params.output_kind
+    params = group.sampling_params
+    kind = params.output_kind
     finished = group.is_finished()
-    if kind is RequestOutputKind.FINAL_ONLY and not finished:
+    # Beams and best_of candidates are only ranked once all are done: nothing to stream.
+    final_only = (kind is RequestOutputKind.FINAL_ONLY or params.use_beam_search
+                  or params.best_of > params.n)
+    if final_only and not finished:
         return None
     if finished and group.metrics.finished_time is None:
         group.metrics.finished_time = time.time()
     delta = kind is RequestOutputKind.DELTA
-    params = group.sampling_params
     # While a sequence runs, hold back the text a stop string could still claim (it would be
     # cut from the final text), as vLLM does: streamed text is never taken back.
     hold = (params.max_stop_len - 1
             if params.stop_strings and not params.include_stop_str_in_output else 0)
+    seqs = group.seqs
+    ranked = params.use_beam_search or params.best_of > params.n
+    if params.best_of > params.n and not params.use_beam_search:
+        seqs = sorted(seqs, key=lambda q: q.cumulative_logprob, reverse=True)[:params.n]
     completions = []
-    for i, seq in enumerate(group.seqs):
+    for i, seq in enumerate(seqs):
         sent_tokens, sent_text = group.sent.get(seq.seq_id, (0, 0))
         token_ids = seq.output_token_ids
         logprobs = seq.output_logprobs if params.logprobs is not None else None
@@ -155,7 +171,7 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
             group.sent[seq.seq_id] = (seq.num_output_tokens, text_end)
         completions.append(CompletionOutput(
             index=i, text=text, token_ids=list(token_ids),
-            cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if ranked or logprobs is not None else None,
             logprobs=logprobs,
             finish_reason=seq.status.value if seq.status.finished else None,
             stop_reason=seq.stop_reason))
@@ -165,4 +181,5 @@ def make_request_output(group: SequenceGroup) -> RequestOutput | None:
     return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                          prompt_token_ids=group.prompt_token_ids,
                          prompt_logprobs=group.prompt_logprobs if send_prompt_lp else None,
-                         outputs=completions, finished=finished, metrics=group.metrics)
+                         outputs=completions, finished=finished, metrics=group.metrics,
+                         num_cached_tokens=group.num_cached_tokens)

@@ -9,8 +9,8 @@ from tqdm.auto import tqdm
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.inputs.preprocess import PromptType
-from pagedlm.outputs import RequestOutput
-from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict]
 
@@ -37,7 +37,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None
+                 ) -> list[RequestOutput]:
+        """priority: one per prompt (lower runs first), with scheduling_policy='priority'."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -53,8 +55,30 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries but there are "
                                  f"{len(prompts)} prompts; pass one, or one per prompt.")
-        self._add_requests(prompts, params)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries but there are "
+                             f"{len(prompts)} prompts; pass one per prompt.")
+        self._add_requests(prompts, params, list(priority))
         return self._run_engine(use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt; each output holds beam_width beams, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        results = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        tokenizer = self.get_tokenizer()
+        outputs = []
+        for r in results:
+            beams = []
+            for c in r.outputs:
+                tokens = list(r.prompt_token_ids) + list(c.token_ids)
+                beams.append(BeamSearchSequence(tokens, tokenizer.decode(tokens),
+                                                c.cumulative_logprob, c.finish_reason))
+            outputs.append(BeamSearchOutput(beams))
+        return outputs
 
     def chat(self, messages: ChatMessages | Seq[ChatMessages],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -74,17 +98,18 @@ class LLM:
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> None:
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
+                      priority: list[int]) -> None:
         added = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, prio in zip(prompts, params, priority):
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"sampling_params entries must be SamplingParams, got "
                                      f"{type(p).__name__}.")
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY  # generate() returns finals only
                 request_id = str(next(self.request_counter))
-                self.llm_engine.add_request(request_id, prompt, p)
+                self.llm_engine.add_request(request_id, prompt, p, priority=prio)
                 added.append(request_id)
         except Exception:
             # All or nothing: a bad prompt must not leave the earlier ones queued.

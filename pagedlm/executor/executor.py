@@ -14,11 +14,15 @@ class UniProcExecutor:
         self.worker = Worker(config.model_config, config.cache_config, eos_token_ids)
         sc = config.scheduler_config
         num_blocks = self.worker.determine_num_blocks(sc.max_num_seqs * sc.max_model_len)
-        self.worker.initialize_cache(num_blocks)
+        self.worker.initialize_cache(num_blocks, self.worker.determine_num_cpu_blocks())
 
     @property
     def num_gpu_blocks(self) -> int:
         return self.config.cache_config.num_gpu_blocks
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.config.cache_config.num_cpu_blocks
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(out)

@@ -10,6 +10,7 @@ from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk
 from pagedlm.config import ModelConfig
 from pagedlm.core.scheduler import SchedulerOutput, is_decode
 from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagedlm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -51,6 +52,16 @@ class ModelRunnerOutput:
     sampler_output: SamplerOutput
     prompt_logprobs: list[PromptLogprobs]
     timings: StepTimings
+
+
+def _num_logprobs(sp: SamplingParams) -> int:
+    """Top logprobs a row needs (-1: none): the user's, or what beam search and best_of rank by."""
+    k = sp.logprobs if sp.logprobs is not None else -1
+    if sp.use_beam_search:
+        return max(k, 2 * sp.best_of)
+    if sp.best_of > sp.n:
+        return max(k, 0)
+    return k
 
 
 class ModelRunner:
@@ -126,12 +137,13 @@ class ModelRunner:
                     first = last_row[(gi, 0)] - n + 1
                     prompt_lp.append(PromptLogprobsRequest(
                         gi, slice(first, first + end - start), seq.token_ids[start + 1:end + 1]))
-        want_lp = [p.logprobs for p in params if p.logprobs is not None]
+        want_lp = [_num_logprobs(p) for p in params]
         sampling = SamplingMetadata(params=params, generators=gens, output_token_ids=outs,
                                     prompt_token_ids=prompts, stop_ids=stops,
                                     all_greedy=all(p.greedy for p in params),
                                     max_num_logprobs=max(want_lp, default=-1))
-        return ModelInput(torch.tensor(ids), torch.tensor(positions), meta, torch.tensor(rows),
+        return ModelInput(torch.tensor(ids), torch.tensor(positions), meta,
+                          torch.tensor(rows, dtype=torch.long),
                           sampling, prompt_lp)
 
     @torch.inference_mode()

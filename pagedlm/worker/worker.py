@@ -41,10 +41,20 @@ class Worker:
         budget = int(available_memory_bytes() * cc.gpu_memory_utilization)
         return min(budget // per_block, cdiv(max_tokens_needed, cc.block_size))
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def determine_num_cpu_blocks(self) -> int:
+        per_block = kv_bytes_per_block(self.model_config, self.cache_config.block_size)
+        return self.cache_config.swap_space_bytes // per_block
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.cache_config.num_gpu_blocks = num_blocks
+        self.cache_config.num_cpu_blocks = num_cpu_blocks
         self.cache_engine = CacheEngine(self.model_config, self.cache_config)
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        # Swap-outs first: the blocks they vacate may be written this very step.
+        self.cache_engine.swap_out(out.blocks_to_swap_out)
+        self.cache_engine.swap_in(out.blocks_to_swap_in)
         self.cache_engine.copy_blocks(out.blocks_to_copy)
+        if not out.scheduled_groups:
+            return None
         return self.runner.execute_model(out, self.cache_engine.kv_caches)

@@ -1,0 +1,68 @@
+"""Preemption under a KV cache too small for the batch: by recompute and by swap, outputs equal
+those of a roomy cache, the counters show it happened, and every block comes back."""
+from __future__ import annotations
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+
+PROMPTS = ["The history of the printing press", "List three prime numbers:",
+           "A short poem about rain:", "def add(a, b):", "Translate 'good morning' to French:",
+           "The largest planet is", "Steps to boil an egg:", "Once upon a time"]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SAMPLED = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+
+
+def run(llm):
+    greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    sampled = [[c.token_ids for c in o.outputs]
+               for o in llm.generate(PROMPTS[:4], SAMPLED, use_tqdm=False)]
+    return greedy, sampled
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(LLM(kv_cache_memory_bytes=256 * 2**20))
+
+
+def assert_all_blocks_free(llm):
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    assert bm.cpu.num_free_blocks == bm.cpu.num_blocks and not any(bm.cpu.ref_counts)
+    sched = llm.llm_engine.scheduler
+    assert not (sched.waiting or sched.running or sched.swapped)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_recompute_preemption_keeps_outputs(reference, caching):
+    # 14 blocks of 16 tokens for 8 sequences growing to ~50 tokens (4 blocks each).
+    llm = LLM(num_gpu_blocks_override=14, preemption_mode="recompute",
+              enable_prefix_caching=caching)
+    assert run(llm) == reference
+    stats = llm.llm_engine.stats
+    assert stats.num_preemptions > 0 and stats.num_swapped_out == 0
+    assert_all_blocks_free(llm)
+
+
+def test_swap_preemption_keeps_outputs(reference):
+    llm = LLM(num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.25)
+    assert llm.llm_engine.block_manager.cpu.num_blocks > 0
+    assert run(llm) == reference
+    stats = llm.llm_engine.stats
+    assert stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out
+    # Every preemption was a swap: the host pool had room.
+    assert stats.num_preemptions == stats.num_swapped_out
+    assert_all_blocks_free(llm)
+
+
+def test_swap_falls_back_to_recompute_when_host_pool_is_too_small(reference):
+    # Two host blocks: not enough for any group, so every preemption recomputes.
+    per_block = 2 * 30 * 16 * 3 * 64 * 4  # layers, block size, kv heads, head dim, fp32
+    llm = LLM(num_gpu_blocks_override=14, preemption_mode="swap",
+              swap_space=2 * per_block / 2**30)
+    assert llm.llm_engine.block_manager.cpu.num_blocks == 2
+    assert run(llm) == reference
+    stats = llm.llm_engine.stats
+    assert stats.num_preemptions > 0
+    assert stats.num_swapped_out < stats.num_preemptions
+    assert_all_blocks_free(llm)
