@@ -60,6 +60,12 @@ def _sample_value(name: str, tp):
                                                             else "some-value")
 
 
+def _serve_actions():
+    serve = next(a for a in make_parser()._subparsers._group_actions[0].choices.values()
+                 if a.prog.endswith("serve"))
+    return serve._actions
+
+
 def test_every_engine_arg_has_a_flag():
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
@@ -75,6 +81,9 @@ def test_every_engine_arg_has_a_flag():
         value, text = _sample_value(f.name, base)
         if f.name == "kv_cache_memory_bytes":
             value = 4096
+        choices = next(a.choices for a in _serve_actions() if a.dest == f.name)
+        if choices:  # a str field with fixed choices: one that is not the default
+            value = text = [c for c in choices if c != f.default][-1]
         ns = make_parser().parse_args(["serve", flag, text])
         assert getattr(engine_args_from_namespace(ns), f.name) == value, f.name
     # Unset flags keep EngineArgs' defaults.

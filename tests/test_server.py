@@ -398,7 +398,9 @@ def test_metrics_endpoint(server, client):
 
     assert value("pagedlm:num_requests_running") == 0
     assert value("pagedlm:num_requests_waiting") == 0
+    assert value("pagedlm:num_requests_swapped") == 0
     assert value("pagedlm:kv_cache_usage_perc") == 0
+    assert value("pagedlm:prefix_cache_hit_rate") > 0  # PROMPT was sent many times
     assert value("pagedlm:prompt_tokens_total") > 0
     assert value("pagedlm:generation_tokens_total") >= 4
     assert value("pagedlm:time_to_first_token_seconds_count") > 0
@@ -438,3 +440,28 @@ def test_serving_benchmark_against_the_server(server, tmp_path):
     assert summary["ttft_ms"]["p99"] <= summary["e2el_ms"]["p99"]
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert len(json.loads(out.read_text())["requests"]) == 6
+
+
+def test_best_of_and_beam_search(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=6, n=2, best_of=4, temperature=1.0,
+                  seed=21, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kwargs)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 12  # the two returned, not the four sampled
+    texts, finish, usage, _ = _stream_completion(client, stream_options={"include_usage": True},
+                                                 **kwargs)
+    assert texts == {c.index: c.text for c in r.choices} and usage.completion_tokens == 12
+    beams = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=2, best_of=3,
+                                      temperature=0, logprobs=0,
+                                      extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text
+    score = [sum(c.logprobs.token_logprobs) for c in beams.choices]
+    assert score[0] >= score[1]  # best beam first (equal lengths: length_penalty plays no part)
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        client.completions.create(model=MODEL, prompt=PROMPT, n=3, best_of=2)
+    _error(exc_info, 400, "best_of")
+    # `priority` reaches the engine, which refuses it under first-come-first-served.
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"priority": 1})
+    assert "scheduling_policy" in _error(exc_info, 400, "priority")["message"]

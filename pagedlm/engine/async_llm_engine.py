@@ -82,6 +82,7 @@ class _Add:
     arrival_time: float
     stream: RequestStream
     ack: asyncio.Future
+    priority: int = 0
 
 
 @dataclass
@@ -176,7 +177,8 @@ class AsyncLLMEngine:
             self._commands.put(command)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          priority: int = 0) -> RequestStream:
         """Queue a request; returns its output stream once the engine accepted it.
 
         Raises the engine's ValueError for an invalid request (too long, bad params, ...).
@@ -184,7 +186,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop)
         ack = loop.create_future()
-        self._submit(_Add(request_id, prompt, params, arrival_time or time.time(), stream, ack))
+        self._submit(_Add(request_id, prompt, params, arrival_time or time.time(), stream, ack,
+                          priority))
         try:
             await ack
         except asyncio.CancelledError:
@@ -193,9 +196,10 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the request's RequestOutputs (per sampling_params.output_kind)."""
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params,
+                                        priority=priority)
         try:
             async for out in stream:
                 yield out
@@ -257,7 +261,8 @@ class AsyncLLMEngine:
     def _add(self, cmd: _Add) -> None:
         error = None
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time,
+                                    priority=cmd.priority)
         except Exception as e:  # noqa: BLE001 - a bad request fails itself, not the loop
             error = e
         else:
@@ -322,7 +327,9 @@ class AsyncLLMEngine:
         e = self.engine
         self.metrics.update(EngineSnapshot(
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
-            kv_cache_usage=e.block_manager.usage(), prompt_tokens=e.stats.num_prompt_tokens,
+            num_swapped=len(e.scheduler.swapped), kv_cache_usage=e.block_manager.usage(),
+            prefix_cache_hit_rate=e.prefix_cache_hit_rate,
+            prompt_tokens=e.stats.num_prompt_tokens,
             generation_tokens=e.stats.num_generation_tokens,
             preemptions=e.stats.num_preemptions))
         if self.log_stats:

@@ -27,7 +27,9 @@ class EngineSnapshot:
     """Totals the engine thread publishes after each step (read by the stats log)."""
     num_running: int = 0
     num_waiting: int = 0
+    num_swapped: int = 0
     kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
@@ -51,8 +53,13 @@ class EngineMetrics:
 
         self.running = gauge("pagedlm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("pagedlm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = gauge("pagedlm:num_requests_swapped",
+                             "Requests preempted to the host swap pool.")
         self.kv_usage = gauge("pagedlm:kv_cache_usage_perc",
                               "Fraction of KV-cache blocks in use (1 = full).")
+        self.prefix_hit_rate = gauge("pagedlm:prefix_cache_hit_rate",
+                                     "Share of looked-up prompt tokens found in the prefix "
+                                     "cache.")
         self.prompt_tokens = counter("pagedlm:prompt_tokens",
                                      "Prompt tokens computed (recomputation after preemption "
                                      "included).")
@@ -84,7 +91,9 @@ class EngineMetrics:
         old = self.snapshot
         self.running.set(snap.num_running)
         self.waiting.set(snap.num_waiting)
+        self.swapped.set(snap.num_swapped)
         self.kv_usage.set(snap.kv_cache_usage)
+        self.prefix_hit_rate.set(snap.prefix_cache_hit_rate)
         self.prompt_tokens.inc(max(0, snap.prompt_tokens - old.prompt_tokens))
         self.generation_tokens.inc(max(0, snap.generation_tokens - old.generation_tokens))
         self.preemptions.inc(max(0, snap.preemptions - old.preemptions))
@@ -105,10 +114,13 @@ class EngineMetrics:
         gen_tps = (snap.generation_tokens - last.generation_tokens) / elapsed
         self._last_log_time = now
         self._last_logged = snap
-        if not (prompt_tps or gen_tps or snap.num_running or snap.num_waiting):
+        if not (prompt_tps or gen_tps or snap.num_running or snap.num_waiting
+                or snap.num_swapped):
             return False  # idle: stay quiet
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
-                    "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                    "Preemptions: %d", prompt_tps, gen_tps, snap.num_running, snap.num_waiting,
-                    100 * snap.kv_cache_usage, snap.preemptions)
+                    "tokens/s, Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache "
+                    "usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d", prompt_tps,
+                    gen_tps, snap.num_running, snap.num_swapped, snap.num_waiting,
+                    100 * snap.kv_cache_usage, 100 * snap.prefix_cache_hit_rate,
+                    snap.preemptions)
         return True

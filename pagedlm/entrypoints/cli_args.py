@@ -33,10 +33,19 @@ _HELP = {
                                "settings).",
     "gpu_memory_utilization": "Share of the memory available at start-up the KV cache may use, "
                               "when no size is given.",
-    "max_num_batched_tokens": "Token budget of one engine step. Default: max(max_model_len, "
-                              "2048).",
+    "max_num_batched_tokens": "Token budget of one engine step. Default: 2048 with chunked "
+                              "prefill, else max(max_model_len, 2048).",
     "max_num_seqs": "Most sequences in the running batch.",
+    "enable_chunked_prefill": "Prefill long prompts over several steps, alongside decodes.",
+    "enable_prefix_caching": "Reuse the KV blocks of prompt prefixes seen before.",
+    "preemption_mode": "What happens to a preempted request's KV cache: recompute it later, "
+                       "or swap it to host memory.",
+    "swap_space": "GiB of host memory for swapped-out KV blocks (--preemption-mode swap).",
+    "scheduling_policy": "fcfs, or priority (requests' `priority` field, lower first).",
 }
+# Fixed choices of str fields.
+_CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
+            "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"]}
 # Extra spellings, as vLLM users know them.
 _ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"]}
 
@@ -108,6 +117,8 @@ def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True)
         elif f.name in _PARSERS:
             kwargs["type"] = _PARSERS[f.name]
             kwargs["metavar"] = "SIZE"
+        elif f.name in _CHOICES:
+            kwargs["choices"] = _CHOICES[f.name]
         elif base in (int, float, str):
             kwargs["type"] = base
             kwargs["metavar"] = {int: "N", float: "X", str: "TEXT"}[base]

@@ -80,6 +80,11 @@ class _SamplingFields(StrictRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
 
     def _unsupported(self) -> str | None:
         if self.logit_bias:
@@ -98,7 +103,9 @@ class _SamplingFields(StrictRequest):
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, best_of=self.best_of,
+            use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
@@ -118,15 +125,12 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None
-    best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
     def _unsupported(self) -> str | None:
         if self.suffix:
             return "suffix is not supported."
-        if self.best_of is not None and self.best_of != self.n:
-            return "best_of is not supported (it must equal n)."
         return super()._unsupported()
 
     def to_sampling_params(self) -> SamplingParams:

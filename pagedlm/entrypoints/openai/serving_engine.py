@@ -149,14 +149,15 @@ class OpenAIServing:
     def model_name(self, model: str | None) -> str:
         return model if model is not None else self.served_model_names[0]
 
-    async def submit(self, request_id: str, prompts: list[PromptType],
-                     params: SamplingParams) -> list[RequestStream] | JSONResponse:
+    async def submit(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
+                     priority: int = 0) -> list[RequestStream] | JSONResponse:
         """Add one engine request per prompt, all or nothing; an error becomes a response."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, prompt, params))
+                streams.append(await self.engine.add_request(rid, prompt, params,
+                                                             priority=priority))
         except ValueError as e:
             self.abort(streams)
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
