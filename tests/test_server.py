@@ -295,6 +295,16 @@ def test_prompt_over_the_context_is_400(client):
     assert "max_model_len" in _error(exc_info, 400)["message"]
 
 
+def test_prompt_plus_max_tokens_over_the_context_is_400(client):
+    prompt_ids = [1000] * (MAX_MODEL_LEN - 10)
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=20)
+    body = _error(exc_info, 400, "max_tokens")
+    assert str(MAX_MODEL_LEN) in body["message"] and str(MAX_MODEL_LEN + 10) in body["message"]
+    ok = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=10)
+    assert ok.usage.prompt_tokens + ok.usage.completion_tokens <= MAX_MODEL_LEN
+
+
 @pytest.mark.parametrize("content", [b'{"model": "x", "prompt": ', b"not json", b"", b"[1, 2]"])
 def test_invalid_json_is_400(server, content):
     r = httpx.post(server.base_url + "/completions", content=content,

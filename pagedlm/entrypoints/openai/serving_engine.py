@@ -152,6 +152,8 @@ class OpenAIServing:
     async def submit(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
                      priority: int = 0) -> list[RequestStream] | JSONResponse:
         """Add one engine request per prompt, all or nothing; an error becomes a response."""
+        if (too_long := self.check_context(prompts, params)) is not None:
+            return too_long
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -168,6 +170,23 @@ class OpenAIServing:
             self.abort(streams)  # cancelled: the client went away while we waited
             raise
         return streams
+
+    def check_context(self, prompts: list[PromptType], params: SamplingParams
+                      ) -> JSONResponse | None:
+        """As OpenAI and vLLM do: prompt plus max_tokens over the context is a 400, not a
+        silently shortened completion."""
+        for prompt in prompts:
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            if ids is None or params.max_tokens is None or len(ids) > self.max_model_len:
+                continue  # an over-long prompt gets the engine's own message
+            if len(ids) + params.max_tokens > self.max_model_len:
+                return error_response(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {len(ids) + params.max_tokens} tokens "
+                    f"({len(ids)} in the prompt, {params.max_tokens} in the completion). "
+                    f"Please reduce the length of the prompt or of max_tokens.", 400,
+                    "max_tokens")
+        return None
 
     def abort(self, streams: list[RequestStream]) -> None:
         self.engine.abort([s.request_id for s in streams if not s.finished])
