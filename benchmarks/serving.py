@@ -160,7 +160,7 @@ async def send(client: httpx.AsyncClient, args, model: str, prompt: str, t0: flo
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
                 return
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -192,6 +192,19 @@ async def send(client: httpx.AsyncClient, args, model: str, prompt: str, t0: flo
             result.error = "no text was generated"
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         result.error = f"{e.__class__.__name__}: {e}"
+
+
+async def sse_lines(response):
+    """Lines as server-sent events define them (split on CR/LF only). httpx's aiter_lines also
+    splits on U+2028 and the like, which JSON may legally carry unescaped in a token's text."""
+    buffer = b""
+    async for data in response.aiter_bytes():
+        buffer += data
+        *lines, buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8")
+    if buffer:
+        yield buffer.decode("utf-8")
 
 
 # ---- the run ----
