@@ -97,6 +97,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks: int = 0  # filled in once the cache is sized
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # or "builtin" (see core/block_hash.py)
     swap_space_bytes: int = 0  # host memory for swapped-out blocks
     num_cpu_blocks: int = 0  # filled in once the cache is sized
 

@@ -134,6 +134,17 @@ class SamplingParams:
         return self.temperature < _SAMPLING_EPS
 
     @property
+    def ranked_at_end(self) -> bool:
+        """best_of > n picks its outputs once every candidate is done: nothing to stream."""
+        return self.best_of > self.n
+
+    def stop_token_ids_with(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """Every token id that stops this request: its stop_token_ids, and EOS unless ignored."""
+        if self.ignore_eos:
+            return self.all_stop_token_ids
+        return self.all_stop_token_ids | eos_token_ids
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)

@@ -50,11 +50,12 @@ class Sequence:
     output_text: str = ""
     detok: DetokenizerState = field(default_factory=DetokenizerState)
     stop_reason: int | str | None = None
-    # Prefix caching: hashes of the full blocks so far, how many of the block table's blocks
-    # are registered in the cache, and an extra key mixed into the first hash.
-    block_hashes: list[int] = field(default_factory=list)
+    # Prefix caching: hashes of the full blocks so far, and how many of the block table's
+    # blocks are registered in the cache.
+    block_hashes: list[bytes | int] = field(default_factory=list)
     num_cached_blocks: int = 0
-    cache_key: object = None
+    # Mixed into the first block's hash: only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -75,9 +76,23 @@ class Sequence:
                         num_computed_tokens=self.num_computed_tokens,
                         status=self.status, cumulative_logprob=self.cumulative_logprob,
                         output_logprobs=list(self.output_logprobs),
-                        output_text=self.output_text, cache_key=self.cache_key,
+                        output_text=self.output_text, cache_salt=self.cache_salt,
                         detok=DetokenizerState(list(self.detok.tokens), self.detok.prefix_offset,
                                                self.detok.read_offset))
+
+
+@dataclass
+class OutputCursor:
+    """How much of each sequence earlier outputs carried (DELTA outputs send only the rest)."""
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (tokens, chars)
+    prompt_logprobs_sent: bool = False
+
+
+@dataclass
+class SequenceUpdates:
+    """What the output processor decided in one step, for the scheduler to act on."""
+    forks: list[tuple[SequenceGroup, Sequence, Sequence]] = field(default_factory=list)
+    finished: list[tuple[Sequence, SequenceStatus]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -94,14 +109,11 @@ class SequenceGroup:
     metrics: RequestMetrics | None = None
     # Prompt logprobs collected so far (chunked prompts add to it) until complete.
     partial_prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
-    # For DELTA outputs: seq_id -> (tokens, characters) already sent.
-    sent: dict[int, tuple[int, int]] = field(default_factory=dict)
-    prompt_logprobs_sent: bool = False
+    # What earlier RequestOutputs sent, for DELTA outputs.
+    cursor: OutputCursor = field(default_factory=OutputCursor)
     priority: int = 0  # lower runs first under the priority policy
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     arrival_order: int = 0  # set by the scheduler: breaks ties in arrival order
-    # Beam search: the best finished hypotheses so far, as (score, sequence), best first.
-    beam_finished: list[tuple[float, Sequence]] = field(default_factory=list)
     beam_done: bool = False
 
     def __post_init__(self) -> None:
@@ -115,8 +127,20 @@ class SequenceGroup:
         return all(s.status.finished for s in self.seqs)
 
     @property
+    def is_fresh(self) -> bool:
+        """Still one sequence with no output: its first sample forks it into best_of."""
+        return len(self.seqs) == 1 and self.seqs[0].num_output_tokens == 0
+
+    def num_samples(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Tokens to sample for seq after computing num_new_tokens more: 0 mid-prompt, best_of
+        where a fresh prompt completes (it forks), else 1."""
+        if seq.num_computed_tokens + num_new_tokens < len(seq.token_ids):
+            return 0
+        return self.sampling_params.best_of if self.is_fresh else 1
+
+    @property
     def max_num_seqs(self) -> int:
         """Sequences this group will run at once, reserved against max_num_seqs at admission."""
-        if len(self.seqs) == 1 and self.seqs[0].num_output_tokens == 0:
+        if self.is_fresh:
             return self.sampling_params.best_of
         return len(self.unfinished_seqs())

@@ -63,3 +63,57 @@ def test_cache_survives_across_batches_and_eviction_keeps_outputs_right(referenc
     assert greedy(llm, PROMPTS[4:]) == ref[4:]
     assert stats.num_prompt_tokens - before > 0
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+
+
+# -- safe hashes and tenant isolation ----------------------------------------------------------
+
+def test_sha256_is_the_default_block_hash_and_a_bad_algo_is_named():
+    from pagedlm.core.block_hash import sha256_block_hash
+    from pagedlm.engine.arg_utils import EngineArgs
+    assert EngineArgs().prefix_caching_hash_algo == "sha256"
+    llm = LLM(kv_cache_memory_bytes=64 * 2**20)
+    bm = llm.llm_engine.block_manager
+    assert bm.hash_block is sha256_block_hash
+    llm.generate(PROMPTS[0], PARAMS, use_tqdm=False)
+    hashes = list(bm.gpu.cached)
+    assert hashes and all(isinstance(h, bytes) and len(h) == 32 for h in hashes)
+    # The chain: each block's hash covers its parent's, its tokens and the first block's salt.
+    assert sha256_block_hash(None, (1, 2), ()) != sha256_block_hash(None, (1, 2), ("salt",))
+    assert sha256_block_hash(b"\1" * 32, (1, 2), ()) != sha256_block_hash(None, (1, 2), ())
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
+        LLM(prefix_caching_hash_algo="md5")
+
+
+@pytest.mark.parametrize("algo", ["sha256", "builtin"])
+def test_a_forged_hash_collision_never_reuses_another_prompts_blocks(reference, algo):
+    """Every block hashes alike (a forged collision): lookups must compare the block's tokens,
+    so no prompt is served another's KV, and outputs stay exactly those without caching."""
+    _, ref = reference
+    llm = LLM(kv_cache_memory_bytes=256 * 2**20, prefix_caching_hash_algo=algo)
+    bm = llm.llm_engine.block_manager
+    bm.hash_block = lambda parent, tokens, extra: b"collide"
+    victim = "A completely different opening about rivers, mountains and the sea. " * 8
+    llm.generate(victim, PARAMS, use_tqdm=False)  # its first block owns the colliding hash
+    assert len(bm.gpu.cached) == 1
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    assert bm.prefix_hits == 0
+
+
+def test_cache_salt_keeps_identical_prompts_apart():
+    llm = LLM(kv_cache_memory_bytes=256 * 2**20)
+    prompt = PROMPTS[0]
+
+    def cached(salt=None):
+        p = {"prompt": prompt} if salt is None else {"prompt": prompt, "cache_salt": salt}
+        return llm.generate(p, PARAMS, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # same prompt, other salt: nothing shared
+    assert cached() == 0  # no salt is its own namespace too
+    hit = cached("tenant-a")
+    assert hit > 0 and hit % 16 == 0
+    assert cached() == hit
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt": prompt, "cache_salt": ""}, PARAMS, use_tqdm=False)

@@ -25,11 +25,11 @@ def make_scheduler(num_blocks=64, budget=64, max_seqs=8, block_size=4, chunked=F
 def run_step(sched: Scheduler):
     """One step without a model: every sequence that reaches its end gets token 7."""
     out = sched.schedule()
-    sched.update_from_output(out)
     for sg in out.scheduled_groups:
         for seq, k in zip(sg.seqs, sg.num_samples):
             if k:
                 seq.token_ids.append(7)
+    sched.update_from_output(out)
     return out
 
 
@@ -74,7 +74,7 @@ def test_preempts_youngest_by_recompute_when_blocks_run_out():
     run_step(sched)
     assert bm.num_free_blocks == 0
     out = run_step(sched)
-    assert out.preempted >= 1 and sched.num_preemptions == out.preempted
+    assert sched.stats.num_preemptions >= 1
     victim = groups[2]
     assert victim.seqs[0].status is SequenceStatus.WAITING
     assert victim.seqs[0].num_computed_tokens == 0 and victim.seqs[0].block_table == []
@@ -100,7 +100,7 @@ def test_abort_frees_blocks_everywhere():
 def test_block_manager_fork_shares_blocks_and_copies_on_write():
     bm = BlockManager(num_blocks=8, block_size=4, watermark=0.0)
     parent = Sequence(0, list(range(6)), 6)
-    assert bm.allocate(parent, 6) == []
+    assert bm.allocate_slots([parent], [6]) == []
     parent.num_computed_tokens = 6
     assert len(parent.block_table) == 2 and bm.num_free_blocks == 6
     parent.token_ids.append(1)
@@ -109,13 +109,14 @@ def test_block_manager_fork_shares_blocks_and_copies_on_write():
     assert child.block_table == parent.block_table
     assert [bm.ref_counts[b] for b in parent.block_table] == [2, 2]
     # The last block is half full and shared: the first writer copies it.
-    assert bm.blocks_needed(child, 1) == 1
-    copies = bm.allocate(child, 1)
+    free = bm.num_free_blocks
+    copies = bm.allocate_slots([child], [1])
+    assert bm.num_free_blocks == free - 1
     assert len(copies) == 1 and copies[0][0] == parent.block_table[1]
     assert child.block_table[0] == parent.block_table[0]
     assert child.block_table[1] == copies[0][1] != parent.block_table[1]
     # Now the parent owns its last block alone and writes in place.
-    assert bm.allocate(parent, 1) == []
+    assert bm.allocate_slots([parent], [1]) == []
     bm.free(parent)
     bm.free(child)
     assert bm.num_free_blocks == 8 and all(c == 0 for c in bm.ref_counts)
@@ -123,9 +124,14 @@ def test_block_manager_fork_shares_blocks_and_copies_on_write():
 
 def test_watermark_holds_back_admissions():
     bm = BlockManager(num_blocks=100, block_size=4, watermark=0.1)
-    assert bm.can_allocate(90, admission=True)
-    assert not bm.can_allocate(91, admission=True)
-    assert bm.can_allocate(100)  # running sequences may use the reserve
+    seqs = [Sequence(i, [1] * 4 * k, 4 * k) for i, k in enumerate((90, 91, 100))]
+    assert bm.can_allocate_slots(seqs[:1], [360], admission=True)
+    assert not bm.can_allocate_slots(seqs[1:2], [364], admission=True)
+    assert bm.can_allocate_slots(seqs[2:], [400])  # running sequences may use the reserve
+    assert bm.can_ever_fit([360]) and not bm.can_ever_fit([361])
+    # All or nothing: a refused allocation takes no block.
+    assert bm.allocate_slots(seqs[1:2], [364], admission=True) is None
+    assert bm.num_free_blocks == 100 and not seqs[1].block_table
 
 
 # -- chunked prefill ---------------------------------------------------------------------------
@@ -226,18 +232,19 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
     pool = BlockPool(4, enable_caching=True)
     blocks = [pool.take() for _ in range(4)]
     for i, b in enumerate(blocks[:3]):
-        pool.register(b, hash(("h", i)))
+        pool.register(b, hash(("h", i)), ("content", i))
     for b in [blocks[1], blocks[0], blocks[2], blocks[3]]:
         pool.release(b)
     assert pool.num_free_blocks == 4
     # The uncached block goes first; then cached ones in the order they were freed.
     assert pool.take() == blocks[3] and pool.num_evictions == 0
-    assert pool.take() == blocks[1] and pool.lookup(hash(("h", 1))) is None
+    assert pool.take() == blocks[1] and pool.lookup(hash(("h", 1)), ("content", 1)) is None
     # A hit revives a free cached block: it leaves the free list and is not evicted.
-    assert pool.lookup(hash(("h", 2))) == blocks[2]
+    assert pool.lookup(hash(("h", 2)), ("content", 2)) == blocks[2]
+    assert pool.lookup(hash(("h", 2)), ("content", 0)) is None  # same hash, other content
     pool.share(blocks[2])
     assert pool.take() == blocks[0] and pool.num_free_blocks == 0
-    assert pool.num_evictions == 2 and pool.lookup(hash(("h", 2))) == blocks[2]
+    assert pool.num_evictions == 2 and pool.lookup(hash(("h", 2)), ("content", 2)) == blocks[2]
 
 
 # -- swapping ----------------------------------------------------------------------------------
@@ -252,25 +259,27 @@ def test_swap_preemption_moves_blocks_to_host_and_back_before_new_admissions():
     victim = groups[2]
     device_blocks = list(victim.seqs[0].block_table)
     out = run_step(sched)
-    assert out.preempted == 1 and out.swapped_out == 1 and sched.swapped == [victim]
+    assert sched.stats.num_preemptions == sched.stats.num_swapped_out == 1
+    assert sched.swapped == [victim]
     assert [p[0] for p in out.blocks_to_swap_out] == device_blocks
     swapped_out = out.blocks_to_swap_out
     assert victim.seqs[0].status is SequenceStatus.SWAPPED
     assert victim.seqs[0].num_computed_tokens == 8  # its KV is kept, not recomputed
     assert bm.cpu.num_free_blocks == 6
-    # r1 leaves 3 blocks free: room for a new 4-token prompt but not for r2 with its next
-    # token. New prompts wait while a swapped group is pending.
-    sched.abort({"r1"})
+    # While r2 is out and no block is free, it stays swapped and nothing else is admitted.
     sched.add_seq_group(make_group("new", 4, 9))
     out = run_step(sched)
-    assert out.swapped_in == 0 and [sg.group.request_id for sg in out.scheduled_groups] == ["r0"]
-    assert [g.request_id for g in sched.waiting] == ["new"]
-    sched.abort({"r0"})
+    assert sched.stats.num_swapped_in == 0 and sched.swapped == [victim]
+    assert [sg.group.request_id for sg in out.scheduled_groups] == ["r0", "r1"]
+    # r1 leaves 3 blocks free: exactly r2's 2 blocks plus one for its next token. Swapped
+    # groups come back before new prompts, so "new" (1 block) keeps waiting.
+    sched.abort({"r1"})
     out = run_step(sched)
-    assert out.swapped_in == 1 and sched.swapped == []
-    assert [sg.group.request_id for sg in out.scheduled_groups] == ["r2", "new"]
+    assert sched.stats.num_swapped_in == 1 and sched.swapped == []
+    assert [sg.group.request_id for sg in out.scheduled_groups] == ["r0", "r2"]
     assert sorted(p[0] for p in out.blocks_to_swap_in) == sorted(p[1] for p in swapped_out)
-    assert out.scheduled_groups[0].num_new_tokens == [1]  # straight back to decoding
+    assert out.scheduled_groups[1].num_new_tokens == [1]  # straight back to decoding
+    assert [g.request_id for g in sched.waiting] == ["new"] and bm.num_free_blocks == 0
     assert bm.cpu.num_free_blocks == 8
 
 
@@ -280,15 +289,16 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
     for i in range(3):
         sched.add_seq_group(make_group(f"r{i}", 8, i))
     run_step(sched)
-    out = run_step(sched)
-    assert out.preempted == 1 and out.swapped_out == 0 and not sched.swapped
+    run_step(sched)
+    assert sched.stats.num_preemptions == 1 and sched.stats.num_swapped_out == 0
+    assert not sched.swapped
     assert sched.waiting[0].request_id == "r2"
 
 
 def test_forked_sequences_swap_their_shared_blocks_once():
     bm = BlockManager(16, 4, watermark=0.0, num_cpu_blocks=16)
     parent = Sequence(0, list(range(10)), 10)
-    bm.allocate(parent, 10)
+    bm.allocate_slots([parent], [10])
     parent.num_computed_tokens = 10
     child = parent.fork(1)
     bm.fork(parent, child)
@@ -296,8 +306,8 @@ def test_forked_sequences_swap_their_shared_blocks_once():
     assert len(pairs) == 3 and bm.num_free_blocks == 16
     assert parent.block_table == child.block_table
     assert [bm.cpu.ref_counts[b] for b in parent.block_table] == [2, 2, 2]
-    back = bm.swap_in([parent, child])
-    assert len(back) == 3 and bm.cpu.num_free_blocks == 16
+    back, copies = bm.swap_in([parent, child], [], [])
+    assert len(back) == 3 and copies == [] and bm.cpu.num_free_blocks == 16
     assert [bm.ref_counts[b] for b in parent.block_table] == [2, 2, 2]
 
 
@@ -315,7 +325,7 @@ def test_priority_policy_admits_by_priority_and_preempts_lower_priority_running(
     high.priority = 0
     sched.add_seq_group(high)
     out = run_step(sched)
-    assert out.preempted == 1 and low[1].seqs[0].status is SequenceStatus.WAITING
+    assert sched.stats.num_preemptions == 1 and low[1].seqs[0].status is SequenceStatus.WAITING
     assert [sg.group.request_id for sg in out.scheduled_groups] == ["low0", "high"]
     # The preempted group waits ahead of the later low-priority one.
     assert [g.request_id for g in sched.waiting] == ["low1", "low2"]

@@ -2,27 +2,26 @@
 
 Each sequence owns a block table (logical block i -> physical block id). Forked sequences share
 blocks; a shared block is copied before it is written to (copy-on-write). With prefix caching a
-full block is known by a hash chained over its parent's hash and its token ids, so a new prompt
-starts from the longest prefix already in the cache. Swapping moves a group's blocks to the host
+full block is known by a hash chained over its parent's hash, its token ids and extra keys
+(core/block_hash.py), so a new prompt starts from the longest prefix already in the cache. Swapping moves a group's blocks to the host
 pool and back; the CacheEngine does the copies the returned (src, dst) pairs describe.
 """
 from __future__ import annotations
 
+from pagedlm.core.block_hash import ExtraKeys, get_block_hash_fn
 from pagedlm.core.block_pool import BlockPool
 from pagedlm.sequence import Sequence
 from pagedlm.utils import cdiv
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key=None) -> int:
-    # Python's tuple hash: 64 bits, deterministic for ints. The chain makes a block's hash
-    # stand for its whole prefix.
-    return hash((parent_hash, token_ids, extra_key))
-
-
 class BlockManager:
+    """The one place that knows how many blocks a step needs: the scheduler asks it
+    (`can_allocate_slots`, `allocate_slots`, `swap_in`, `can_ever_fit`) and does no block
+    arithmetic of its own."""
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False) -> None:
+                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False,
+                 hash_algo: str = "sha256") -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}.")
         self.num_blocks = num_blocks
@@ -32,6 +31,7 @@ class BlockManager:
         self.gpu = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_block = get_block_hash_fn(hash_algo)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -50,16 +50,36 @@ class BlockManager:
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
+    # -- what fits --------------------------------------------------------------------------
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    @property
+    def max_admissible_blocks(self) -> int:
+        """The most blocks a request may need at admission: the cache less the watermark."""
+        return self.num_blocks - self.watermark_blocks
+
+    def can_ever_fit(self, seq_lens: list[int]) -> bool:
+        """Whether sequences of these lengths, from scratch, could ever be admitted: the rule
+        add_request checks prompts against, so a prompt it accepts is never dropped unrun."""
+        return sum(map(self.num_blocks_for, seq_lens)) <= self.max_admissible_blocks
+
     # -- prefix caching -----------------------------------------------------------------------
+    @staticmethod
+    def _extra_keys(seq: Sequence, block_index: int) -> ExtraKeys:
+        # The salt only needs to enter the first block: the chain carries it to the rest.
+        return (seq.cache_salt,) if block_index == 0 and seq.cache_salt is not None else ()
+
+    def _block_content(self, seq: Sequence, i: int) -> tuple:
+        bs = self.block_size
+        parent = seq.block_hashes[i - 1] if i else None
+        return parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), self._extra_keys(seq, i)
+
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
         """Hashes of the full blocks among seq's first num_tokens tokens."""
-        bs = self.block_size
         hashes = seq.block_hashes
-        while (len(hashes) + 1) * bs <= num_tokens:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]),
-                                     seq.cache_key))
+        while (len(hashes) + 1) * self.block_size <= num_tokens:
+            hashes.append(self.hash_block(*self._block_content(seq, len(hashes))))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding seq's longest cached prefix. At least one token is left to compute,
@@ -68,18 +88,14 @@ class BlockManager:
             return []
         self._extend_hashes(seq, len(seq.token_ids) - 1)
         blocks = []
-        for h in seq.block_hashes:
-            block_id = self.gpu.lookup(h)
+        for i, h in enumerate(seq.block_hashes):
+            block_id = self.gpu.lookup(h, self._block_content(seq, i))
             if block_id is None:
                 break
             blocks.append(block_id)
         return blocks
 
-    def num_revived(self, blocks: list[int]) -> int:
-        """How many of these cached blocks are free now (reusing them takes them off the pool)."""
-        return sum(1 for b in blocks if self.gpu.is_free(b))
-
-    def use_cached_prefix(self, seq: Sequence, blocks: list[int]) -> None:
+    def _use_cached_prefix(self, seq: Sequence, blocks: list[int]) -> None:
         """Start a fresh sequence from its cached prefix blocks."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
@@ -92,40 +108,76 @@ class BlockManager:
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_cached_blocks = len(blocks)
 
-    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full blocks among seq's first num_tokens tokens (computed this step)."""
         if not self.enable_prefix_caching:
             return
         self._extend_hashes(seq, num_tokens)
         full = min(num_tokens // self.block_size, len(seq.block_table))
         for i in range(seq.num_cached_blocks, full):
-            self.gpu.register(seq.block_table[i], seq.block_hashes[i])
+            self.gpu.register(seq.block_table[i], seq.block_hashes[i],
+                              self._block_content(seq, i))
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)
 
     # -- allocation ---------------------------------------------------------------------------
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to take for the next num_new_tokens, counting a copy-on-write."""
-        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        needed = max(0, total - len(seq.block_table))
-        if self._shared_write_block(seq) is not None:
+    def _new_blocks(self, seq: Sequence, num_new_tokens: int, pool: BlockPool,
+                    num_prefix_blocks: int = 0) -> int:
+        """Blocks seq takes for its next num_new_tokens (a copy-on-write included); a fresh
+        sequence starting from num_prefix_blocks cached blocks counts from there."""
+        computed = max(seq.num_computed_tokens, num_prefix_blocks * self.block_size)
+        have = max(len(seq.block_table), num_prefix_blocks)
+        needed = max(0, cdiv(computed + num_new_tokens, self.block_size) - have)
+        if self._shared_write_block(seq, pool) is not None:
             needed += 1
         return needed
 
-    def _shared_write_block(self, seq: Sequence) -> int | None:
+    def _shared_write_block(self, seq: Sequence, pool: BlockPool) -> int | None:
         """Index in the block table of a shared block the next token would be written into."""
         idx = seq.num_computed_tokens // self.block_size
-        if idx < len(seq.block_table) and self.gpu.ref_counts[seq.block_table[idx]] > 1:
+        if idx < len(seq.block_table) and pool.ref_counts[seq.block_table[idx]] > 1:
             return idx
         return None
 
-    def can_allocate(self, num_blocks: int, admission: bool = False) -> bool:
+    def _num_blocks_needed(self, seqs: list[Sequence], num_new_tokens: list[int],
+                           prefixes: dict[Sequence, list[int]]) -> int:
+        revived = {b for p in prefixes.values() for b in p if self.gpu.is_free(b)}
+        return len(revived) + sum(
+            self._new_blocks(s, n, self.gpu, len(prefixes.get(s, ())))
+            for s, n in zip(seqs, num_new_tokens))
+
+    def _room_for(self, num_blocks: int, admission: bool) -> bool:
         reserve = self.watermark_blocks if admission else 0
         return self.gpu.num_free_blocks - num_blocks >= reserve
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Give seq room for its next num_new_tokens; returns (src, dst) blocks to copy."""
+    def can_allocate_slots(self, seqs: list[Sequence], num_new_tokens: list[int],
+                           admission: bool = False) -> bool:
+        return self._room_for(self._num_blocks_needed(seqs, num_new_tokens, {}), admission)
+
+    def allocate_slots(self, seqs: list[Sequence], num_new_tokens: list[int],
+                       admission: bool = False,
+                       prefixes: dict[Sequence, list[int]] | None = None
+                       ) -> list[tuple[int, int]] | None:
+        """Room for each seq's next num_new_tokens, all or nothing: the (src, dst) block copies
+        to make (copy-on-write), or None if the pool cannot cover them (less the watermark for
+        admissions). `prefixes`: fresh sequences' cached prefix blocks, taken first so that no
+        allocation evicts one of them. The full blocks computed this step are registered now,
+        so a prompt admitted later in the same step already shares them (every layer writes the
+        step's K/V before it reads any)."""
+        prefixes = prefixes or {}
+        if not self._room_for(self._num_blocks_needed(seqs, num_new_tokens, prefixes),
+                              admission):
+            return None
+        for s, blocks in prefixes.items():
+            self._use_cached_prefix(s, blocks)
         copies = []
-        idx = self._shared_write_block(seq)
+        for s, n in zip(seqs, num_new_tokens):
+            copies += self._allocate(s, n)
+            self._cache_full_blocks(s, s.num_computed_tokens + n)
+        return copies
+
+    def _allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        copies = []
+        idx = self._shared_write_block(seq, self.gpu)
         if idx is not None:
             src = seq.block_table[idx]
             dst = self.gpu.take()
@@ -170,16 +222,22 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
-    def num_swap_in_blocks(self, seqs: list[Sequence]) -> int:
-        return len(self._unique_blocks(seqs))
-
-    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Move seqs' blocks back to the device; returns (host, device) pairs to copy."""
+    def swap_in(self, seqs: list[Sequence], scheduled: list[Sequence], num_new_tokens: list[int]
+                ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+        """Move seqs' blocks back to the device with room for the scheduled seqs' next tokens
+        (an admission: the watermark holds), all or nothing. Returns the (host, device) pairs to
+        copy and the copy-on-write pairs, or None if the device pool cannot take them."""
+        blocks = len(self._unique_blocks(seqs)) + sum(
+            self._new_blocks(s, n, self.cpu) for s, n in zip(scheduled, num_new_tokens))
+        if not self._room_for(blocks, admission=True):
+            return None
         pairs = self._move(seqs, self.cpu, self.gpu)
         for s in seqs:
             s.num_cached_blocks = 0  # new device blocks: register them again
-            self.cache_full_blocks(s, s.num_computed_tokens)
-        return pairs
+            self._cache_full_blocks(s, s.num_computed_tokens)
+        copies = self.allocate_slots(scheduled, num_new_tokens)
+        assert copies is not None  # counted above
+        return pairs, copies
 
     @staticmethod
     def _move(seqs: list[Sequence], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:

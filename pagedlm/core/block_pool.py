@@ -4,7 +4,8 @@ A block whose reference count drops to zero is free. If it holds a full block of
 it keeps its hash and stays findable (prefix caching) until a new allocation needs the space:
 free blocks without a hash are handed out first (most recently freed first, so the memory that is
 touched stays warm), then cached ones are evicted least recently freed first. Every operation is
-O(1) per block: the evictable blocks sit in an insertion-ordered dict.
+O(1) per block: the evictable blocks sit in an insertion-ordered dict. A lookup also compares
+the block's content (parent hash, token ids, extra keys): a hash collision can only miss.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.block_hash: list[object | None] = [None] * num_blocks
+        self.content: list[tuple | None] = [None] * num_blocks  # (parent, tokens, extra keys)
+        self.cached: dict[object, int] = {}  # block hash -> block id
         self.num_evictions = 0
 
     @property
@@ -33,7 +35,7 @@ class BlockPool:
         else:
             block_id, _ = self.free_cached.popitem(last=False)
             del self.cached[self.block_hash[block_id]]
-            self.block_hash[block_id] = None
+            self.block_hash[block_id] = self.content[block_id] = None
             self.num_evictions += 1
         self.ref_counts[block_id] = 1
         return block_id
@@ -52,14 +54,15 @@ class BlockPool:
             else:
                 self.free_cached[block_id] = None
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self.cached.get(block_hash)
+    def lookup(self, block_hash: object, content: tuple) -> int | None:
+        block_id = self.cached.get(block_hash)
+        return block_id if block_id is not None and self.content[block_id] == content else None
 
-    def register(self, block_id: int, block_hash: int) -> None:
+    def register(self, block_id: int, block_hash: object, content: tuple) -> None:
         """Make a full, computed block findable by its hash (first copy wins)."""
         if self.enable_caching and block_hash not in self.cached:
             self.cached[block_hash] = block_id
-            self.block_hash[block_id] = block_hash
+            self.block_hash[block_id], self.content[block_id] = block_hash, content
 
     def is_free(self, block_id: int) -> bool:
         return self.ref_counts[block_id] == 0

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 from pagedlm.config import SchedulerConfig
 from pagedlm.core.block_manager import BlockManager
-from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus
-from pagedlm.utils import cdiv
+from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdates
 
 
 def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
@@ -39,14 +38,8 @@ class ScheduledGroup:
     num_samples: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        sp = self.group.sampling_params
-        # Beam search forks in the output processor, from one sample per beam.
-        first = 1 if sp.use_beam_search else sp.best_of
-        fresh = len(self.group.seqs) == 1
-        self.num_samples = [
-            0 if s.num_computed_tokens + k < len(s.token_ids)
-            else (first if fresh and s.num_output_tokens == 0 else 1)
-            for s, k in zip(self.seqs, self.num_new_tokens)]
+        self.num_samples = [self.group.num_samples(s, n)
+                            for s, n in zip(self.seqs, self.num_new_tokens)]
 
 
 @dataclass
@@ -59,9 +52,6 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on device
     # Groups that can never be scheduled (they outgrew the whole cache or budget): finished.
     ignored_groups: list[SequenceGroup] = field(default_factory=list)
-    preempted: int = 0  # groups preempted this step, by recompute or swap
-    swapped_out: int = 0  # of those, by swap
-    swapped_in: int = 0
     running_queue_size: int = 0
     waiting_queue_size: int = 0
     swapped_queue_size: int = 0
@@ -75,6 +65,15 @@ class SchedulerOutput:
         return not (self.scheduled_groups or self.ignored_groups or self.has_cache_ops)
 
 
+@dataclass
+class SchedulerStats:
+    """The scheduler's counters since start-up (the only place they are kept)."""
+    num_preemptions: int = 0  # by recompute or swap
+    num_swapped_out: int = 0  # of those, groups moved to the host pool
+    num_swapped_in: int = 0
+    num_ignored: int = 0  # groups finished unscheduled: they could never fit
+
+
 class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -83,10 +82,9 @@ class Scheduler:
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
-        self.num_preemptions = 0
-        self.num_swapped_out = 0
-        self.num_swapped_in = 0
+        self.stats = SchedulerStats()
         self._arrivals = 0
+        self._budget = 0  # tokens left in the step being scheduled
 
     def add_seq_group(self, group: SequenceGroup) -> None:
         group.arrival_order = self._arrivals
@@ -104,27 +102,24 @@ class Scheduler:
         return priority, group.arrival_order
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        sched_out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
         if self.config.policy == "priority":
-            self._preempt_for_priority(out)
-        grew_out = self._schedule_running(out)
+            self._preempt_for_priority(sched_out)
+        any_preempted = self._schedule_running(sched_out)
         num_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
-        if not grew_out:  # no room to spare this step otherwise
-            num_seqs = self._schedule_swapped(out, num_seqs)
+        if not any_preempted:  # no room to spare this step otherwise
+            num_seqs = self._schedule_swapped(sched_out, num_seqs)
             if not self.swapped:
-                self._schedule_waiting(out, num_seqs)
-        self.num_preemptions += out.preempted
-        self.num_swapped_out += out.swapped_out
-        self.num_swapped_in += out.swapped_in
-        out.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
-        out.running_queue_size = len(self.running)
-        out.waiting_queue_size = len(self.waiting)
-        out.swapped_queue_size = len(self.swapped)
-        return out
+                self._schedule_waiting(sched_out, num_seqs)
+        sched_out.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
+        sched_out.running_queue_size = len(self.running)
+        sched_out.waiting_queue_size = len(self.waiting)
+        sched_out.swapped_queue_size = len(self.swapped)
+        return sched_out
 
     # -- the three queues ---------------------------------------------------------------------
-    def _schedule_running(self, out: SchedulerOutput) -> bool:
+    def _schedule_running(self, sched_out: SchedulerOutput) -> bool:
         """Schedule running groups; returns whether any had to be preempted for lack of blocks."""
         bm = self.block_manager
         order = sorted(self.running, key=self._key)
@@ -138,44 +133,41 @@ class Scheduler:
             seqs, tokens = self._plan(group, group.unfinished_seqs())
             if not seqs:
                 continue  # no token budget left this step; it keeps its place
-            blocks = sum(bm.blocks_needed(s, n) for s, n in zip(seqs, tokens))
-            while not bm.can_allocate(blocks):
+            while (copies := bm.allocate_slots(seqs, tokens)) is None:
                 victim = max([*pending, group], key=self._key)
                 if victim is not group:
                     pending.remove(victim)
-                self._preempt(victim, out)
+                self._preempt(victim, sched_out)
                 preempted.add(id(victim))
                 if victim is group:
                     break
             else:
-                self._run(group, seqs, tokens, out)
+                self._add_scheduled(group, seqs, tokens, copies, sched_out)
         self.running = [g for g in order if id(g) not in preempted]
         return bool(preempted)
 
-    def _schedule_swapped(self, out: SchedulerOutput, num_seqs: int) -> int:
+    def _schedule_swapped(self, sched_out: SchedulerOutput, num_seqs: int) -> int:
         bm = self.block_manager
         for group in sorted(self.swapped, key=self._key):
             all_seqs = group.unfinished_seqs()
             seqs, tokens = self._plan(group, all_seqs)
             if not seqs or num_seqs + len(all_seqs) > self.config.max_num_seqs:
                 break
-            # Room for its blocks and the next tokens (with a copy-on-write each, to be safe).
-            blocks = bm.num_swap_in_blocks(all_seqs) + sum(
-                cdiv(s.num_computed_tokens + n, bm.block_size) - len(s.block_table) + 1
-                for s, n in zip(seqs, tokens))
-            if not bm.can_allocate(blocks, admission=True):
+            swapped_in = bm.swap_in(all_seqs, seqs, tokens)
+            if swapped_in is None:
                 break
+            pairs, copies = swapped_in
             self.swapped.remove(group)
-            out.blocks_to_swap_in += bm.swap_in(all_seqs)
-            out.swapped_in += 1
+            sched_out.blocks_to_swap_in += pairs
+            self.stats.num_swapped_in += 1
             for s in all_seqs:
                 s.status = SequenceStatus.RUNNING
-            self._run(group, seqs, tokens, out)
+            self._add_scheduled(group, seqs, tokens, copies, sched_out)
             self.running.append(group)
             num_seqs += len(all_seqs)
         return num_seqs
 
-    def _schedule_waiting(self, out: SchedulerOutput, num_seqs: int) -> None:
+    def _schedule_waiting(self, sched_out: SchedulerOutput, num_seqs: int) -> None:
         bm = self.block_manager
         self.waiting.sort(key=self._key)
         while self.waiting:
@@ -187,56 +179,49 @@ class Scheduler:
                 self.waiting.pop(0)
                 for s in all_seqs:
                     s.status = SequenceStatus.FINISHED_LENGTH
-                out.ignored_groups.append(group)
+                sched_out.ignored_groups.append(group)
+                self.stats.num_ignored += 1
                 continue
             if num_seqs + group.max_num_seqs > self.config.max_num_seqs:
                 break
             # Prompt logprobs need every prompt position's logits, so nothing can be skipped.
             use_cache = group.sampling_params.prompt_logprobs is None
-            prefixes = [bm.find_cached_prefix(s) if use_cache else [] for s in all_seqs]
-            remaining = [len(s.token_ids) - len(p) * bm.block_size
-                         for s, p in zip(all_seqs, prefixes)]
+            prefixes = {s: bm.find_cached_prefix(s) if use_cache else [] for s in all_seqs}
+            remaining = [len(s.token_ids) - len(prefixes[s]) * bm.block_size for s in all_seqs]
             seqs, tokens = self._plan(group, all_seqs, remaining)
-            if len(seqs) < len(all_seqs) and not self.config.enable_chunked_prefill:
+            if not seqs or (len(seqs) < len(all_seqs) and not self.config.enable_chunked_prefill):
                 break
-            if not seqs:
-                break
-            revived = bm.num_revived(list({b for p in prefixes for b in p}))
-            cached = {id(s): len(p) for s, p in zip(all_seqs, prefixes)}
-            blocks = revived + sum(
-                cdiv(cached[id(s)] * bm.block_size + n, bm.block_size) - cached[id(s)]
-                for s, n in zip(seqs, tokens))
-            if not bm.can_allocate(blocks, admission=True):
+            copies = bm.allocate_slots(seqs, tokens, admission=True, prefixes=prefixes)
+            if copies is None:
                 break
             self.waiting.pop(0)
-            # Take every cached prefix before allocating, so no allocation evicts one of them.
-            for s, p in zip(all_seqs, prefixes):
-                bm.use_cached_prefix(s, p)
+            for s in all_seqs:
                 s.status = SequenceStatus.RUNNING
             if group.metrics.first_scheduled_time is None:
                 group.num_cached_tokens = all_seqs[0].num_computed_tokens
-            self._run(group, seqs, tokens, out)
+            self._add_scheduled(group, seqs, tokens, copies, sched_out)
             self.running.append(group)
-            out.num_prefill_groups += 1
+            sched_out.num_prefill_groups += 1
             num_seqs += group.max_num_seqs
 
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+    def _preempt_for_priority(self, sched_out: SchedulerOutput) -> None:
         """Make room for the best waiting group by preempting running groups of lower priority."""
         if not self.waiting or not self.running:
             return
         bm = self.block_manager
         best = min(self.waiting, key=self._key)
-        need = sum(cdiv(len(s.token_ids), bm.block_size) for s in best.unfinished_seqs())
+        seqs = best.unfinished_seqs()
+        tokens = [s.num_uncomputed_tokens for s in seqs]
         while self.running:
             worst = max(self.running, key=self._key)
             if worst.priority <= best.priority:
                 return
             seqs_in_use = sum(len(g.unfinished_seqs()) for g in self.running)
-            if (bm.can_allocate(need, admission=True)
+            if (bm.can_allocate_slots(seqs, tokens, admission=True)
                     and seqs_in_use + best.max_num_seqs <= self.config.max_num_seqs):
                 return
             self.running.remove(worst)
-            self._preempt(worst, out)
+            self._preempt(worst, sched_out)
 
     # -- helpers ------------------------------------------------------------------------------
     def _plan(self, group: SequenceGroup, seqs: list[Sequence],
@@ -249,10 +234,6 @@ class Scheduler:
             return seqs, remaining
         if not self.config.enable_chunked_prefill:
             return [], []
-        if group.sampling_params.use_beam_search and len(seqs) > 1:
-            # Beams (recomputing after a preemption) must sample in the same step: each holds
-            # back its last token until all can finish together.
-            remaining = [n - 1 for n in remaining]
         chosen, tokens, left = [], [], self._budget
         for s, n in zip(seqs, remaining):
             n = min(n, left)
@@ -262,34 +243,28 @@ class Scheduler:
                 left -= n
         return chosen, tokens
 
-    def _run(self, group: SequenceGroup, seqs: list[Sequence], tokens: list[int],
-             out: SchedulerOutput) -> None:
-        bm = self.block_manager
-        for s, n in zip(seqs, tokens):
-            out.blocks_to_copy += bm.allocate(s, n)
-            # Registered now: a prompt admitted later in this step can already share these
-            # blocks, since every layer writes the step's K/V before it reads any.
-            bm.cache_full_blocks(s, s.num_computed_tokens + n)
-        out.scheduled_groups.append(ScheduledGroup(group, seqs, tokens))
+    def _add_scheduled(self, group: SequenceGroup, seqs: list[Sequence], tokens: list[int],
+                       copies: list[tuple[int, int]], sched_out: SchedulerOutput) -> None:
+        """Put a group whose slots are allocated into this step's output."""
+        sched_out.blocks_to_copy += copies
+        sched_out.scheduled_groups.append(ScheduledGroup(group, seqs, tokens))
         self._budget -= sum(tokens)
 
     def _can_ever_fit(self, seqs: list[Sequence]) -> bool:
-        bm = self.block_manager
-        blocks = sum(cdiv(len(s.token_ids), bm.block_size) for s in seqs)
-        tokens = sum(len(s.token_ids) for s in seqs)
-        return (blocks <= bm.num_blocks - bm.watermark_blocks
+        lens = [len(s.token_ids) for s in seqs]
+        return (self.block_manager.can_ever_fit(lens)
                 and (self.config.enable_chunked_prefill
-                     or tokens <= self.config.max_num_batched_tokens))
+                     or sum(lens) <= self.config.max_num_batched_tokens))
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _preempt(self, group: SequenceGroup, sched_out: SchedulerOutput) -> None:
         """Swap the group's blocks out to the host pool if that is the mode and there is room;
         otherwise drop its KV and queue it to be prefilled again (recompute)."""
         bm = self.block_manager
         seqs = group.unfinished_seqs()
-        out.preempted += 1
+        self.stats.num_preemptions += 1
         if self.config.preemption_mode == "swap" and bm.can_swap_out(seqs):
-            out.blocks_to_swap_out += bm.swap_out(seqs)
-            out.swapped_out += 1
+            sched_out.blocks_to_swap_out += bm.swap_out(seqs)
+            self.stats.num_swapped_out += 1
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
@@ -301,21 +276,29 @@ class Scheduler:
         self.waiting.append(group)  # its arrival order puts it back in front
 
     # -- after the step -----------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput) -> None:
-        """The step's tokens are now in the KV cache."""
-        for sg in output.scheduled_groups:
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           updates: SequenceUpdates | None = None) -> list[SequenceGroup]:
+        """Act on a finished step: its tokens are now in the KV cache; the output processor's
+        forks share their parent's blocks; finished sequences free theirs. Returns the groups
+        that finished (they leave the running queue)."""
+        for sg in sched_out.scheduled_groups:
             for seq, n in zip(sg.seqs, sg.num_new_tokens):
                 seq.num_computed_tokens += n
+        if updates is not None:
+            for group, parent, child in updates.forks:
+                self.block_manager.fork(parent, child)
+                child.num_computed_tokens = parent.num_computed_tokens
+                group.seqs.append(child)
+            for seq, status in updates.finished:
+                self._finish_seq(seq, status)
+        finished = [sg.group for sg in sched_out.scheduled_groups if sg.group.is_finished()]
+        if finished:
+            self.running = [g for g in self.running if not g.is_finished()]
+        return finished
 
-    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
-        self.block_manager.fork(parent, child)
-
-    def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+    def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.status = status
         self.block_manager.free(seq)
-
-    def free_finished_groups(self) -> None:
-        self.running = [g for g in self.running if not g.is_finished()]
 
     def abort(self, request_ids: set[str]) -> list[SequenceGroup]:
         aborted = []
@@ -327,6 +310,6 @@ class Scheduler:
                         self.block_manager.free_host(seq)
                         seq.status = SequenceStatus.FINISHED_ABORTED
                     else:
-                        self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+                        self._finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
                 aborted.append(group)
         return aborted

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedlm.core.block_hash import HASH_ALGOS
 from pagedlm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedlm.model_executor.model_loader.model_path import resolve_model
 
@@ -26,6 +27,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # or "builtin": faster, for single-tenant use
     preemption_mode: str = "recompute"  # or "swap"
     swap_space: float = 4  # GiB of host memory for swapped-out blocks (swap mode only)
     scheduling_policy: str = "fcfs"  # or "priority"
@@ -48,6 +50,9 @@ class EngineArgs:
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {list(HASH_ALGOS)}, got "
+                             f"{self.prefix_caching_hash_algo!r}.")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
                              f"{self.preemption_mode!r}.")
@@ -85,6 +90,7 @@ class EngineArgs:
                                      num_gpu_blocks_override=self.num_gpu_blocks_override,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      enable_prefix_caching=self.enable_prefix_caching,
+                                     prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                                      swap_space_bytes=swap_bytes),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=batched,
                                              max_num_seqs=self.max_num_seqs,

@@ -1,127 +1,190 @@
-"""Beam search over a SequenceGroup, built on the same forking as n > 1 sampling.
+"""Beam search on top of the engine (as vLLM's LLM.beam_search): ordinary requests, ranked here.
 
-Each step every live beam contributes its top 2 * beam_width next tokens; the best candidates by
-cumulative logprob become the new beams. A beam chosen more than once is forked (the children
-share its KV blocks; the scheduler copies the last block on write), a beam not chosen is freed.
-Candidates that end (EOS, a stop token, the length limit) become finished hypotheses, scored as
-transformers does: cumulative logprob / generated_length ** length_penalty, and the search ends
-by transformers' rules for early_stopping, so results match its beam search.
+Each step every live beam becomes a one-token request (prompt + the beam's tokens) asking for the
+top 2 * beam_width logprobs. The engine serves these like any request: beams that share a prefix
+share its KV blocks through prefix caching, so only the last, partly filled block of each beam is
+computed again. Once all of a step's requests are back, the best candidates by cumulative logprob
+become the next beams. Candidates that end (EOS, a stop token, the length limit: the engine's one
+stop check) become finished hypotheses, scored as transformers does: cumulative logprob /
+generated_length ** length_penalty; the search ends by transformers' rules for early_stopping,
+so results match its beam search token for token.
+
+The scheduler, model runner and output processor know nothing of this: LLMEngine routes the
+step requests' outputs here and reports only the final, ranked RequestOutput.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from dataclasses import dataclass, field
 
-from pagedlm.core.scheduler import ScheduledGroup
-from pagedlm.model_executor.layers.sampler import SamplerOutput
-from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedlm.engine.stop_checker import check_stop
+from pagedlm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.sequence import SequenceStatus
 
-if TYPE_CHECKING:
-    from pagedlm.engine.output_processor import OutputProcessor
+
+@dataclass
+class _Beam:
+    token_ids: list[int] = field(default_factory=list)  # generated so far
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Hypothesis:
+    score: float  # cumulative logprob / generated_length ** length_penalty
+    token_ids: list[int]
+    cumulative_logprob: float
+    status: SequenceStatus
+    stop_reason: int | None
+
+
+@dataclass
+class BeamStepRequest:
+    """One beam's request for the next step, to be added to the engine as is."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 class BeamSearch:
 
-    def __init__(self, processor: OutputProcessor) -> None:
-        self.processor = processor
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
+                 tokenizer, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.width = params.best_of
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.live: list[_Beam] = [_Beam()]
+        self.hypotheses: list[_Hypothesis] = []  # best first, at most beam_width
+        self.done = False
+        self.num_steps = 0
+        self.pending: dict[str, _Beam] = {}  # this step's request id -> its beam
+        self.results: dict[str, RequestOutput] = {}
+        self.prompt_logprobs = None
+        self.num_cached_tokens = 0
 
-    def step(self, group: SequenceGroup, sg: ScheduledGroup, s: SamplerOutput, row: int) -> int:
-        """Advance the group's beams with this step's rows (from `row`); returns the next row."""
-        sp = group.sampling_params
-        width = sp.best_of
-        candidates = []  # (cumulative logprob, parent, token id, logprob)
-        for seq, k in zip(sg.seqs, sg.num_samples):
-            if k == 0:
-                continue  # mid-prompt
-            for tid, lp in zip(s.top_token_ids[row][:2 * width], s.top_logprobs[row][:2 * width]):
-                candidates.append((seq.cumulative_logprob + lp, seq, tid, lp))
-            row += 1
+    def next_requests(self) -> list[BeamStepRequest]:
+        first = self.num_steps == 0
+        step_params = SamplingParams(
+            max_tokens=1, temperature=0.0, logprobs=2 * self.width, ignore_eos=True,
+            prompt_logprobs=self.params.prompt_logprobs if first else None,
+            skip_special_tokens=self.params.skip_special_tokens,
+            output_kind=RequestOutputKind.FINAL_ONLY)
+        self.pending, self.results = {}, {}
+        requests = []
+        for i, beam in enumerate(self.live):
+            rid = f"{self.request_id}#beam{self.num_steps}.{i}"
+            self.pending[rid] = beam
+            requests.append(BeamStepRequest(rid, self.prompt_token_ids + beam.token_ids,
+                                            step_params))
+        self.num_steps += 1
+        return requests
+
+    def add_output(self, output: RequestOutput) -> bool:
+        """A step request finished; True once all of this step's are in."""
+        self.results[output.request_id] = output
+        complete = len(self.results) == len(self.pending)
+        if self.num_steps == 1:
+            m = self.metrics
+            m.first_scheduled_time = m.first_scheduled_time or output.metrics.first_scheduled_time
+            if complete:
+                m.first_token_time = time.time()
+            self.prompt_logprobs = self.prompt_logprobs or output.prompt_logprobs
+            self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        return complete
+
+    def advance(self) -> None:
+        """Rank this step's candidates into the next beams and finished hypotheses."""
+        width = self.width
+        candidates = []  # (cumulative logprob, parent index, token id, logprob)
+        for index, (rid, parent) in enumerate(self.pending.items()):
+            completion = self.results[rid].outputs[0]
+            if not completion.logprobs:
+                continue  # the step request could not run (it outgrew the KV cache)
+            top = sorted(completion.logprobs[0].items(), key=lambda kv: kv[1].rank)
+            for tid, lp in top[:2 * width]:
+                candidates.append((parent.cumulative_logprob + lp.logprob, index, tid,
+                                   lp.logprob))
         if not candidates:
-            return row
+            for beam in self.live:
+                self._add_finished(beam, None, beam.cumulative_logprob,
+                                   SequenceStatus.FINISHED_LENGTH)
+            self._finish()
+            return
         candidates.sort(key=lambda c: c[0], reverse=True)
 
         continuations: dict[int, list[tuple[int, float]]] = {}
-        num_live = 0
-        for rank, (score, parent, tid, lp) in enumerate(candidates[:2 * width]):
-            status = self._ends(group, parent, tid)
-            if status is not None:
+        num_live, best_running = 0, 0.0
+        for rank, (score, index, tid, lp) in enumerate(candidates[:2 * width]):
+            parent = self.live[index]
+            stop = check_stop(self.params, self.eos_token_ids, self.max_model_len,
+                              len(self.prompt_token_ids) + len(parent.token_ids) + 1,
+                              len(parent.token_ids) + 1, tid)
+            if stop is not None:
                 # Only the top beam_width candidates may finish, as in transformers.
                 if rank < width:
-                    self._add_finished(group, parent, tid, score, status)
+                    self._add_finished(parent, tid, score, stop.status, stop.stop_reason)
             elif num_live < width:
-                continuations.setdefault(id(parent), []).append((tid, lp))
+                continuations.setdefault(index, []).append((tid, lp))
                 num_live += 1
                 if num_live == 1:
                     best_running = score
+        # Surviving parents (in order) take their best continuation; extra ones follow, in the
+        # order a fork would have appended them.
+        firsts, extras = [], []
+        for index, parent in enumerate(self.live):
+            for j, (tid, lp) in enumerate(continuations.get(index, [])):
+                beam = _Beam(parent.token_ids + [tid], parent.cumulative_logprob + lp)
+                (extras if j else firsts).append(beam)
+        self.live = firsts + extras
+        if num_live == 0 or self._is_done(best_running):
+            self._finish()
 
-        for parent in group.unfinished_seqs():
-            conts = continuations.get(id(parent))
-            if not conts:
-                self._drop(group, parent)
-                continue
-            for tid, lp in conts[1:]:  # fork before the parent moves on
-                self._append(self.processor.fork(group, parent), tid, lp)
-            self._append(parent, *conts[0])
-
-        if num_live == 0 or self._done(group, best_running):
-            self._finish(group)
-        return row
-
-    def _ends(self, group: SequenceGroup, parent: Sequence, tid: int) -> SequenceStatus | None:
-        sp = group.sampling_params
-        if not sp.ignore_eos and tid in self.processor.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if tid in sp.all_stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if (parent.num_output_tokens + 1 >= sp.max_tokens
-                or len(parent.token_ids) + 1 >= self.processor.max_model_len):
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    def _add_finished(self, group: SequenceGroup, parent: Sequence, tid: int, score: float,
-                      status: SequenceStatus) -> None:
-        sp = group.sampling_params
-        if sp.early_stopping is True and len(group.beam_finished) == sp.best_of:
+    def _add_finished(self, parent: _Beam, tid: int | None, cumulative: float,
+                      status: SequenceStatus, stop_reason: int | None = None) -> None:
+        sp = self.params
+        if sp.early_stopping is True and len(self.hypotheses) == self.width:
             return
-        hyp = parent.fork(next(self.processor.next_seq_id))  # tokens only: no KV blocks
-        hyp.token_ids.append(tid)
-        hyp.cumulative_logprob = score
-        hyp.status = status
-        if status is SequenceStatus.FINISHED_STOPPED and tid not in self.processor.eos_token_ids:
-            hyp.stop_reason = tid
-        normalized = score / (hyp.num_output_tokens ** sp.length_penalty)
-        group.beam_finished.append((normalized, hyp))
-        group.beam_finished.sort(key=lambda h: h[0], reverse=True)
-        del group.beam_finished[sp.best_of:]
+        tokens = parent.token_ids + ([tid] if tid is not None else [])
+        score = cumulative / (max(1, len(tokens)) ** sp.length_penalty)
+        self.hypotheses.append(_Hypothesis(score, tokens, cumulative, status, stop_reason))
+        self.hypotheses.sort(key=lambda h: h.score, reverse=True)
+        del self.hypotheses[self.width:]
 
-    def _done(self, group: SequenceGroup, best_running: float) -> bool:
+    def _is_done(self, best_running: float) -> bool:
         """transformers' stopping rule, checked after the step."""
-        sp = group.sampling_params
-        if len(group.beam_finished) < sp.best_of:
+        sp = self.params
+        if len(self.hypotheses) < self.width:
             return False
         if sp.early_stopping is True:
             return True
-        gen_len = next(iter(group.unfinished_seqs())).num_output_tokens
+        gen_len = len(self.live[0].token_ids)
         if sp.early_stopping == "never" and sp.length_penalty > 0:
             gen_len = sp.max_tokens
-        worst_finished = group.beam_finished[-1][0]
-        return best_running / (gen_len ** sp.length_penalty) <= worst_finished
+        return best_running / (gen_len ** sp.length_penalty) <= self.hypotheses[-1].score
 
-    @staticmethod
-    def _append(seq: Sequence, tid: int, lp: float) -> None:
-        seq.token_ids.append(tid)
-        seq.cumulative_logprob += lp
+    def _finish(self) -> None:
+        self.done = True
+        self.live = []
+        self.metrics.finished_time = time.time()
 
-    def _drop(self, group: SequenceGroup, seq: Sequence) -> None:
-        self.processor.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
-        group.seqs.remove(seq)
-
-    def _finish(self, group: SequenceGroup) -> None:
-        for seq in group.unfinished_seqs():
-            self._drop(group, seq)
-        tokenizer = self.processor.tokenizer
-        sp = group.sampling_params
-        group.seqs = [hyp for _, hyp in group.beam_finished[:sp.n]]
-        for hyp in group.seqs:
-            hyp.output_text = tokenizer.decode(hyp.output_token_ids,
-                                               skip_special_tokens=sp.skip_special_tokens)
-        group.beam_done = True
+    def request_output(self) -> RequestOutput:
+        """The final output: the n best hypotheses, best first."""
+        completions = [
+            CompletionOutput(index=i, text=self.tokenizer.decode(
+                                 h.token_ids, skip_special_tokens=self.params.skip_special_tokens),
+                             token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,
+                             logprobs=None, finish_reason=h.status.value,
+                             stop_reason=h.stop_reason)
+            for i, h in enumerate(self.hypotheses[:self.params.n])]
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=self.prompt_token_ids,
+                             prompt_logprobs=self.prompt_logprobs, outputs=completions,
+                             finished=True, metrics=self.metrics,
+                             num_cached_tokens=self.num_cached_tokens)

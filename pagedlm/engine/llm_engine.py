@@ -1,7 +1,9 @@
 """LLMEngine: add_request / abort_request / step, wiring the request's life together.
 
 prompt -> InputPreprocessor -> SequenceGroup in the Scheduler's waiting queue -> each step():
-Scheduler.schedule() -> Executor -> Worker -> ModelRunner -> OutputProcessor -> RequestOutputs.
+Scheduler.schedule() -> Executor -> Worker -> ModelRunner -> OutputProcessor (decides stops and
+forks) -> Scheduler.update_from_output (acts on them) -> RequestOutputs. Beam search runs on top
+(engine/beam_search.py): its steps are ordinary requests, routed back to it here.
 """
 from __future__ import annotations
 
@@ -15,34 +17,47 @@ import torch
 
 from pagedlm.config import EngineConfig
 from pagedlm.core.block_manager import BlockManager
-from pagedlm.core.scheduler import Scheduler, SchedulerOutput, is_decode
+from pagedlm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats, is_decode
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.beam_search import BeamSearch
 from pagedlm.engine.output_processor import OutputProcessor, make_request_output
 from pagedlm.executor.executor import UniProcExecutor
-from pagedlm.inputs.preprocess import InputPreprocessor, PromptType
+from pagedlm.inputs.preprocess import InputPreprocessor, ProcessedPrompt, PromptType
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
-from pagedlm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class EngineStats:
+    scheduler: SchedulerStats  # preemptions, swaps and ignored groups: kept there only
     num_steps: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed (recomputation included)
     num_generation_tokens: int = 0
-    num_preemptions: int = 0  # by recompute or swap
-    num_swapped_out: int = 0  # groups moved to the host pool
-    num_swapped_in: int = 0
-    num_ignored: int = 0  # groups finished unscheduled: they could never fit
     step_time: float = 0.0  # whole step() wall time
     model_time: float = 0.0  # inside the executor: the three below plus block copies
     prepare_time: float = 0.0  # building the flat batch
     forward_time: float = 0.0  # model forward and logits
     sample_time: float = 0.0  # sampler
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def num_swapped_out(self) -> int:
+        return self.scheduler.num_swapped_out
+
+    @property
+    def num_swapped_in(self) -> int:
+        return self.scheduler.num_swapped_in
+
+    @property
+    def num_ignored(self) -> int:
+        return self.scheduler.num_ignored
 
     def breakdown(self) -> str:
         rest = self.step_time - self.model_time
@@ -67,14 +82,16 @@ class LLMEngine:
         cc = config.cache_config
         self.block_manager = BlockManager(self.executor.num_gpu_blocks, cc.block_size,
                                           num_cpu_blocks=self.executor.num_cpu_blocks,
-                                          enable_prefix_caching=cc.enable_prefix_caching)
+                                          enable_prefix_caching=cc.enable_prefix_caching,
+                                          hash_algo=cc.prefix_caching_hash_algo)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.seq_counter = itertools.count()
-        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer,
-                                                self.eos_token_ids, mc.max_model_len,
-                                                self.seq_counter)
-        self.requests: dict[str, SequenceGroup] = {}
-        self.stats = EngineStats()
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
+                                                mc.max_model_len, self.seq_counter)
+        self.requests: dict[str, SequenceGroup] = {}  # in the scheduler (beam steps included)
+        self.beam_searches: dict[str, BeamSearch] = {}
+        self._beam_of: dict[str, BeamSearch] = {}  # beam step request id -> its search
+        self.stats = EngineStats(self.scheduler.stats)
         logger.info("engine ready in %.2fs: %d KV blocks of %d tokens",
                     time.perf_counter() - t, self.block_manager.num_blocks,
                     config.cache_config.block_size)
@@ -87,7 +104,7 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}.")
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.beam_searches:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}.")
@@ -97,15 +114,18 @@ class LLMEngine:
         processed = self.input_preprocessor.process(prompt)
         ids = processed.prompt_token_ids
         max_len = self.config.model_config.max_model_len
+        bm = self.block_manager
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token.")
         if len(ids) > max_len:
             raise ValueError(f"prompt is too long: {len(ids)} tokens, but max_model_len is "
                              f"{max_len}.")
-        blocks = cdiv(len(ids), self.block_manager.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"prompt is too long for the KV cache: it needs {blocks} blocks "
-                             f"but the cache has {self.block_manager.num_blocks}.")
+        if not bm.can_ever_fit([len(ids)]):
+            raise ValueError(f"prompt is too long for the KV cache: it needs "
+                             f"{bm.num_blocks_for(len(ids))} blocks of {bm.block_size} tokens, "
+                             f"but at most {bm.max_admissible_blocks} can be given to one "
+                             f"request ({bm.num_blocks} in the cache, less "
+                             f"{bm.watermark_blocks} held back).")
         if params.best_of > self.config.scheduler_config.max_num_seqs:
             name = "n" if params.best_of == params.n else "best_of"
             raise ValueError(f"{name} ({params.best_of}) is larger than max_num_seqs "
@@ -114,17 +134,44 @@ class LLMEngine:
         room = max_len - len(ids) + 1  # the last sampled token needs no cache slot
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
-        seq = Sequence(next(self.seq_counter), list(ids), len(ids))
+        arrival_time = arrival_time or time.time()
+        if params.use_beam_search:
+            search = BeamSearch(request_id, processed.prompt, list(ids), params,
+                                self.eos_token_ids, max_len, self.tokenizer, arrival_time)
+            self.beam_searches[request_id] = search
+            self._add_beam_step(search, processed.cache_salt, priority)
+            return
+        self._add_sequence_group(request_id, processed, params, arrival_time, priority)
+
+    def _add_sequence_group(self, request_id: str, processed: ProcessedPrompt,
+                            params: SamplingParams, arrival_time: float, priority: int) -> None:
+        ids = processed.prompt_token_ids
+        seq = Sequence(next(self.seq_counter), list(ids), len(ids),
+                       cache_salt=processed.cache_salt)
         seq.detok = self.output_processor.detokenizer.init_state(ids, params.skip_special_tokens)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         group = SequenceGroup(request_id, [seq], params, processed.prompt, list(ids),
-                              arrival_time=arrival_time or time.time(), generator=generator,
+                              arrival_time=arrival_time, generator=generator,
                               priority=priority)
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
 
+    def _add_beam_step(self, search: BeamSearch, cache_salt: str | None, priority: int) -> None:
+        for req in search.next_requests():
+            self._beam_of[req.request_id] = search
+            self._add_sequence_group(req.request_id,
+                                     ProcessedPrompt(None, req.prompt_token_ids, cache_salt),
+                                     req.params, search.metrics.arrival_time, priority)
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        # A beam step's id stands for its whole search: a search never waits on a lost step.
+        ids |= {self._beam_of[rid].request_id for rid in ids & self._beam_of.keys()}
+        for rid in ids & self.beam_searches.keys():
+            search = self.beam_searches.pop(rid)
+            ids |= search.pending.keys()
+            for step_id in search.pending:
+                self._beam_of.pop(step_id, None)
         for group in self.scheduler.abort(ids):
             self.requests.pop(group.request_id, None)
 
@@ -132,7 +179,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished()
+        """Requests as users see them: a beam search counts once."""
+        return len(self.requests) - len(self._beam_of) + len(self.beam_searches)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -149,28 +197,39 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        st = self.stats
-        st.num_preemptions += sched.preempted
-        st.num_swapped_out += sched.swapped_out
-        st.num_swapped_in += sched.swapped_in
-        st.num_ignored += len(sched.ignored_groups)
         if sched.is_empty:
             return []
-        outputs = []
+        reported = list(sched.ignored_groups)  # finished without running: still reported
         if sched.scheduled_groups:
-            outputs = self._execute(sched)
+            self._execute(sched)
+            reported += [sg.group for sg in sched.scheduled_groups
+                         if any(sg.num_samples) or sg.group.is_finished()]
         elif sched.has_cache_ops:  # everything was swapped out: the copies must still happen
             self.executor.execute_model(sched)
-        for group in sched.ignored_groups:  # finished without running: still reported
-            if (out := make_request_output(group)) is not None:
-                outputs.append(out)
-        for group in [sg.group for sg in sched.scheduled_groups] + sched.ignored_groups:
+        now = time.time()
+        outputs = []
+        for group in reported:
             if group.is_finished():
+                group.metrics.finished_time = group.metrics.finished_time or now
                 self.requests.pop(group.request_id, None)
+            report = make_request_output(group)
+            if report is None:
+                continue
+            out, group.cursor = report
+            search = self._beam_of.pop(group.request_id, None)
+            if search is None:
+                outputs.append(out)
+            elif search.add_output(out):
+                search.advance()
+                if search.done:
+                    del self.beam_searches[search.request_id]
+                    outputs.append(search.request_output())
+                else:
+                    self._add_beam_step(search, group.seqs[0].cache_salt, group.priority)
         self.stats.step_time += time.perf_counter() - t0
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> list[RequestOutput]:
+    def _execute(self, sched: SchedulerOutput) -> None:
         t1 = time.perf_counter()
         result = self.executor.execute_model(sched)
         st = self.stats
@@ -183,5 +242,5 @@ class LLMEngine:
                                     for s, n in zip(sg.seqs, sg.num_new_tokens)
                                     if not is_decode(s, n))
         st.num_generation_tokens += len(result.sampler_output.sampled_token_ids)
-        self.scheduler.update_from_output(sched)
-        return self.output_processor.process(sched, result)
+        updates = self.output_processor.process(sched, result)
+        self.scheduler.update_from_output(sched, updates)

@@ -16,6 +16,7 @@ import re
 import types
 import typing
 
+from pagedlm.core.block_hash import HASH_ALGOS
 from pagedlm.engine.arg_utils import EngineArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -38,6 +39,8 @@ _HELP = {
     "max_num_seqs": "Most sequences in the running batch.",
     "enable_chunked_prefill": "Prefill long prompts over several steps, alongside decodes.",
     "enable_prefix_caching": "Reuse the KV blocks of prompt prefixes seen before.",
+    "prefix_caching_hash_algo": "Prefix-cache block hash: sha256 (safe when tenants share the "
+                                "server), or builtin (Python's hash: faster, single-tenant).",
     "preemption_mode": "What happens to a preempted request's KV cache: recompute it later, "
                        "or swap it to host memory.",
     "swap_space": "GiB of host memory for swapped-out KV blocks (--preemption-mode swap).",
@@ -45,6 +48,7 @@ _HELP = {
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
+            "prefix_caching_hash_algo": list(HASH_ALGOS),
             "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"]}
 # Extra spellings, as vLLM users know them.
 _ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"]}

@@ -24,5 +24,5 @@ class UniProcExecutor:
     def num_cpu_blocks(self) -> int:
         return self.config.cache_config.num_cpu_blocks
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(out)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(scheduler_output)

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-# What generate() accepts for one prompt: text, {"prompt": text} or {"prompt_token_ids": ids}.
+# What generate() accepts for one prompt: text, {"prompt": text} or {"prompt_token_ids": ids};
+# a dict may add "cache_salt" (as vLLM's): only prompts with the same salt share cached blocks.
 PromptType = str | dict
 
 
@@ -13,6 +14,7 @@ PromptType = str | dict
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    cache_salt: str | None = None
 
 
 class InputPreprocessor:
@@ -22,6 +24,15 @@ class InputPreprocessor:
         self.vocab_size = vocab_size
 
     def process(self, prompt: PromptType) -> ProcessedPrompt:
+        processed = self._tokenize(prompt)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            salt = prompt["cache_salt"]
+            if not isinstance(salt, str) or not salt:
+                raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}.")
+            processed.cache_salt = salt
+        return processed
+
+    def _tokenize(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if not isinstance(prompt, dict):

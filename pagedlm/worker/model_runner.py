@@ -11,6 +11,7 @@ from pagedlm.config import ModelConfig
 from pagedlm.core.scheduler import SchedulerOutput, is_decode
 from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.sequence import Sequence
 
 
 @dataclass
@@ -55,13 +56,21 @@ class ModelRunnerOutput:
 
 
 def _num_logprobs(sp: SamplingParams) -> int:
-    """Top logprobs a row needs (-1: none): the user's, or what beam search and best_of rank by."""
+    """Top logprobs a row needs (-1: none): the user's, or 0 where best_of ranks by the sampled
+    token's logprob."""
     k = sp.logprobs if sp.logprobs is not None else -1
-    if sp.use_beam_search:
-        return max(k, 2 * sp.best_of)
-    if sp.best_of > sp.n:
-        return max(k, 0)
-    return k
+    return max(k, 0) if sp.best_of > sp.n else k
+
+
+@dataclass
+class _FlatBatch:
+    """The step's tokens, decodes first (so attention can batch them), then prefill chunks."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    decodes: list[Sequence]
+    prefills: list[tuple[Sequence, int, int]]  # (seq, first row, end row)
+    last_row: dict[tuple[int, int], int]  # (group index, seq index) -> its last row
 
 
 class ModelRunner:
@@ -74,53 +83,59 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed))
 
-    def prepare_input(self, out: SchedulerOutput) -> ModelInput:
-        bs = self.block_size
-        # Decodes (one token after a cached context) go first, so attention can batch them.
-        decodes, prefills = [], []
-        for gi, sg in enumerate(out.scheduled_groups):
-            for si, (seq, n) in enumerate(zip(sg.seqs, sg.num_new_tokens)):
-                entry = (gi, si, seq, n)
-                (decodes if is_decode(seq, n) else prefills).append(entry)
+    def prepare_input(self, scheduler_output: SchedulerOutput) -> ModelInput:
+        batch = self._build_batch(scheduler_output)
+        sampling, sample_rows, prompt_lp = self._build_sampling_metadata(scheduler_output,
+                                                                         batch.last_row)
+        return ModelInput(torch.tensor(batch.input_ids), torch.tensor(batch.positions),
+                          self._build_attn_metadata(batch), sample_rows, sampling, prompt_lp)
 
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_row: dict[tuple[int, int], int] = {}
-        chunks: list[PrefillChunk] = []
+    def _build_batch(self, scheduler_output: SchedulerOutput) -> _FlatBatch:
+        bs = self.block_size
+        decodes, prefills = [], []
+        for gi, sg in enumerate(scheduler_output.scheduled_groups):
+            for si, (seq, n) in enumerate(zip(sg.seqs, sg.num_new_tokens)):
+                (decodes if is_decode(seq, n) else prefills).append((gi, si, seq, n))
+        batch = _FlatBatch([], [], [], [seq for _, _, seq, _ in decodes], [], {})
         for i, (gi, si, seq, n) in enumerate(decodes + prefills):
             start = seq.num_computed_tokens
             table = seq.block_table
-            row0 = len(ids)
-            ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            last_row[(gi, si)] = len(ids) - 1
+            row0 = len(batch.input_ids)
+            batch.input_ids += seq.token_ids[start:start + n]
+            batch.positions += range(start, start + n)
+            batch.slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            batch.last_row[(gi, si)] = len(batch.input_ids) - 1
             if i >= len(decodes):
-                chunks.append(PrefillChunk(row0, len(ids), start,
-                                           torch.tensor(table) if start else None))
+                batch.prefills.append((seq, row0, len(batch.input_ids)))
+        return batch
 
-        nd = len(decodes)
+    @staticmethod
+    def _build_attn_metadata(batch: _FlatBatch) -> AttentionMetadata:
+        chunks = [PrefillChunk(row0, end, seq.num_computed_tokens,
+                               torch.tensor(seq.block_table) if seq.num_computed_tokens else None)
+                  for seq, row0, end in batch.prefills]
+        nd = len(batch.decodes)
         block_tables = seq_lens = None
         if nd:
-            width = max(len(seq.block_table) for _, _, seq, _ in decodes)
+            width = max(len(seq.block_table) for seq in batch.decodes)
             block_tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
-                                         for _, _, seq, _ in decodes], dtype=torch.int32)
-            seq_lens = torch.tensor([seq.num_computed_tokens + 1 for _, _, seq, _ in decodes],
+                                         for seq in batch.decodes], dtype=torch.int32)
+            seq_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in batch.decodes],
                                     dtype=torch.int32)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode_tokens=nd,
+        return AttentionMetadata(slot_mapping=torch.tensor(batch.slots), num_decode_tokens=nd,
                                  decode_block_tables=block_tables, decode_mask=None,
                                  prefills=chunks, decode_seq_lens=seq_lens)
 
+    def _build_sampling_metadata(self, scheduler_output: SchedulerOutput,
+                                 last_row: dict[tuple[int, int], int]
+                                 ) -> tuple[SamplingMetadata, torch.Tensor,
+                                            list[PromptLogprobsRequest]]:
         rows, params, gens, outs, prompts, stops, prompt_lp = [], [], [], [], [], [], []
-        for gi, sg in enumerate(out.scheduled_groups):
+        for gi, sg in enumerate(scheduler_output.scheduled_groups):
             group, sp = sg.group, sg.group.sampling_params
             # History and stop ids only where used (penalties, min_tokens): copying every
             # sequence's output each step would grow with its length.
-            stop_ids = frozenset()
-            if sp.min_tokens:
-                stop_ids = sp.all_stop_token_ids | (frozenset() if sp.ignore_eos
-                                                    else self.eos_token_ids)
+            stop_ids = sp.stop_token_ids_with(self.eos_token_ids) if sp.min_tokens else frozenset()
             for si, (seq, k) in enumerate(zip(sg.seqs, sg.num_samples)):
                 history = seq.output_token_ids if sp.has_penalties or sp.min_tokens else []
                 rows += [last_row[(gi, si)]] * k
@@ -142,26 +157,25 @@ class ModelRunner:
                                     prompt_token_ids=prompts, stop_ids=stops,
                                     all_greedy=all(p.greedy for p in params),
                                     max_num_logprobs=max(want_lp, default=-1))
-        return ModelInput(torch.tensor(ids), torch.tensor(positions), meta,
-                          torch.tensor(rows, dtype=torch.long),
-                          sampling, prompt_lp)
+        return sampling, torch.tensor(rows, dtype=torch.long), prompt_lp
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput, kv_caches) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, kv_caches) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        inp = self.prepare_input(out)
+        inp = self.prepare_input(scheduler_output)
         t1 = time.perf_counter()
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_metadata)
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         t2 = time.perf_counter()
         sampled = self.sampler(logits, inp.sampling_metadata)
-        prompt_logprobs = [self._prompt_logprobs(hidden, r, out) for r in inp.prompt_logprobs]
+        prompt_logprobs = [self._prompt_logprobs(hidden, r, scheduler_output)
+                           for r in inp.prompt_logprobs]
         return ModelRunnerOutput(sampled, prompt_logprobs,
                                  StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: PromptLogprobsRequest,
-                         out: SchedulerOutput) -> PromptLogprobs:
-        k = out.scheduled_groups[req.group_index].group.sampling_params.prompt_logprobs
+                         scheduler_output: SchedulerOutput) -> PromptLogprobs:
+        k = scheduler_output.scheduled_groups[req.group_index].group.sampling_params.prompt_logprobs
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[req.rows]), dim=-1)
         targets = torch.tensor(req.target_ids).unsqueeze(1)
         chosen = logprobs.gather(1, targets)

@@ -50,11 +50,11 @@ class Worker:
         self.cache_config.num_cpu_blocks = num_cpu_blocks
         self.cache_engine = CacheEngine(self.model_config, self.cache_config)
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         # Swap-outs first: the blocks they vacate may be written this very step.
-        self.cache_engine.swap_out(out.blocks_to_swap_out)
-        self.cache_engine.swap_in(out.blocks_to_swap_in)
-        self.cache_engine.copy_blocks(out.blocks_to_copy)
-        if not out.scheduled_groups:
+        self.cache_engine.swap_out(scheduler_output.blocks_to_swap_out)
+        self.cache_engine.swap_in(scheduler_output.blocks_to_swap_in)
+        self.cache_engine.copy_blocks(scheduler_output.blocks_to_copy)
+        if not scheduler_output.scheduled_groups:
             return None
-        return self.runner.execute_model(out, self.cache_engine.kv_caches)
+        return self.runner.execute_model(scheduler_output, self.cache_engine.kv_caches)

@@ -85,6 +85,8 @@ class _SamplingFields(StrictRequest):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     priority: int = 0  # with --scheduling-policy priority: lower runs first
+    # Prefix-cache isolation (vLLM's field): only requests with the same salt share blocks.
+    cache_salt: str | None = None
 
     def _unsupported(self) -> str | None:
         if self.logit_bias:

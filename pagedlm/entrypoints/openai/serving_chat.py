@@ -51,7 +51,8 @@ class OpenAIServingChat(OpenAIServing):
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
         request_id = f"chatcmpl-{random_uuid()}"
-        streams = await self.submit(request_id, [prompt], params, request.priority)
+        streams = await self.submit(request_id, [prompt], params, request.priority,
+                                         request.cache_salt)
         if isinstance(streams, JSONResponse):
             return streams
         model = self.model_name(request.model)

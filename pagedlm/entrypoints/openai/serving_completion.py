@@ -28,7 +28,8 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
         request_id = f"cmpl-{random_uuid()}"
-        streams = await self.submit(request_id, prompts, params, request.priority)
+        streams = await self.submit(request_id, prompts, params, request.priority,
+                                         request.cache_salt)
         if isinstance(streams, JSONResponse):
             return streams
         model = self.model_name(request.model)

@@ -150,10 +150,13 @@ class OpenAIServing:
         return model if model is not None else self.served_model_names[0]
 
     async def submit(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
-                     priority: int = 0) -> list[RequestStream] | JSONResponse:
+                     priority: int = 0, cache_salt: str | None = None
+                     ) -> list[RequestStream] | JSONResponse:
         """Add one engine request per prompt, all or nothing; an error becomes a response."""
         if (too_long := self.check_context(prompts, params)) is not None:
             return too_long
+        if cache_salt is not None:
+            prompts = [{**p, "cache_salt": cache_salt} for p in prompts]
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
