@@ -7,6 +7,7 @@ speed-up, the prefix-cache hit rate and the prompt tokens each run actually comp
 
     python benchmarks/prefix_cache.py                      # the acceptance workload
     python benchmarks/prefix_cache.py --num-prompts 16 --output-len 8   # quicker
+    python benchmarks/prefix_cache.py --baseline-commit HEAD~1   # also at an older commit
 """
 import argparse
 import gc
@@ -21,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from commit_baseline import run_script_at_commit, strip_option  # noqa: E402
 from pagedlm import LLM, SamplingParams  # noqa: E402
 
 
@@ -34,6 +36,8 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--baseline-commit", default=None, metavar="REV",
+                   help="also run this benchmark on pagedlm at git commit REV and compare")
     return p.parse_args()
 
 
@@ -86,10 +90,21 @@ def main():
     speedup = off["elapsed_s"] / on["elapsed_s"]
     print(f"speed-up with prefix caching: {speedup:.2f}x "
           f"(greedy outputs {'identical' if same else 'DIFFER'})")
+    figures = {"command": shlex.join(["python"] + sys.argv), "on": on, "off": off,
+               "speedup": speedup, "identical_outputs": same}
+    if args.baseline_commit:
+        argv = strip_option(strip_option(sys.argv[1:], "--baseline-commit"), "--output-json")
+        old = run_script_at_commit(args.baseline_commit, "benchmarks/prefix_cache.py", argv)
+        figures["baseline"] = old
+        for mode in ("on", "off"):
+            ratio = old[mode]["elapsed_s"] / figures[mode]["elapsed_s"]
+            figures[f"speed_ratio_{mode}"] = ratio
+            print(f"[caching {mode:3}] this tree {figures[mode]['elapsed_s']:.2f}s, "
+                  f"{args.baseline_commit} {old[mode]['elapsed_s']:.2f}s: "
+                  f"{ratio:.3f}x the baseline's speed")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"command": shlex.join(["python"] + sys.argv), "on": on, "off": off,
-                       "speedup": speedup, "identical_outputs": same}, f, indent=2)
+            json.dump(figures, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ Acceptance workload:
     python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 \
         --output-len 16:256 --baseline hf
 
+With ``--baseline-commit REV`` the same workload also runs on pagedlm as it was at commit REV
+(that commit's own copy of this script, in a temporary worktree), for old-against-new ratios:
+    python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 \
+        --output-len 16:256 --baseline-commit HEAD~1
+
 With ``--baseline no-chunked-prefill`` the baseline is pagedlm itself with chunked prefill off,
 so chunked prefill (the default) can be compared with one-step prefills:
     python benchmarks/throughput.py --num-prompts 64 --input-len 1024 --output-len 128 \
@@ -29,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 # Make `python benchmarks/throughput.py` work from a plain checkout (no pip install).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from commit_baseline import run_script_at_commit, strip_option  # noqa: E402
 from pagedlm import LLM, SamplingParams  # noqa: E402
 from pagedlm.model_executor.model_loader.model_path import default_model_file  # noqa: E402
 
@@ -58,6 +64,8 @@ def parse_args():
                    default=None, help="(default: the engine's default, on)")
     p.add_argument("--baseline", choices=["none", "hf", "no-chunked-prefill"], default="none",
                    help="hf: transformers generate; no-chunked-prefill: pagedlm without it")
+    p.add_argument("--baseline-commit", default=None, metavar="REV",
+                   help="also run this workload on pagedlm at git commit REV and compare")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for both runs (default: torch's choice)")
@@ -204,9 +212,16 @@ def main():
 
     results = {"pagedlm": run_pagedlm(requests, args, model_file)}
     report("pagedlm", results["pagedlm"])
-    if args.baseline != "none":
-        name = args.baseline
-        if name == "hf":
+    baselines = [args.baseline] if args.baseline != "none" else []
+    if args.baseline_commit:
+        baselines.append(f"commit {args.baseline_commit}")
+    for name in baselines:
+        if name.startswith("commit "):
+            argv = strip_option(strip_option(sys.argv[1:], "--baseline-commit"), "--output-json")
+            old = run_script_at_commit(args.baseline_commit, "benchmarks/throughput.py",
+                                       strip_option(argv, "--baseline") + ["--baseline", "none"])
+            results[name] = old["results"]["pagedlm"]
+        elif name == "hf":
             results[name] = run_hf(requests, args, model_file, tokenizer)
         else:
             results[name] = run_pagedlm(requests, args, model_file, enable_chunked_prefill=False,
