@@ -9,8 +9,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedlm.outputs import PositionLogprobs, RequestMetrics
 from pagedlm.sampling_params import SamplingParams
 
@@ -56,6 +54,10 @@ class Sequence:
     num_cached_blocks: int = 0
     # Mixed into the first block's hash: only requests with the same salt share cached blocks.
     cache_salt: str | None = None
+    # What the workers hold of this sequence (core/sched_output.py sends only the difference):
+    # its first synced_num_tokens tokens and this block table; None: nothing yet.
+    synced_num_tokens: int = 0
+    synced_block_ids: list[int] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -103,8 +105,6 @@ class SequenceGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     arrival_time: float = field(default_factory=time.time)
-    # Seeded requests draw from their own generator so results do not depend on batching.
-    generator: torch.Generator | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     # Prompt logprobs collected so far (chunked prompts add to it) until complete.

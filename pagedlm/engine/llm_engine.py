@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
-
 from pagedlm.config import EngineConfig
 from pagedlm.core.block_manager import BlockManager
+from pagedlm.core.sched_output import ExecuteModelRequestBuilder
 from pagedlm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats, is_decode
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.beam_search import BeamSearch
@@ -85,6 +84,7 @@ class LLMEngine:
                                           enable_prefix_caching=cc.enable_prefix_caching,
                                           hash_algo=cc.prefix_caching_hash_algo)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.request_builder = ExecuteModelRequestBuilder()
         self.seq_counter = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 mc.max_model_len, self.seq_counter)
@@ -149,10 +149,8 @@ class LLMEngine:
         seq = Sequence(next(self.seq_counter), list(ids), len(ids),
                        cache_salt=processed.cache_salt)
         seq.detok = self.output_processor.detokenizer.init_state(ids, params.skip_special_tokens)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         group = SequenceGroup(request_id, [seq], params, processed.prompt, list(ids),
-                              arrival_time=arrival_time, generator=generator,
-                              priority=priority)
+                              arrival_time=arrival_time, priority=priority)
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -174,6 +172,7 @@ class LLMEngine:
                 self._beam_of.pop(step_id, None)
         for group in self.scheduler.abort(ids):
             self.requests.pop(group.request_id, None)
+            self.request_builder.request_finished(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -205,13 +204,14 @@ class LLMEngine:
             reported += [sg.group for sg in sched.scheduled_groups
                          if any(sg.num_samples) or sg.group.is_finished()]
         elif sched.has_cache_ops:  # everything was swapped out: the copies must still happen
-            self.executor.execute_model(sched)
+            self.executor.execute_model(self.request_builder.build(sched))
         now = time.time()
         outputs = []
         for group in reported:
             if group.is_finished():
                 group.metrics.finished_time = group.metrics.finished_time or now
                 self.requests.pop(group.request_id, None)
+                self.request_builder.request_finished(group)
             report = make_request_output(group)
             if report is None:
                 continue
@@ -231,7 +231,7 @@ class LLMEngine:
 
     def _execute(self, sched: SchedulerOutput) -> None:
         t1 = time.perf_counter()
-        result = self.executor.execute_model(sched)
+        result = self.executor.execute_model(self.request_builder.build(sched))
         st = self.stats
         st.model_time += time.perf_counter() - t1
         st.prepare_time += result.timings.prepare_s
@@ -244,3 +244,5 @@ class LLMEngine:
         st.num_generation_tokens += len(result.sampler_output.sampled_token_ids)
         updates = self.output_processor.process(sched, result)
         self.scheduler.update_from_output(sched, updates)
+        for seq, _ in updates.finished:
+            self.request_builder.seq_finished(seq)

@@ -34,7 +34,6 @@ class OutputProcessor:
         now = time.time()
         s = result.sampler_output
         updates = SequenceUpdates()
-        row = 0
         for sg in sched_out.scheduled_groups:
             group = sg.group
             if group.metrics.first_scheduled_time is None:
@@ -42,6 +41,7 @@ class OutputProcessor:
             for seq, k in zip(sg.seqs, sg.num_samples):
                 if k == 0:
                     continue  # mid-prompt: nothing sampled yet
+                row = result.first_sample_row[seq.seq_id]
                 # A prompt sampled k > 1 times forks into k sequences sharing its blocks.
                 targets = [seq]
                 for _ in range(k - 1):
@@ -60,8 +60,8 @@ class OutputProcessor:
                     row += 1
             if any(sg.num_samples) and group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
-        for p in result.prompt_logprobs:
-            self._add_prompt_logprobs(sched_out.scheduled_groups[p.group_index].group, p)
+            if (p := result.prompt_logprobs.get(group.request_id)) is not None:
+                self._add_prompt_logprobs(group, p)
         return updates
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token_id: int,

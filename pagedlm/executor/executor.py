@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pagedlm.config import EngineConfig
-from pagedlm.core.scheduler import SchedulerOutput
+from pagedlm.core.sched_output import ExecuteModelRequest
 from pagedlm.worker.model_runner import ModelRunnerOutput
 from pagedlm.worker.worker import Worker
 
@@ -24,5 +24,5 @@ class UniProcExecutor:
     def num_cpu_blocks(self) -> int:
         return self.config.cache_config.num_cpu_blocks
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(req)

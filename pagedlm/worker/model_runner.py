@@ -1,4 +1,10 @@
-"""The ModelRunner: SchedulerOutput -> one flat batch -> model forward -> sampled tokens."""
+"""The ModelRunner: the step's ExecuteModelRequest -> one flat batch -> forward -> samples.
+
+It keeps each request's and sequence's state between steps (tokens, block table, sampling
+settings, the seeded generator), updated from the ids and diffs the engine sends
+(core/sched_output.py), so the same runner serves in-process and in worker processes. Its output
+maps sequence ids to rows of the sampler's output.
+"""
 from __future__ import annotations
 
 import time
@@ -8,15 +14,31 @@ import torch
 
 from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk
 from pagedlm.config import ModelConfig
-from pagedlm.core.scheduler import SchedulerOutput, is_decode
+from pagedlm.core.sched_output import ExecuteModelRequest
 from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedlm.sampling_params import SamplingParams
-from pagedlm.sequence import Sequence
+
+
+@dataclass
+class CachedRequestState:
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Seeded requests draw from their own generator so results do not depend on batching.
+    generator: torch.Generator | None
+    seq_ids: set[int]
+
+
+@dataclass
+class CachedSequenceState:
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_prompt_tokens: int
 
 
 @dataclass
 class PromptLogprobsRequest:
-    group_index: int  # into scheduler_output.scheduled_groups
+    req_id: str
     rows: slice  # rows of the flat batch whose logits score the next prompt token
     target_ids: list[int]
 
@@ -29,11 +51,11 @@ class ModelInput:
     sample_rows: torch.Tensor  # flat-batch row of each sample (repeated for n > 1)
     sampling_metadata: SamplingMetadata
     prompt_logprobs: list[PromptLogprobsRequest]
+    first_sample_row: dict[int, int]  # seq id -> its first row of sample_rows
 
 
 @dataclass
 class PromptLogprobs:
-    group_index: int
     token_ids: list[int]
     logprobs: list[float]
     ranks: list[int]
@@ -51,7 +73,10 @@ class StepTimings:
 @dataclass
 class ModelRunnerOutput:
     sampler_output: SamplerOutput
-    prompt_logprobs: list[PromptLogprobs]
+    # seq id -> its first row in sampler_output; a sequence sampled k times has k rows from
+    # there (k > 1 where a prompt forks into best_of sequences).
+    first_sample_row: dict[int, int]
+    prompt_logprobs: dict[str, PromptLogprobs]  # req id -> this step's prompt positions
     timings: StepTimings
 
 
@@ -68,9 +93,9 @@ class _FlatBatch:
     input_ids: list[int]
     positions: list[int]
     slots: list[int]
-    decodes: list[Sequence]
-    prefills: list[tuple[Sequence, int, int]]  # (seq, first row, end row)
-    last_row: dict[tuple[int, int], int]  # (group index, seq index) -> its last row
+    decodes: list[tuple[CachedSequenceState, int]]  # (seq, computed tokens)
+    prefills: list[tuple[CachedSequenceState, int, int, int]]  # (seq, computed, row0, end)
+    last_row: dict[int, int]  # seq id -> its last row
 
 
 class ModelRunner:
@@ -82,105 +107,151 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.seqs: dict[int, CachedSequenceState] = {}
 
-    def prepare_input(self, scheduler_output: SchedulerOutput) -> ModelInput:
-        batch = self._build_batch(scheduler_output)
-        sampling, sample_rows, prompt_lp = self._build_sampling_metadata(scheduler_output,
-                                                                         batch.last_row)
+    # -- state --------------------------------------------------------------------------------
+    def update_states(self, req: ExecuteModelRequest) -> None:
+        for rid in req.finished_req_ids:
+            state = self.requests.pop(rid, None)
+            for seq_id in state.seq_ids if state else ():
+                self.seqs.pop(seq_id, None)
+        for seq_id in req.finished_seq_ids:
+            seq = self.seqs.pop(seq_id, None)
+            if seq is not None and seq.req_id in self.requests:
+                self.requests[seq.req_id].seq_ids.discard(seq_id)
+        for new in req.new_requests:
+            sp = new.sampling_params
+            gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+            self.requests[new.req_id] = CachedRequestState(new.prompt_token_ids, sp, gen, set())
+        for new in req.new_seqs:
+            state = self.requests[new.req_id]
+            state.seq_ids.add(new.seq_id)
+            self.seqs[new.seq_id] = CachedSequenceState(new.req_id, new.token_ids, new.block_ids,
+                                                        len(state.prompt_token_ids))
+        cached = req.cached_seqs
+        for seq_id, tokens, blocks in zip(cached.seq_ids, cached.new_token_ids,
+                                          cached.new_block_ids):
+            seq = self.seqs[seq_id]
+            seq.token_ids += tokens
+            seq.block_ids += blocks
+
+    # -- inputs -------------------------------------------------------------------------------
+    def prepare_input(self, req: ExecuteModelRequest) -> ModelInput:
+        batch = self._build_batch(req)
+        sampling, sample_rows, first_row = self._build_sampling_metadata(req, batch.last_row)
         return ModelInput(torch.tensor(batch.input_ids), torch.tensor(batch.positions),
-                          self._build_attn_metadata(batch), sample_rows, sampling, prompt_lp)
+                          self._build_attn_metadata(batch), sample_rows, sampling,
+                          self._prompt_logprobs_requests(req, batch), first_row)
 
-    def _build_batch(self, scheduler_output: SchedulerOutput) -> _FlatBatch:
+    def _build_batch(self, req: ExecuteModelRequest) -> _FlatBatch:
         bs = self.block_size
         decodes, prefills = [], []
-        for gi, sg in enumerate(scheduler_output.scheduled_groups):
-            for si, (seq, n) in enumerate(zip(sg.seqs, sg.num_new_tokens)):
-                (decodes if is_decode(seq, n) else prefills).append((gi, si, seq, n))
-        batch = _FlatBatch([], [], [], [seq for _, _, seq, _ in decodes], [], {})
-        for i, (gi, si, seq, n) in enumerate(decodes + prefills):
-            start = seq.num_computed_tokens
-            table = seq.block_table
+        for seq_id, start, n in zip(req.seq_ids, req.num_computed_tokens,
+                                    req.num_scheduled_tokens):
+            # One new token after a cached context: attention batches these.
+            (decodes if n == 1 and start > 0 else prefills).append((seq_id, start, n))
+        batch = _FlatBatch([], [], [], [], [], {})
+        for i, (seq_id, start, n) in enumerate(decodes + prefills):
+            seq = self.seqs[seq_id]
+            table = seq.block_ids
             row0 = len(batch.input_ids)
             batch.input_ids += seq.token_ids[start:start + n]
             batch.positions += range(start, start + n)
             batch.slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            batch.last_row[(gi, si)] = len(batch.input_ids) - 1
-            if i >= len(decodes):
-                batch.prefills.append((seq, row0, len(batch.input_ids)))
+            batch.last_row[seq_id] = len(batch.input_ids) - 1
+            if i < len(decodes):
+                batch.decodes.append((seq, start))
+            else:
+                batch.prefills.append((seq, start, row0, len(batch.input_ids)))
         return batch
 
     @staticmethod
     def _build_attn_metadata(batch: _FlatBatch) -> AttentionMetadata:
-        chunks = [PrefillChunk(row0, end, seq.num_computed_tokens,
-                               torch.tensor(seq.block_table) if seq.num_computed_tokens else None)
-                  for seq, row0, end in batch.prefills]
+        chunks = [PrefillChunk(row0, end, start, torch.tensor(seq.block_ids) if start else None)
+                  for seq, start, row0, end in batch.prefills]
         nd = len(batch.decodes)
         block_tables = seq_lens = None
         if nd:
-            width = max(len(seq.block_table) for seq in batch.decodes)
-            block_tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
-                                         for seq in batch.decodes], dtype=torch.int32)
-            seq_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in batch.decodes],
-                                    dtype=torch.int32)
+            width = max(len(seq.block_ids) for seq, _ in batch.decodes)
+            block_tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids))
+                                         for seq, _ in batch.decodes], dtype=torch.int32)
+            seq_lens = torch.tensor([start + 1 for _, start in batch.decodes], dtype=torch.int32)
         return AttentionMetadata(slot_mapping=torch.tensor(batch.slots), num_decode_tokens=nd,
                                  decode_block_tables=block_tables, decode_mask=None,
                                  prefills=chunks, decode_seq_lens=seq_lens)
 
-    def _build_sampling_metadata(self, scheduler_output: SchedulerOutput,
-                                 last_row: dict[tuple[int, int], int]
-                                 ) -> tuple[SamplingMetadata, torch.Tensor,
-                                            list[PromptLogprobsRequest]]:
-        rows, params, gens, outs, prompts, stops, prompt_lp = [], [], [], [], [], [], []
-        for gi, sg in enumerate(scheduler_output.scheduled_groups):
-            group, sp = sg.group, sg.group.sampling_params
+    def _build_sampling_metadata(self, req: ExecuteModelRequest, last_row: dict[int, int]
+                                 ) -> tuple[SamplingMetadata, torch.Tensor, dict[int, int]]:
+        rows, params, gens, outs, prompts, stops = [], [], [], [], [], []
+        first_row: dict[int, int] = {}
+        for seq_id, k in zip(req.seq_ids, req.num_samples):
+            if not k:
+                continue
+            seq = self.seqs[seq_id]
+            state = self.requests[seq.req_id]
+            sp = state.sampling_params
             # History and stop ids only where used (penalties, min_tokens): copying every
             # sequence's output each step would grow with its length.
             stop_ids = sp.stop_token_ids_with(self.eos_token_ids) if sp.min_tokens else frozenset()
-            for si, (seq, k) in enumerate(zip(sg.seqs, sg.num_samples)):
-                history = seq.output_token_ids if sp.has_penalties or sp.min_tokens else []
-                rows += [last_row[(gi, si)]] * k
-                params += [sp] * k
-                gens += [group.generator] * k
-                outs += [history] * k
-                prompts += [group.prompt_token_ids] * k
-                stops += [stop_ids] * k
-            if sp.prompt_logprobs is not None and group.prompt_logprobs is None:
-                seq, n = sg.seqs[0], sg.num_new_tokens[0]
-                start = seq.num_computed_tokens
-                end = min(start + n, seq.num_prompt_tokens - 1)  # rows that predict a prompt token
-                if end > start:
-                    first = last_row[(gi, 0)] - n + 1
-                    prompt_lp.append(PromptLogprobsRequest(
-                        gi, slice(first, first + end - start), seq.token_ids[start + 1:end + 1]))
+            history = (seq.token_ids[seq.num_prompt_tokens:]
+                       if sp.has_penalties or sp.min_tokens else [])
+            first_row[seq_id] = len(rows)
+            rows += [last_row[seq_id]] * k
+            params += [sp] * k
+            gens += [state.generator] * k
+            outs += [history] * k
+            prompts += [state.prompt_token_ids] * k
+            stops += [stop_ids] * k
         want_lp = [_num_logprobs(p) for p in params]
         sampling = SamplingMetadata(params=params, generators=gens, output_token_ids=outs,
                                     prompt_token_ids=prompts, stop_ids=stops,
                                     all_greedy=all(p.greedy for p in params),
                                     max_num_logprobs=max(want_lp, default=-1))
-        return sampling, torch.tensor(rows, dtype=torch.long), prompt_lp
+        return sampling, torch.tensor(rows, dtype=torch.long), first_row
 
+    def _prompt_logprobs_requests(self, req: ExecuteModelRequest, batch: _FlatBatch
+                                  ) -> list[PromptLogprobsRequest]:
+        if not req.prompt_logprobs_req_ids:
+            return []
+        wanted = set(req.prompt_logprobs_req_ids)
+        out = []
+        for seq_id, start, n in zip(req.seq_ids, req.num_computed_tokens,
+                                    req.num_scheduled_tokens):
+            seq = self.seqs[seq_id]
+            if seq.req_id not in wanted:
+                continue
+            wanted.discard(seq.req_id)  # the request's first sequence scores its prompt
+            stop = min(start + n, seq.num_prompt_tokens - 1)  # rows that predict a prompt token
+            if stop > start:
+                row0 = batch.last_row[seq_id] - n + 1
+                out.append(PromptLogprobsRequest(seq.req_id, slice(row0, row0 + stop - start),
+                                                 seq.token_ids[start + 1:stop + 1]))
+        return out
+
+    # -- the step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput, kv_caches) -> ModelRunnerOutput:
+    def execute_model(self, req: ExecuteModelRequest, kv_caches) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        inp = self.prepare_input(scheduler_output)
+        self.update_states(req)
+        inp = self.prepare_input(req)
         t1 = time.perf_counter()
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_metadata)
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         t2 = time.perf_counter()
         sampled = self.sampler(logits, inp.sampling_metadata)
-        prompt_logprobs = [self._prompt_logprobs(hidden, r, scheduler_output)
-                           for r in inp.prompt_logprobs]
-        return ModelRunnerOutput(sampled, prompt_logprobs,
+        prompt_logprobs = {r.req_id: self._prompt_logprobs(hidden, r) for r in inp.prompt_logprobs}
+        return ModelRunnerOutput(sampled, inp.first_sample_row, prompt_logprobs,
                                  StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2))
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, req: PromptLogprobsRequest,
-                         scheduler_output: SchedulerOutput) -> PromptLogprobs:
-        k = scheduler_output.scheduled_groups[req.group_index].group.sampling_params.prompt_logprobs
+    def _prompt_logprobs(self, hidden: torch.Tensor, req: PromptLogprobsRequest
+                         ) -> PromptLogprobs:
+        k = self.requests[req.req_id].sampling_params.prompt_logprobs
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[req.rows]), dim=-1)
         targets = torch.tensor(req.target_ids).unsqueeze(1)
         chosen = logprobs.gather(1, targets)
         ranks = (logprobs > chosen).sum(dim=-1) + 1
         top = logprobs.topk(k, dim=-1) if k else None
-        return PromptLogprobs(req.group_index, req.target_ids, chosen.squeeze(1).tolist(),
-                              ranks.tolist(), top.indices.tolist() if top else [],
+        return PromptLogprobs(req.target_ids, chosen.squeeze(1).tolist(), ranks.tolist(),
+                              top.indices.tolist() if top else [],
                               top.values.tolist() if top else [])

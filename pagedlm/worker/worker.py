@@ -6,7 +6,7 @@ import time
 
 from pagedlm.attention import kernels
 from pagedlm.config import CacheConfig, ModelConfig
-from pagedlm.core.scheduler import SchedulerOutput
+from pagedlm.core.sched_output import ExecuteModelRequest
 from pagedlm.model_executor.model_loader.loader import get_model
 from pagedlm.utils import available_memory_bytes, cdiv
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
@@ -50,11 +50,12 @@ class Worker:
         self.cache_config.num_cpu_blocks = num_cpu_blocks
         self.cache_engine = CacheEngine(self.model_config, self.cache_config)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
         # Swap-outs first: the blocks they vacate may be written this very step.
-        self.cache_engine.swap_out(scheduler_output.blocks_to_swap_out)
-        self.cache_engine.swap_in(scheduler_output.blocks_to_swap_in)
-        self.cache_engine.copy_blocks(scheduler_output.blocks_to_copy)
-        if not scheduler_output.scheduled_groups:
+        self.cache_engine.swap_out(req.blocks_to_swap_out)
+        self.cache_engine.swap_in(req.blocks_to_swap_in)
+        self.cache_engine.copy_blocks(req.blocks_to_copy)
+        if not req.has_work:
+            self.runner.update_states(req)  # drop finished requests all the same
             return None
-        return self.runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
+        return self.runner.execute_model(req, self.cache_engine.kv_caches)
