@@ -1,9 +1,24 @@
 """pagedlm: a small LLM inference engine with a paged KV cache and continuous batching."""
-from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.engine.llm_engine import LLMEngine
-from pagedlm.entrypoints.llm import LLM
-from pagedlm.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-from pagedlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from __future__ import annotations
+
+import importlib
+
+# The public names, imported on first use: importing pagedlm (or one of its submodules, as a
+# spawned worker process does) then costs neither the engine nor transformers up front.
+_EXPORTS = {
+    "LLM": "pagedlm.entrypoints.llm",
+    "LLMEngine": "pagedlm.engine.llm_engine",
+    "EngineArgs": "pagedlm.engine.arg_utils",
+    "SamplingParams": "pagedlm.sampling_params",
+    "RequestOutputKind": "pagedlm.sampling_params",
+    "BeamSearchParams": "pagedlm.sampling_params",
+    "RequestOutput": "pagedlm.outputs",
+    "CompletionOutput": "pagedlm.outputs",
+    "BeamSearchOutput": "pagedlm.outputs",
+    "BeamSearchSequence": "pagedlm.outputs",
+    # Needs the `server` extra (prometheus_client).
+    "AsyncLLMEngine": "pagedlm.engine.async_llm_engine",
+}
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
@@ -12,8 +27,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # Imported on first use: it needs the `server` extra (prometheus_client).
-    if name == "AsyncLLMEngine":
-        from pagedlm.engine.async_llm_engine import AsyncLLMEngine
-        return AsyncLLMEngine
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
     raise AttributeError(f"module 'pagedlm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

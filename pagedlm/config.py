@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.distributed.utils import get_pp_indices
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -56,6 +58,37 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config["vocab_size"]
+
+    # -- per-rank sizes under tensor / pipeline parallelism ------------------------------------
+
+    def get_num_kv_heads(self, tensor_parallel_size: int = 1) -> int:
+        """KV heads one TP rank holds (and caches): its share, or 1 when the KV heads are
+        fewer than the ranks and so replicated."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def get_num_layers(self, pipeline_parallel_size: int = 1, pipeline_rank: int = 0) -> int:
+        """Layers (and so KV caches) of one pipeline stage."""
+        start, end = get_pp_indices(self.num_layers, pipeline_rank, pipeline_parallel_size)
+        return end - start
+
+    def verify_with_parallel_config(self, tensor_parallel_size: int,
+                                    pipeline_parallel_size: int) -> None:
+        """Raise ValueError, naming the setting, for sizes this model cannot be split by.
+
+        The vocabulary needs no check: it is padded to a multiple of the TP size."""
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        for field, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}.")
+        if self.num_heads % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's "
+                             f"num_attention_heads ({self.num_heads}).")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's "
+                             f"num_key_value_heads ({self.num_kv_heads}) or be a multiple of it.")
+        if pp > self.num_layers:
+            raise ValueError(f"pipeline_parallel_size ({pp}) must be at most the model's "
+                             f"num_hidden_layers ({self.num_layers}).")
 
     @classmethod
     def from_dir(cls, model: str | None, model_dir: str, dtype: str, max_model_len: int | None,

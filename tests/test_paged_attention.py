@@ -242,3 +242,38 @@ def test_bad_metadata_rejected(monkeypatch):
     meta.decode_seq_lens = torch.tensor([10, 20 * 100], dtype=torch.int32)  # beyond its table
     with pytest.raises(ValueError):
         paged_attention(query, key, value, k_cache, v_cache, meta, 0.125)
+
+
+def test_backend_selection(monkeypatch):
+    """The backend is picked from dtype and device (and the disable flag) by get_attn_backend."""
+    from pagedlm.attention.backends import (NativeKernelBackend, TorchSDPABackend,
+                                            get_attn_backend)
+    monkeypatch.delenv("PAGEDLM_DISABLE_KERNELS", raising=False)
+    if shutil.which("gcc") is not None:
+        assert isinstance(get_attn_backend(torch.float32, "cpu"), NativeKernelBackend)
+    assert isinstance(get_attn_backend(torch.bfloat16, "cpu"), TorchSDPABackend)
+    assert not NativeKernelBackend.supports(torch.float32, "meta")
+    monkeypatch.setenv("PAGEDLM_DISABLE_KERNELS", "1")
+    assert isinstance(get_attn_backend(torch.float32, "cpu"), TorchSDPABackend)
+
+
+@pytest.mark.parametrize("backend_name", ["native_kernel", "torch_sdpa"])
+def test_attention_layer_keeps_its_backend(backend_name, monkeypatch):
+    """The Attention layer runs the backend it was built with (flat [T, H*D] in and out),
+    whatever the environment says afterwards: the choice is made once, not per call."""
+    from pagedlm.attention.backends import NativeKernelBackend, TorchSDPABackend
+    from pagedlm.attention.layer import Attention
+    if backend_name == "native_kernel" and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    backend = {"native_kernel": NativeKernelBackend,
+               "torch_sdpa": TorchSDPABackend}[backend_name]()
+    query, key, value, k_cache, v_cache, meta, dense = _scenario(
+        13, [7, 70, 1], [(20, 4), (0, 9)], 2, 3, 64)
+    layer = Attention(num_heads=6, head_dim=64, scale=1 / 8, num_kv_heads=2, backend=backend)
+    monkeypatch.setenv("PAGEDLM_DISABLE_KERNELS", "1")  # too late to matter
+    t = query.shape[0]
+    out = layer(query.reshape(t, -1), key.reshape(t, -1), value.reshape(t, -1),
+                (k_cache, v_cache), meta)
+    assert layer.backend is backend and out.shape == (t, 6 * 64)
+    ref = _dense_reference(query, dense, 1 / 8)
+    assert (out.view(t, 6, 64) - ref).abs().max().item() < TOL

@@ -12,19 +12,29 @@ from pagedlm.config import CacheConfig, ModelConfig
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key, value) blocks
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int,
+                       num_kv_heads: int | None = None, num_layers: int | None = None) -> int:
+    """Bytes of one block over all layers. On a parallel rank pass its own KV heads
+    (model_config.get_num_kv_heads(tp)) and layer count (model_config.get_num_layers(pp, rank));
+    the defaults are the whole model's."""
     elem = torch.tensor([], dtype=model_config.dtype).element_size()
-    return (2 * model_config.num_layers * block_size * model_config.num_kv_heads
-            * model_config.head_dim * elem)
+    num_kv_heads = num_kv_heads or model_config.num_kv_heads
+    num_layers = num_layers or model_config.num_layers
+    return 2 * num_layers * block_size * num_kv_heads * model_config.head_dim * elem
 
 
-def _allocate(num_blocks: int, model_config: ModelConfig, block_size: int) -> KVCache:
-    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+def _allocate(num_blocks: int, model_config: ModelConfig, block_size: int,
+              num_kv_heads: int | None = None, num_layers: int | None = None) -> KVCache:
+    """Per layer (of this rank's stage: index i is its i-th layer) a (key, value) pair of
+    [num_blocks, block_size, num_kv_heads, head_dim]; defaults as in kv_bytes_per_block."""
+    num_kv_heads = num_kv_heads or model_config.num_kv_heads
+    num_layers = num_layers or model_config.num_layers
+    shape = (num_blocks, block_size, num_kv_heads, model_config.head_dim)
     # Empty, not zeroed: pages are only faulted in when a block is first written, so a large
     # cache costs nothing up front. Attention never uses unwritten slots unmasked.
     return [(torch.empty(shape, dtype=model_config.dtype),
              torch.empty(shape, dtype=model_config.dtype))
-            for _ in range(model_config.num_layers)]
+            for _ in range(num_layers)]
 
 
 def _copy(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> None:
@@ -39,11 +49,13 @@ def _copy(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> None:
 
 class CacheEngine:
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 num_kv_heads: int | None = None, num_layers: int | None = None) -> None:
+        """num_kv_heads / num_layers: this rank's (see kv_bytes_per_block); default the model's."""
         self.kv_caches = _allocate(cache_config.num_gpu_blocks, model_config,
-                                   cache_config.block_size)
+                                   cache_config.block_size, num_kv_heads, num_layers)
         self.host_kv_caches = _allocate(cache_config.num_cpu_blocks, model_config,
-                                        cache_config.block_size)
+                                        cache_config.block_size, num_kv_heads, num_layers)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         _copy(self.kv_caches, self.host_kv_caches, pairs)

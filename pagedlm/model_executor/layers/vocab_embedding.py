@@ -1,18 +1,102 @@
-"""Token embedding lookup."""
+"""Token embedding and LM head, split by vocabulary range over the tensor-parallel ranks.
+
+The vocabulary is padded up to a multiple of padding_size * tp_size (as vLLM pads to 64), so
+every rank holds an equal range of rows; the padding rows are zero and their logits are cut off
+before the sampler sees them. No vocabulary size is therefore rejected for a TP size.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.distributed.parallel_state import get_tp_group
+from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from pagedlm.model_executor.model_loader.weight_utils import check_shape
+from pagedlm.utils import cdiv
 
-class VocabEmbedding(nn.Module):
-    """Rows of the embedding matrix for each token id. The weight starts uninitialised: it is
-    always loaded (nn.Embedding's random init on the meta device imports torch._dynamo, ~1.5 s)."""
+DEFAULT_VOCAB_PADDING_SIZE = 64
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+
+def pad_vocab_size(vocab_size: int, pad_to: int) -> int:
+    return cdiv(vocab_size, pad_to) * pad_to
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the embedding matrix for each token id; rank r holds the rows of the vocabulary
+    range [r*n, (r+1)*n). Each rank looks up the ids in its range (zeros elsewhere), and an
+    all-reduce over the TP group sums the ranks' parts into every row.
+
+    The weight starts uninitialised: it is always loaded (nn.Embedding's random init on the
+    meta device imports torch._dynamo, ~1.5 s)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 padding_size: int = DEFAULT_VOCAB_PADDING_SIZE) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.tp_group = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
+        self.org_vocab_size = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * self.tp_size)
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        """Copy this rank's vocabulary range of the full [vocab, dim] tensor; zero the padding."""
+        assert shard_id is None
+        check_shape(loaded_weight, (self.org_vocab_size, self.embedding_dim))
+        # Rows of the real vocabulary in this rank's range (none for a rank of pure padding,
+        # which only happens with a vocabulary smaller than the padding).
+        n = max(0, min(self.vocab_end_index, self.org_vocab_size) - self.vocab_start_index)
+        if n:
+            param.data[:n].copy_(loaded_weight.narrow(0, self.vocab_start_index, n))
+        param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill_(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp_group.all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.org_vocab_size} (padded {self.num_embeddings_padded}), "
+                f"rows [{self.vocab_start_index}, {self.vocab_end_index}), "
+                f"dim={self.embedding_dim}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary: each rank multiplies by its rows of the head (through the
+    linear method, so the oneDNN packing applies), then the slices are all-gathered so every TP
+    rank, and so the sampler, sees the full vocabulary; the padding is cut off.
+
+    With tied embeddings, `tie_weights` shares the embedding's parameter (same vocabulary split)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
+                 linear_method: LinearMethodBase | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_size)
+        if bias:
+            raise NotImplementedError("ParallelLMHead has no bias")
+        self.bias = None
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.packed_weight = None
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
+        assert embed_tokens.num_embeddings_padded == self.num_embeddings_padded
+        self.weight = embed_tokens.weight
+        return self
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [num_tokens, dim] -> logits [num_tokens, vocab] (model dtype)."""
+        logits = self.linear_method.apply(self, hidden_states)
+        logits = self.tp_group.all_gather(logits, dim=-1)
+        if self.num_embeddings_padded != self.org_vocab_size:
+            logits = logits[..., :self.org_vocab_size].contiguous()
+        return logits

@@ -1,39 +1,36 @@
-"""Build a model from its config and load its safetensors weights."""
+"""Build a model from its config and load its safetensors weights (this rank's part of them)."""
 from __future__ import annotations
 
-import glob
-import os
-from typing import Iterator
-
 import torch
-from safetensors import safe_open
 
+from pagedlm.attention.backends import get_attn_backend
 from pagedlm.config import ModelConfig
+from pagedlm.model_executor.model_loader.weight_utils import iterate_safetensors
 from pagedlm.model_executor.models.llama import LlamaForCausalLM
 
-
-def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model: no *.safetensors files in {model_dir}.")
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+__all__ = ["get_model", "iterate_safetensors"]
 
 
-def get_model(config: ModelConfig) -> torch.nn.Module:
+def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The model for this process's rank, loaded and ready.
+
+    Tensor- and pipeline-parallel ranks come from the groups of
+    pagedlm.distributed.parallel_state (size 1 when none were initialised): each rank builds
+    only its heads, features and layers, and loads its slices of the full checkpoint tensors.
+    """
     # Every architecture ModelConfig accepts is the Llama block with small config differences.
     cls = LlamaForCausalLM
+    attn_backend = get_attn_backend(config.dtype, device)  # chosen once, for every layer
     old = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
-        # The meta device skips random initialisation of weights we overwrite anyway.
-        with torch.device("meta"):
-            model = cls(config)
+        # Built in place: every weight is created with torch.empty (nothing is initialised just
+        # to be overwritten) and each parameter keeps its weight_loader attribute and ties,
+        # which moving from the meta device with to_empty() would drop.
+        with torch.device(device):
+            model = cls(config, attn_backend)
     finally:
         torch.set_default_dtype(old)
-    model = model.to_empty(device="cpu")
     model.load_weights(iterate_safetensors(config.model_dir))
     model.process_weights_after_loading()
     return model.eval().requires_grad_(False)

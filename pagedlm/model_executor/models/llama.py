@@ -2,6 +2,12 @@
 
 Every tensor here is flat over the step's tokens ([num_tokens, ...]); which token belongs to which
 sequence is only known to the attention metadata.
+
+Tensor parallelism: the layers split heads and MLP features over the TP group (see
+layers/linear.py); each rank's attention runs its own heads against its own KV cache.
+Pipeline parallelism: a rank builds and loads only its stage's layers (get_pp_indices), the
+embedding on the first stage and the final norm and LM head on the last; a non-last stage's
+forward returns IntermediateTensors for the next one.
 """
 from __future__ import annotations
 
@@ -10,53 +16,63 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from pagedlm.attention.paged_attention import AttentionMetadata, paged_attention
+from pagedlm.attention.backends import AttentionBackend, get_attn_backend
+from pagedlm.attention.layer import Attention
+from pagedlm.attention.paged_attention import AttentionMetadata
 from pagedlm.config import ModelConfig
+from pagedlm.distributed.parallel_state import get_pp_group
+from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
-from pagedlm.model_executor.layers.linear import Linear, StackedLinear
+from pagedlm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                                  RowParallelLinear)
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
-from pagedlm.model_executor.layers.vocab_embedding import VocabEmbedding
+from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.model_executor.model_loader.weight_utils import (WeightShapeError, default_weight_loader,
+                                                            describe_missing)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
+                 attn_backend: AttentionBackend) -> None:
         super().__init__()
         hf = cfg.hf_config
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        # Qwen2 always has QKV bias; Llama-style configs say so with attention_bias.
-        bias = cfg.architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = StackedLinear(hf["hidden_size"], {"q": q_size, "k": kv_size, "v": kv_size},
-                                      bias=bias)
-        self.o_proj = Linear(q_size, hf["hidden_size"], bias=bool(hf.get("attention_bias", False))
-                             and cfg.architecture != "Qwen2ForCausalLM")
+        # Qwen2 always has QKV bias (and no o_proj bias); Llama-style configs say so with
+        # attention_bias, for all four projections.
+        qwen2 = cfg.architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(hf.get("attention_bias", False))
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(hf["hidden_size"], cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, bias=qwen2 or attention_bias)
+        # This rank's heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, hf["hidden_size"],
+                                        bias=attention_bias and not qwen2)
         self.rotary = rotary
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.scale = self.head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads, attn_backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.view(n, -1))
+        q, k = self.rotary(positions, q.view(n, self.num_heads, self.head_dim),
+                           k.view(n, self.num_kv_heads, self.head_dim))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = StackedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias)
         self.act = SiluAndMul()
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -64,11 +80,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
+                 attn_backend: AttentionBackend) -> None:
         super().__init__()
         hf = cfg.hf_config
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, attn_backend)
         self.mlp = LlamaMLP(hf["hidden_size"], hf["intermediate_size"], bool(hf.get("mlp_bias", False)))
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
@@ -85,70 +102,116 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
 
-    # checkpoint name fragment -> (our stacked parameter, shard)
+    # checkpoint name fragment -> (our stacked parameter, its weight_loader's shard id)
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
-                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
-                      "up_proj": ("gate_up_proj", "up")}
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         hf = cfg.hf_config
         self.config = cfg
-        self.embed_tokens = VocabEmbedding(hf["vocab_size"], hf["hidden_size"])
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        # Global indices of this stage's layers: [start_layer, end_layer).
+        self.start_layer, self.end_layer = get_pp_indices(cfg.num_layers, pp.rank_in_group,
+                                                          pp.world_size)
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        # The last stage needs the embedding too when the LM head is tied to it.
+        self.embed_tokens = None
+        if self.is_first_stage or (self.tie_word_embeddings and self.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"])
         rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, hf.get("max_position_embeddings", 0)),
                                  cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
-        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        self.lm_head = Linear(hf["hidden_size"], hf["vocab_size"])
+        attn_backend = attn_backend or get_attn_backend(cfg.dtype)
+        # Keyed by the global layer index, so parameter names match the checkpoint's.
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, rotary, attn_backend)
+                                     for i in range(self.start_layer, self.end_layer)})
+        self.norm = self.lm_head = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
+            self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"])
+            if self.tie_word_embeddings:
+                self.lm_head.tie_weights(self.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+                kv_caches: list[KVCache], attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """One step over the flat batch.
+
+        kv_caches[i] is the cache of this stage's i-th layer (global layer start_layer + i).
+        The first stage embeds input_ids; the others continue from the previous stage's
+        intermediate_tensors. Returns the final hidden states on the last stage (for
+        compute_logits), IntermediateTensors on the others.
+        """
+        assert len(kv_caches) == len(self.layers), (
+            f"{len(kv_caches)} KV caches for {len(self.layers)} layers on this stage")
+        if self.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        for layer, kv_cache in zip(self.layers.values(), kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the whole vocabulary (gathered over the TP ranks)."""
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage computes logits")
         return self.lm_head(hidden).float()
 
     def process_weights_after_loading(self) -> None:
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.process_weights_after_loading()
+            method = getattr(module, "linear_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether a (known) checkpoint weight belongs to a module this pipeline stage has."""
+        head, _, rest = name.partition(".")
+        if head == "layers":
+            return self.start_layer <= int(rest.split(".", 1)[0]) < self.end_layer
+        if head in ("embed_tokens", "norm", "lm_head"):
+            return getattr(self, head) is not None
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.tie_word_embeddings:  # re-tie: materialising meta tensors unties them
-            self.lm_head.weight = self.embed_tokens.weight
-        params = dict(self.named_parameters())
-        loaded: dict[str, set[str]] = {}
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
+        """Load full checkpoint tensors; each parameter's weight_loader takes this rank's part
+        (parameters without one, such as the norms, are copied whole).
+
+        Errors name the weight: a wrong shape, a weight we have no parameter for, and (after
+        the loop) every parameter of this rank the checkpoint did not fill.
+        """
+        params = dict(self.named_parameters())  # a tied lm_head is listed as embed_tokens
+        loaded: dict[str, set] = {}
+        for ckpt_name, tensor in weights:
+            name = ckpt_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             frag = next((f for f in self.stacked_params if f".{f}." in name), None)
+            shard = None
             if frag is not None:
                 stacked, shard = self.stacked_params[frag]
-                name = name.replace(frag, stacked)
-                module_name, param_name = name.rsplit(".", 1)
-                self.get_submodule(module_name).load_shard(param_name, shard, tensor)
-            elif name in params:
-                if params[name].shape != tensor.shape:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(params[name].shape)}.")
-                params[name].data.copy_(tensor)
-                shard = ""
-            else:
-                raise ValueError(f"unexpected weight {name!r} in the checkpoint.")
+                name = name.replace(f".{frag}.", f".{stacked}.")
+            if not self._on_this_stage(name):
+                continue  # another pipeline stage loads it
+            if name not in params:
+                raise ValueError(f"unexpected weight {ckpt_name.removeprefix('model.')!r} in "
+                                 f"the checkpoint.")
+            param = params[name]
+            try:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+            except WeightShapeError as e:
+                raise ValueError(f"weight {ckpt_name.removeprefix('model.')!r} {e}.") from None
             loaded.setdefault(name, set()).add(shard)
-        missing = []
-        for name in params:
-            module = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
-            want = set(module.shard_sizes) if isinstance(module, StackedLinear) else {""}
-            if loaded.get(name, set()) != want:
-                missing.append(name)
+        shards_of = {}  # stacked module name -> the shards that fill it
+        for stacked, shard in self.stacked_params.values():
+            shards_of.setdefault(stacked, set()).add(shard)
+        missing = [name for name in params
+                   if loaded.get(name, set()) != shards_of.get(name.rsplit(".", 2)[-2], {None})]
         if missing:
-            raise ValueError(f"the checkpoint lacks weights for {missing[:4]}"
-                             f"{' and more' if len(missing) > 4 else ''}.")
+            raise ValueError(describe_missing(missing))
