@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -128,11 +128,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
-    num_gpu_blocks: int = 0  # filled in once the cache is sized
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # or "builtin" (see core/block_hash.py)
     swap_space_bytes: int = 0  # host memory for swapped-out blocks
-    num_cpu_blocks: int = 0  # filled in once the cache is sized
 
 
 @dataclass
@@ -145,9 +143,29 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap"
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # "uni" (in-process), "mp" (worker processes on this node), "ray"; resolved from None by
+    # EngineArgs: uni for one worker, ray when RAY_ADDRESS names a cluster, else mp.
+    distributed_executor_backend: str = "uni"
+    # Cores each worker may use (torch and kernel threads): the node's cores split between the
+    # workers on it, so N workers never oversubscribe it. None: torch's default.
+    threads_per_worker: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"

@@ -19,6 +19,7 @@ outside needs to initialise anything.
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -126,6 +127,9 @@ class GroupCoordinator:
         self.device_group = device_group
         self.cpu_group = cpu_group
         self.device = torch.device(device)
+        # Seconds spent in tensor collectives and stage transfers (the engine's step breakdown
+        # reports it as communication).
+        self.comm_s = 0.0
 
     @classmethod
     def single(cls, name: str = "") -> "GroupCoordinator":
@@ -162,17 +166,22 @@ class GroupCoordinator:
         """Sum over the group, in place; returns `t`."""
         if self.world_size == 1:
             return t
+        t0 = time.perf_counter()
         dist.all_reduce(t, group=self._group(t))
+        self.comm_s += time.perf_counter() - t0
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `t` concatenated along `dim` (in rank order), on every rank."""
         if self.world_size == 1:
             return t
+        t0 = time.perf_counter()
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(parts, t, group=self._group(t))
-        return torch.cat(parts, dim=dim)
+        out = torch.cat(parts, dim=dim)
+        self.comm_s += time.perf_counter() - t0
+        return out
 
     def gather(self, t: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Every rank's `t` concatenated along `dim` on rank `dst`; None on the others."""
@@ -260,20 +269,24 @@ class GroupCoordinator:
 
     def send_tensor_dict(self, tensor_dict: dict, dst: int | None = None) -> None:
         """As broadcast_tensor_dict, to one rank (default: the next stage)."""
+        t0 = time.perf_counter()
         metadata, tensors = _split_tensor_dict(tensor_dict)
         self.send_object(metadata, dst)
         for t in tensors:
             if t.numel():
                 self.send(t, dst)
+        self.comm_s += time.perf_counter() - t0
 
     def recv_tensor_dict(self, src: int | None = None) -> dict:
         """What send_tensor_dict of rank `src` (default: the previous stage) sent."""
+        t0 = time.perf_counter()
         metadata = self.recv_object(src)
         tensors = self._empty_tensors(metadata)
         peer = self._peer(src, -1, "recv_tensor_dict")
         for t in tensors:
             if t.numel():
                 dist.recv(t, src=peer, group=self._group(t))
+        self.comm_s += time.perf_counter() - t0
         return _merge_tensor_dict(metadata, tensors)
 
     def _empty_tensors(self, metadata: list[tuple[tuple, Any]]) -> list[torch.Tensor]:

@@ -1,10 +1,13 @@
 """EngineArgs: the user-facing engine settings (vLLM's names), turned into config dataclasses."""
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 from pagedlm.core.block_hash import HASH_ALGOS
-from pagedlm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedlm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, ModelConfig,
+                            ParallelConfig, SchedulerConfig)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
 
 
@@ -31,6 +34,35 @@ class EngineArgs:
     preemption_mode: str = "recompute"  # or "swap"
     swap_space: float = 4  # GiB of host memory for swapped-out blocks (swap mode only)
     scheduling_policy: str = "fcfs"  # or "priority"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # "uni", "mp" or "ray"; None: uni for one worker, ray if RAY_ADDRESS is set, else mp.
+    distributed_executor_backend: str | None = None
+
+    def _parallel_config(self) -> ParallelConfig:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "uni" if world == 1 else ("ray" if os.environ.get("RAY_ADDRESS") else "mp")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{list(EXECUTOR_BACKENDS)} or None, got {backend!r}.")
+        if backend == "uni" and world > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one worker, but "
+                             f"tensor_parallel_size x pipeline_parallel_size is {world}: use "
+                             f"'mp' or 'ray'.")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install "
+                             "'pagedlm[ray]'.")
+        threads = None
+        if backend != "uni":  # workers on one node share its cores
+            threads = max(1, (os.cpu_count() or 1) // world)
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend,
+                              threads)
 
     def create_engine_config(self) -> EngineConfig:
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -65,9 +97,12 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}.")
+        parallel_config = self._parallel_config()
         model_dir = resolve_model(self.model)
         model_config = ModelConfig.from_dir(self.model, model_dir, self.dtype,
                                             self.max_model_len, self.seed)
+        model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size,
+                                                 parallel_config.pipeline_parallel_size)
         max_len = model_config.max_model_len
         chunked = self.enable_chunked_prefill
         # Without chunked prefill a whole prompt must fit in one step's token budget.
@@ -92,6 +127,7 @@ class EngineArgs:
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                                      swap_space_bytes=swap_bytes),
+            parallel_config=parallel_config,
             scheduler_config=SchedulerConfig(max_num_batched_tokens=batched,
                                              max_num_seqs=self.max_num_seqs,
                                              max_model_len=max_len,

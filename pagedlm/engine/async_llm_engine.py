@@ -223,6 +223,7 @@ class AsyncLLMEngine:
             if self._dead is None:
                 self._commands.put(_SHUTDOWN)
         self._thread.join(timeout)
+        self.engine.shutdown()  # stop worker processes, if any
 
     # ---- engine thread ----
 

@@ -20,7 +20,7 @@ from pagedlm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats, i
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.beam_search import BeamSearch
 from pagedlm.engine.output_processor import OutputProcessor, make_request_output
-from pagedlm.executor.executor import UniProcExecutor
+from pagedlm.executor.abstract import Executor
 from pagedlm.inputs.preprocess import InputPreprocessor, ProcessedPrompt, PromptType
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
@@ -37,10 +37,11 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (recomputation included)
     num_generation_tokens: int = 0
     step_time: float = 0.0  # whole step() wall time
-    model_time: float = 0.0  # inside the executor: the three below plus block copies
-    prepare_time: float = 0.0  # building the flat batch
-    forward_time: float = 0.0  # model forward and logits
+    model_time: float = 0.0  # inside the executor: the three below, block copies, and IPC
+    prepare_time: float = 0.0  # building the flat batch (the output rank's)
+    forward_time: float = 0.0  # model forward and logits, communication included
     sample_time: float = 0.0  # sampler
+    comm_time: float = 0.0  # of forward: the output rank's collectives and stage transfers
 
     @property
     def num_preemptions(self) -> int:
@@ -60,9 +61,12 @@ class EngineStats:
 
     def breakdown(self) -> str:
         rest = self.step_time - self.model_time
-        parts = [("forward", self.forward_time), ("sampling", self.sample_time),
+        parts = [("forward", self.forward_time - self.comm_time), ("sampling", self.sample_time),
                  ("input prep", self.prepare_time),
                  ("scheduler + output processing", rest)]
+        if self.comm_time:  # several workers: what crossing between them costs
+            ipc = self.model_time - self.prepare_time - self.forward_time - self.sample_time
+            parts[1:1] = [("collectives", self.comm_time), ("executor IPC + waiting", ipc)]
         total = self.step_time or 1e-9
         return (f"{self.num_steps} steps, {self.step_time:.1f}s: " + ", ".join(
             f"{name} {t:.1f}s ({100 * t / total:.1f}%)" for name, t in parts))
@@ -77,7 +81,7 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(mc.model_dir)
         self.eos_token_ids = eos_token_ids(mc.model_dir, self.tokenizer)
         self.input_preprocessor = InputPreprocessor(self.tokenizer, mc.vocab_size)
-        self.executor = UniProcExecutor(config, self.eos_token_ids)
+        self.executor = Executor.get_class(config)(config, self.eos_token_ids)
         cc = config.cache_config
         self.block_manager = BlockManager(self.executor.num_gpu_blocks, cc.block_size,
                                           num_cpu_blocks=self.executor.num_cpu_blocks,
@@ -184,6 +188,10 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (worker processes or actors); idempotent."""
+        self.executor.shutdown()
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Share of looked-up prompt tokens found in the prefix cache."""
@@ -237,6 +245,7 @@ class LLMEngine:
         st.prepare_time += result.timings.prepare_s
         st.forward_time += result.timings.forward_s
         st.sample_time += result.timings.sample_s
+        st.comm_time += result.timings.comm_s
         st.num_steps += 1
         st.num_prompt_tokens += sum(n for sg in sched.scheduled_groups
                                     for s, n in zip(sg.seqs, sg.num_new_tokens)

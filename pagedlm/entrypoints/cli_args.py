@@ -16,6 +16,7 @@ import re
 import types
 import typing
 
+from pagedlm.config import EXECUTOR_BACKENDS
 from pagedlm.core.block_hash import HASH_ALGOS
 from pagedlm.engine.arg_utils import EngineArgs
 
@@ -45,13 +46,23 @@ _HELP = {
                        "or swap it to host memory.",
     "swap_space": "GiB of host memory for swapped-out KV blocks (--preemption-mode swap).",
     "scheduling_policy": "fcfs, or priority (requests' `priority` field, lower first).",
+    "tensor_parallel_size": "Workers that split every layer's heads and features (tensor "
+                            "parallelism).",
+    "pipeline_parallel_size": "Workers that each run a contiguous stage of the layers "
+                              "(pipeline parallelism).",
+    "distributed_executor_backend": "How workers run: uni (in this process), mp (processes on "
+                                    "this node), ray (a Ray cluster: RAY_ADDRESS or a local "
+                                    "one). Default: uni for one worker, ray if RAY_ADDRESS is "
+                                    "set, else mp.",
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
             "prefix_caching_hash_algo": list(HASH_ALGOS),
+            "distributed_executor_backend": list(EXECUTOR_BACKENDS),
             "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"]}
 # Extra spellings, as vLLM users know them.
-_ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"]}
+_ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"], "tensor_parallel_size": ["-tp"],
+            "pipeline_parallel_size": ["-pp"]}
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}

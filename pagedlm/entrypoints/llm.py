@@ -35,6 +35,22 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop worker processes (tensor or pipeline parallelism); also on `del`, at the end of a
+        `with LLM(...) as llm:` block, and at interpreter exit."""
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Seq[int] | None = None

@@ -50,12 +50,13 @@ def _copy(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> None:
 class CacheEngine:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 num_gpu_blocks: int, num_cpu_blocks: int = 0,
                  num_kv_heads: int | None = None, num_layers: int | None = None) -> None:
         """num_kv_heads / num_layers: this rank's (see kv_bytes_per_block); default the model's."""
-        self.kv_caches = _allocate(cache_config.num_gpu_blocks, model_config,
-                                   cache_config.block_size, num_kv_heads, num_layers)
-        self.host_kv_caches = _allocate(cache_config.num_cpu_blocks, model_config,
-                                        cache_config.block_size, num_kv_heads, num_layers)
+        self.kv_caches = _allocate(num_gpu_blocks, model_config, cache_config.block_size,
+                                   num_kv_heads, num_layers)
+        self.host_kv_caches = _allocate(num_cpu_blocks, model_config, cache_config.block_size,
+                                        num_kv_heads, num_layers)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         _copy(self.kv_caches, self.host_kv_caches, pairs)

@@ -15,6 +15,7 @@ import torch
 from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk
 from pagedlm.config import ModelConfig
 from pagedlm.core.sched_output import ExecuteModelRequest
+from pagedlm.distributed import IntermediateTensors
 from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedlm.sampling_params import SamplingParams
 
@@ -66,8 +67,9 @@ class PromptLogprobs:
 @dataclass
 class StepTimings:
     prepare_s: float  # building the flat batch
-    forward_s: float  # model forward and logits
+    forward_s: float  # model forward and logits (communication inside included)
     sample_s: float  # sampler and prompt logprobs
+    comm_s: float = 0.0  # of the above, in collectives and pipeline transfers (this rank)
 
 
 @dataclass
@@ -231,12 +233,19 @@ class ModelRunner:
 
     # -- the step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, req: ExecuteModelRequest, kv_caches) -> ModelRunnerOutput:
+    def execute_model(self, req: ExecuteModelRequest, kv_caches,
+                      intermediate_tensors: IntermediateTensors | None = None
+                      ) -> ModelRunnerOutput | IntermediateTensors:
+        """The step on this rank: the sampled tokens on the last pipeline stage, else the
+        hidden states for the next stage. kv_caches: this stage's layers, in order."""
         t0 = time.perf_counter()
         self.update_states(req)
         inp = self.prepare_input(req)
         t1 = time.perf_counter()
-        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_metadata)
+        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_metadata,
+                            intermediate_tensors)
+        if isinstance(hidden, IntermediateTensors):
+            return hidden
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         t2 = time.perf_counter()
         sampled = self.sampler(logits, inp.sampling_metadata)

@@ -1,12 +1,26 @@
-"""The Worker: owns the model, the KV cache and the ModelRunner on one device."""
+"""The Worker: one rank's model shard, KV cache and ModelRunner on one device.
+
+With tensor parallelism each rank holds its share of every layer's heads and features and its
+own heads' KV cache; with pipeline parallelism a rank holds a contiguous stage of layers, takes
+the previous stage's hidden states and sends its own on. Every rank gets the same
+ExecuteModelRequest and builds the same flat batch; the last stage's TP rank 0 (the output rank)
+returns the sampled tokens, the others return None.
+"""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+import torch
+
 from pagedlm.attention import kernels
-from pagedlm.config import CacheConfig, ModelConfig
+from pagedlm.config import EngineConfig
 from pagedlm.core.sched_output import ExecuteModelRequest
+from pagedlm.distributed import (IntermediateTensors, default_backend,
+                                 ensure_model_parallel_initialized, get_pp_group, get_tp_group,
+                                 init_distributed_environment)
+from pagedlm.distributed.parallel_state import destroy_distributed_environment
 from pagedlm.model_executor.model_loader.loader import get_model
 from pagedlm.utils import available_memory_bytes, cdiv
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
@@ -17,39 +31,70 @@ logger = logging.getLogger(__name__)
 
 class Worker:
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 eos_token_ids: frozenset[int]) -> None:
-        self.model_config = model_config
-        self.cache_config = cache_config
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int], rank: int = 0,
+                 local_rank: int = 0, distributed_init_method: str | None = None) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.cache_config = config.cache_config
+        self.eos_token_ids = eos_token_ids
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.model: torch.nn.Module | None = None
+        self.runner: ModelRunner | None = None
+        self.cache_engine: CacheEngine | None = None
+
+    # -- start-up -----------------------------------------------------------------------------
+    def init_device(self) -> None:
+        """Pin this worker's threads and join the process groups (only with several workers)."""
+        pc = self.config.parallel_config
+        if pc.threads_per_worker:
+            torch.set_num_threads(pc.threads_per_worker)
+            os.environ["OMP_NUM_THREADS"] = str(pc.threads_per_worker)
+        if pc.world_size > 1:
+            init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method,
+                                         self.local_rank, default_backend(self.config.device))
+            ensure_model_parallel_initialized(pc.tensor_parallel_size,
+                                              pc.pipeline_parallel_size)
+
+    def load_model(self) -> None:
         t = time.perf_counter()
-        self.model = get_model(model_config)
-        logger.info("model weights loaded in %.2fs", time.perf_counter() - t)
+        self.model = get_model(self.model_config, self.config.device)
+        logger.info("rank %d: model weights loaded in %.2fs", self.rank,
+                    time.perf_counter() - t)
         # Build (first run only) and load the native attention kernel now rather than in the
         # middle of the first request; without a compiler this warns and falls back.
         kernels.available()
-        self.runner = ModelRunner(model_config, self.model, cache_config.block_size, eos_token_ids)
-        self.cache_engine: CacheEngine | None = None
+        self.runner = ModelRunner(self.model_config, self.model, self.cache_config.block_size,
+                                  self.eos_token_ids)
 
-    def determine_num_blocks(self, max_tokens_needed: int) -> int:
-        cc = self.cache_config
-        per_block = kv_bytes_per_block(self.model_config, cc.block_size)
+    def _kv_shape(self) -> tuple[int, int]:
+        """This rank's KV heads and layers."""
+        tp, pp = get_tp_group(), get_pp_group()
+        return (self.model_config.get_num_kv_heads(tp.world_size),
+                self.model_config.get_num_layers(pp.world_size, pp.rank_in_group))
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, host blocks) this rank can hold; the executor takes the minimum."""
+        cc, sc = self.cache_config, self.config.scheduler_config
+        per_block = kv_bytes_per_block(self.model_config, cc.block_size, *self._kv_shape())
+        num_cpu_blocks = cc.swap_space_bytes // per_block
         if cc.num_gpu_blocks_override is not None:
-            return cc.num_gpu_blocks_override
+            return cc.num_gpu_blocks_override, num_cpu_blocks
         if cc.kv_cache_memory_bytes is not None:
-            return cc.kv_cache_memory_bytes // per_block
+            return cc.kv_cache_memory_bytes // per_block, num_cpu_blocks
         # A share of the memory free now, but no more than the longest possible batch needs.
-        budget = int(available_memory_bytes() * cc.gpu_memory_utilization)
-        return min(budget // per_block, cdiv(max_tokens_needed, cc.block_size))
+        # Workers on one node share its memory.
+        budget = int(available_memory_bytes() * cc.gpu_memory_utilization
+                     / self.config.parallel_config.world_size)
+        max_tokens = sc.max_num_seqs * sc.max_model_len
+        return min(budget // per_block, cdiv(max_tokens, cc.block_size)), num_cpu_blocks
 
-    def determine_num_cpu_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.cache_config.block_size)
-        return self.cache_config.swap_space_bytes // per_block
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.cache_engine = CacheEngine(self.model_config, self.cache_config, num_gpu_blocks,
+                                        num_cpu_blocks, *self._kv_shape())
 
-    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self.cache_config.num_gpu_blocks = num_blocks
-        self.cache_config.num_cpu_blocks = num_cpu_blocks
-        self.cache_engine = CacheEngine(self.model_config, self.cache_config)
-
+    # -- each step ----------------------------------------------------------------------------
     def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
         # Swap-outs first: the blocks they vacate may be written this very step.
         self.cache_engine.swap_out(req.blocks_to_swap_out)
@@ -58,4 +103,20 @@ class Worker:
         if not req.has_work:
             self.runner.update_states(req)  # drop finished requests all the same
             return None
-        return self.runner.execute_model(req, self.cache_engine.kv_caches)
+        tp, pp = get_tp_group(), get_pp_group()
+        comm_before = tp.comm_s + pp.comm_s
+        intermediate = None
+        if not pp.is_first_rank:
+            intermediate = IntermediateTensors.from_dict(pp.recv_tensor_dict())
+        output = self.runner.execute_model(req, self.cache_engine.kv_caches, intermediate)
+        if isinstance(output, IntermediateTensors):
+            pp.send_tensor_dict(output.to_dict())
+            return None
+        output.timings.comm_s = tp.comm_s + pp.comm_s - comm_before
+        return output if tp.is_first_rank else None
+
+    def check_health(self) -> None:
+        """Raises if this worker cannot serve (nothing to check on a CPU yet)."""
+
+    def shutdown(self) -> None:
+        destroy_distributed_environment()
