@@ -84,34 +84,28 @@ def test_tp_and_pp_over_mp_match_one_worker(tiny_models, arch):
     assert_no_workers_left()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+SEEDED = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True)
+          for i in range(len(PROMPTS))]
+MIXED_PROMPTS = PROMPTS + ["Noise one", "Noise two", "Noise three"]
+MIXED_PARAMS = SEEDED + [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 3
 
 
-def test_tp_over_ray_matches_one_worker(tiny_models, ray_cluster):
-    for arch, path in tiny_models.items():
-        assert_same(run(path), run(path, tensor_parallel_size=2,
-                                   distributed_executor_backend="ray"))
+def seeded_alone(path) -> list[list[int]]:
+    return [run(path, p, [q])[0].token_ids for p, q in zip(SEEDED, PROMPTS)]
 
 
-def test_seeded_sampling_is_the_same_everywhere(tiny_models, ray_cluster):
+def seeded_mixed(path, **kwargs) -> list[list[int]]:
+    return [o.token_ids for o in run(path, MIXED_PARAMS, MIXED_PROMPTS, **kwargs)][:len(PROMPTS)]
+
+
+def test_seeded_sampling_is_the_same_everywhere(tiny_models):
     """A seeded request draws from its own generator, kept by the worker that samples: the
-    same tokens with one worker, TP=2 over mp and over Ray, alone or in a mixed batch."""
+    same tokens with one worker and with TP=2 over mp, alone or in a mixed batch (Ray:
+    test_ray_executor.py)."""
     path = tiny_models["llama"]
-    seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True)
-              for i in range(len(PROMPTS))]
-    noise = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    alone = [run(path, p, [q])[0].token_ids for p, q in zip(seeded, PROMPTS)]
-    mixed_prompts = PROMPTS + ["Noise one", "Noise two", "Noise three"]
-    mixed_params = seeded + [noise] * 3
-    for kwargs in ({}, dict(tensor_parallel_size=2, distributed_executor_backend="mp"),
-                   dict(tensor_parallel_size=2, distributed_executor_backend="ray")):
-        got = [o.token_ids for o in run(path, mixed_params, mixed_prompts, **kwargs)]
-        assert got[:len(PROMPTS)] == alone, kwargs
+    alone = seeded_alone(path)
+    assert seeded_mixed(path) == alone
+    assert seeded_mixed(path, tensor_parallel_size=2, distributed_executor_backend="mp") == alone
 
 
 def test_smollm2_tp3_over_mp_matches_one_worker(default_model_dir):
