@@ -62,8 +62,12 @@ def parse_args():
                    default=None, help="(default: the engine's default, on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="(default: the engine's default, on)")
-    p.add_argument("--baseline", choices=["none", "hf", "no-chunked-prefill"], default="none",
-                   help="hf: transformers generate; no-chunked-prefill: pagedlm without it")
+    p.add_argument("--baseline", choices=["none", "hf", "no-chunked-prefill", "tp1"],
+                   default="none", help="hf: transformers generate; no-chunked-prefill: pagedlm "
+                   "without it; tp1: pagedlm on one worker (to compare with -tp / -pp)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+    p.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None)
     p.add_argument("--baseline-commit", default=None, metavar="REV",
                    help="also run this workload on pagedlm at git commit REV and compare")
     p.add_argument("--hf-batch-size", type=int, default=32)
@@ -118,6 +122,9 @@ def run_pagedlm(requests, args, model_file, **overrides):
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "distributed_executor_backend": args.distributed_executor_backend,
     }.items() if v is not None}
     engine_kwargs.update(overrides)
     start = time.perf_counter()
@@ -139,6 +146,8 @@ def run_pagedlm(requests, args, model_file, **overrides):
         assert got == n, f"pagedlm produced {got} tokens, asked for {n}"
     st = llm.llm_engine.stats
     print(f"pagedlm step breakdown: {st.breakdown()}; {st.num_preemptions} preemptions")
+    if hasattr(llm, "shutdown"):  # stop worker processes before the next run
+        llm.shutdown()
     del llm
     gc.collect()  # free the engine's KV cache before the baseline loads its own model
     return figures(requests, elapsed, load_s)
@@ -223,6 +232,10 @@ def main():
             results[name] = old["results"]["pagedlm"]
         elif name == "hf":
             results[name] = run_hf(requests, args, model_file, tokenizer)
+        elif name == "tp1":
+            results[name] = run_pagedlm(requests, args, model_file, tensor_parallel_size=1,
+                                        pipeline_parallel_size=1,
+                                        distributed_executor_backend="uni")
         else:
             results[name] = run_pagedlm(requests, args, model_file, enable_chunked_prefill=False,
                                         max_num_batched_tokens=None)
