@@ -167,6 +167,18 @@ def test_decode_steps_send_only_new_ids(tiny_models):
     assert largest[4] < 1000, largest  # the rest is the message's fixed shape
 
 
+def test_deleting_an_llm_stops_its_worker_processes(tiny_models):
+    llm = LLM(tiny_models["llama"], pipeline_parallel_size=2, max_model_len=256,
+              kv_cache_memory_bytes=8 * 2**20)
+    workers = [psutil.Process(p.pid) for p in llm.llm_engine.executor.procs]
+    assert all(w.is_running() for w in workers)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    del llm  # no explicit shutdown: the LLM's last reference goes
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, alive
+    assert_no_workers_left()
+
+
 def test_a_killed_worker_fails_generate_naming_the_rank(tiny_models):
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2, max_model_len=512,
               kv_cache_memory_bytes=16 * 2**20)

@@ -11,18 +11,15 @@ tensor-parallel rank, num_kv_heads is that rank's heads).
 
 How the attention itself is computed is an AttentionBackend's business (``backends/``): PyTorch
 SDPA everywhere, or the native C kernel for float32 on the CPU. The model picks one when it is
-built (``get_attn_backend``) and its ``Attention`` layers call it; ``paged_attention()`` below
+built (``get_attn_backend``) and its ``Attention`` layers call it; ``backends.paged_attention()``
 is the one-off form used by tests and tools, which picks a backend at each call.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from pagedlm.attention.backends.abstract import AttentionBackend
 
 
 @dataclass
@@ -62,17 +59,3 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     b, nb = block_tables.shape
     _, bs, h, d = cache.shape
     return cache[block_tables].view(b, nb * bs, h, d).transpose(1, 2)
-
-
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, backend: AttentionBackend | None = None) -> torch.Tensor:
-    """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D], after writing K/V to the cache.
-
-    Runs `backend`, or the one get_attn_backend picks for the query's dtype and device now
-    (so PAGEDLM_DISABLE_KERNELS=1 set before the call selects the PyTorch path).
-    """
-    if backend is None:
-        from pagedlm.attention.backends import get_attn_backend
-        backend = get_attn_backend(query.dtype, query.device)
-    return backend.forward(query, key, value, k_cache, v_cache, meta, scale)

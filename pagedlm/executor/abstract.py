@@ -9,12 +9,18 @@ The KV-cache size is agreed here: each rank reports what it can hold and all tak
 """
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from typing import Any
 
 from pagedlm.config import EngineConfig
 from pagedlm.core.sched_output import ExecuteModelRequest
 from pagedlm.worker.model_runner import ModelRunnerOutput
+
+
+_EXECUTORS = {"uni": "pagedlm.executor.uniproc_executor:UniProcExecutor",
+              "mp": "pagedlm.executor.multiproc_executor:MultiprocExecutor",
+              "ray": "pagedlm.executor.ray_distributed_executor:RayDistributedExecutor"}
 
 
 class WorkerFailedError(RuntimeError):
@@ -26,17 +32,12 @@ class Executor(ABC):
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:
         backend = config.parallel_config.distributed_executor_backend
-        if backend == "uni":
-            from pagedlm.executor.uniproc_executor import UniProcExecutor
-            return UniProcExecutor
-        if backend == "mp":
-            from pagedlm.executor.multiproc_executor import MultiprocExecutor
-            return MultiprocExecutor
-        if backend == "ray":
-            from pagedlm.executor.ray_distributed_executor import RayDistributedExecutor
-            return RayDistributedExecutor
-        raise ValueError(f"distributed_executor_backend {backend!r} is not one of "
-                         f"'uni', 'mp', 'ray'.")
+        if backend not in _EXECUTORS:
+            raise ValueError(f"distributed_executor_backend {backend!r} is not one of "
+                             f"{sorted(_EXECUTORS)}.")
+        # By name: the base class does not import its implementations (Ray is optional).
+        module, name = _EXECUTORS[backend].split(":")
+        return getattr(importlib.import_module(module), name)
 
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
         self.config = config

@@ -109,6 +109,8 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed))
+        # The step's tensors are made where the model runs.
+        self.device = next(model.parameters()).device
         self.requests: dict[str, CachedRequestState] = {}
         self.seqs: dict[int, CachedSequenceState] = {}
 
@@ -142,8 +144,10 @@ class ModelRunner:
     def prepare_input(self, req: ExecuteModelRequest) -> ModelInput:
         batch = self._build_batch(req)
         sampling, sample_rows, first_row = self._build_sampling_metadata(req, batch.last_row)
-        return ModelInput(torch.tensor(batch.input_ids), torch.tensor(batch.positions),
-                          self._build_attn_metadata(batch), sample_rows, sampling,
+        dev = self.device
+        return ModelInput(torch.tensor(batch.input_ids, device=dev),
+                          torch.tensor(batch.positions, device=dev),
+                          self._build_attn_metadata(batch, dev), sample_rows.to(dev), sampling,
                           self._prompt_logprobs_requests(req, batch), first_row)
 
     def _build_batch(self, req: ExecuteModelRequest) -> _FlatBatch:
@@ -169,17 +173,21 @@ class ModelRunner:
         return batch
 
     @staticmethod
-    def _build_attn_metadata(batch: _FlatBatch) -> AttentionMetadata:
-        chunks = [PrefillChunk(row0, end, start, torch.tensor(seq.block_ids) if start else None)
+    def _build_attn_metadata(batch: _FlatBatch, dev: torch.device) -> AttentionMetadata:
+        chunks = [PrefillChunk(row0, end, start,
+                               torch.tensor(seq.block_ids, device=dev) if start else None)
                   for seq, start, row0, end in batch.prefills]
         nd = len(batch.decodes)
         block_tables = seq_lens = None
         if nd:
             width = max(len(seq.block_ids) for seq, _ in batch.decodes)
             block_tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids))
-                                         for seq, _ in batch.decodes], dtype=torch.int32)
-            seq_lens = torch.tensor([start + 1 for _, start in batch.decodes], dtype=torch.int32)
-        return AttentionMetadata(slot_mapping=torch.tensor(batch.slots), num_decode_tokens=nd,
+                                         for seq, _ in batch.decodes], dtype=torch.int32,
+                                        device=dev)
+            seq_lens = torch.tensor([start + 1 for _, start in batch.decodes], dtype=torch.int32,
+                                    device=dev)
+        return AttentionMetadata(slot_mapping=torch.tensor(batch.slots, device=dev),
+                                 num_decode_tokens=nd,
                                  decode_block_tables=block_tables, decode_mask=None,
                                  prefills=chunks, decode_seq_lens=seq_lens)
 
@@ -257,7 +265,7 @@ class ModelRunner:
                          ) -> PromptLogprobs:
         k = self.requests[req.req_id].sampling_params.prompt_logprobs
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[req.rows]), dim=-1)
-        targets = torch.tensor(req.target_ids).unsqueeze(1)
+        targets = torch.tensor(req.target_ids, device=logprobs.device).unsqueeze(1)
         chosen = logprobs.gather(1, targets)
         ranks = (logprobs > chosen).sum(dim=-1) + 1
         top = logprobs.topk(k, dim=-1) if k else None

@@ -6,6 +6,7 @@ import torch
 from pagedlm.attention.backends.abstract import AttentionBackend
 from pagedlm.attention.backends.native import NativeKernelBackend
 from pagedlm.attention.backends.torch_sdpa import TorchSDPABackend
+from pagedlm.attention.paged_attention import AttentionMetadata
 
 # In order of preference: the first that supports the dtype and device is used.
 _BACKENDS: tuple[type[AttentionBackend], ...] = (NativeKernelBackend, TorchSDPABackend)
@@ -21,4 +22,19 @@ def get_attn_backend(dtype: torch.dtype, device: torch.device | str = "cpu") -> 
     raise ValueError(f"no attention backend supports {dtype} on {device}")
 
 
-__all__ = ["AttentionBackend", "NativeKernelBackend", "TorchSDPABackend", "get_attn_backend"]
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, backend: AttentionBackend | None = None) -> torch.Tensor:
+    """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D], after writing K/V to the cache.
+
+    A one-off call for tests and tools (models hold the backend chosen when they were built):
+    runs `backend`, or the one get_attn_backend picks for the query's dtype and device now (so
+    PAGEDLM_DISABLE_KERNELS=1 set before the call selects the PyTorch path).
+    """
+    if backend is None:
+        backend = get_attn_backend(query.dtype, query.device)
+    return backend.forward(query, key, value, k_cache, v_cache, meta, scale)
+
+
+__all__ = ["AttentionBackend", "NativeKernelBackend", "TorchSDPABackend", "get_attn_backend",
+           "paged_attention"]
