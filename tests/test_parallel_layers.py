@@ -206,6 +206,7 @@ def _comm_checks(rank: int, world_size: int) -> str:
     return "ok"
 
 
+@pytest.mark.slow  # starts gloo processes
 def test_group_coordinator_two_gloo_processes(two_ranks):
     assert section(two_ranks, "comm") == ["ok", "ok"]
 
@@ -389,6 +390,7 @@ def unsharded_layer_outputs():
     return ref
 
 
+@pytest.mark.slow  # starts gloo processes
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_layers_match_unsharded(tp, unsharded_layer_outputs, request):
     """Every layer at TP=2, and at TP=4, where the 2 KV heads are replicated over 4 ranks."""
@@ -538,6 +540,7 @@ def four_ranks(tiny_models):
     ], timeout=240)
 
 
+@pytest.mark.slow  # starts gloo processes
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_tiny_models_parallel_match_tp1_and_transformers(tp, pp, reference_logits, request):
     """Prefill and one decode step: last-stage logits of every TP rank equal TP=1's and
@@ -638,6 +641,7 @@ def _smollm_on_rank(rank: int, world_size: int, path: str, prompt: list[int]):
     return _prefill_then_decode(model, cfg, prompt, NEXT_TOKEN)
 
 
+@pytest.mark.slow  # starts gloo processes
 def test_default_model_tp3_matches_tp1(default_model_dir):
     prompt = PROMPT[:8]
     cfg = _load_config(default_model_dir)
