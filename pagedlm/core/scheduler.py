@@ -24,9 +24,9 @@ from pagedlm.core.block_manager import BlockManager
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdates
 
 
-def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
+def is_decode(num_computed_tokens: int, num_new_tokens: int) -> bool:
     """One new token after a cached context: attention batches these; the rest are prefills."""
-    return num_new_tokens == 1 and seq.num_computed_tokens > 0
+    return num_new_tokens == 1 and num_computed_tokens > 0
 
 
 @dataclass
@@ -94,9 +94,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def _key(self, group: SequenceGroup) -> tuple[int, int]:
         priority = group.priority if self.config.policy == "priority" else 0
         return priority, group.arrival_order
@@ -123,7 +120,8 @@ class Scheduler:
         """Schedule running groups; returns whether any had to be preempted for lack of blocks."""
         bm = self.block_manager
         order = sorted(self.running, key=self._key)
-        decoding = [all(is_decode(s, s.num_uncomputed_tokens) for s in g.unfinished_seqs())
+        decoding = [all(is_decode(s.num_computed_tokens, s.num_uncomputed_tokens)
+                        for s in g.unfinished_seqs())
                     for g in order]
         pending = deque([g for g, d in zip(order, decoding) if d]
                         + [g for g, d in zip(order, decoding) if not d])

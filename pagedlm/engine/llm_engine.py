@@ -249,7 +249,7 @@ class LLMEngine:
         st.num_steps += 1
         st.num_prompt_tokens += sum(n for sg in sched.scheduled_groups
                                     for s, n in zip(sg.seqs, sg.num_new_tokens)
-                                    if not is_decode(s, n))
+                                    if not is_decode(s.num_computed_tokens, n))
         st.num_generation_tokens += len(result.sampler_output.sampled_token_ids)
         updates = self.output_processor.process(sched, result)
         self.scheduler.update_from_output(sched, updates)

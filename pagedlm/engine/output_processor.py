@@ -125,7 +125,7 @@ def make_request_output(group: SequenceGroup) -> tuple[RequestOutput, OutputCurs
     seqs = group.seqs
     if ranked:
         seqs = sorted(seqs, key=lambda q: q.cumulative_logprob, reverse=True)[:params.n]
-    sent = dict(group.cursor.sent)
+    sent = dict(group.cursor.sent) if delta else group.cursor.sent  # only DELTA advances it
     completions = []
     for i, seq in enumerate(seqs):
         sent_tokens, sent_text = sent.get(seq.seq_id, (0, 0))

@@ -70,9 +70,6 @@ class Executor(ABC):
         return next((r for r in self.collective_rpc("execute_model", args=(req,))
                      if r is not None), None)
 
-    def check_health(self) -> None:
-        self.collective_rpc("check_health")
-
     def shutdown(self) -> None:
         """Stop the workers; safe to call more than once."""
         self.is_shutdown = True

@@ -15,6 +15,7 @@ import torch
 from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk
 from pagedlm.config import ModelConfig
 from pagedlm.core.sched_output import ExecuteModelRequest
+from pagedlm.core.scheduler import is_decode
 from pagedlm.distributed import IntermediateTensors
 from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedlm.sampling_params import SamplingParams
@@ -155,8 +156,7 @@ class ModelRunner:
         decodes, prefills = [], []
         for seq_id, start, n in zip(req.seq_ids, req.num_computed_tokens,
                                     req.num_scheduled_tokens):
-            # One new token after a cached context: attention batches these.
-            (decodes if n == 1 and start > 0 else prefills).append((seq_id, start, n))
+            (decodes if is_decode(start, n) else prefills).append((seq_id, start, n))
         batch = _FlatBatch([], [], [], [], [], {})
         for i, (seq_id, start, n) in enumerate(decodes + prefills):
             seq = self.seqs[seq_id]

@@ -115,8 +115,5 @@ class Worker:
         output.timings.comm_s = tp.comm_s + pp.comm_s - comm_before
         return output if tp.is_first_rank else None
 
-    def check_health(self) -> None:
-        """Raises if this worker cannot serve (nothing to check on a CPU yet)."""
-
     def shutdown(self) -> None:
         destroy_distributed_environment()
