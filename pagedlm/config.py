@@ -1,19 +1,18 @@
 """Engine configuration: one dataclass per concern, built from EngineArgs."""
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from pagedlm.distributed.utils import get_pp_indices
+from pagedlm.model_executor.models.registry import resolve_architecture
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
-# Architectures our Llama-family implementation covers (HF config "architectures").
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass
@@ -22,42 +21,54 @@ class ModelConfig:
     model_dir: str  # resolved HF-format directory
     dtype: torch.dtype
     max_model_len: int
-    architecture: str
-    hf_config: dict  # the raw config.json
+    architecture: str  # the HF name the registry maps to a model class
+    # transformers' config class for the model type: its attribute_map gives every model the
+    # same names (GPT-2's n_head reads as num_attention_heads) and it fills the class defaults
+    # a config.json may leave out.
+    hf_config: PretrainedConfig
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hf_config, dict):  # tests and tools may pass plain keys
+            self.hf_config = PretrainedConfig(**self.hf_config)
+
+    def get_hf(self, key: str, default: Any = None) -> Any:
+        """A config value, or `default` when the config lacks it or sets it to None."""
+        value = getattr(self.hf_config, key, None)
+        return default if value is None else value
 
     @property
     def num_layers(self) -> int:
-        return self.hf_config["num_hidden_layers"]
+        return self.hf_config.num_hidden_layers
 
     @property
     def num_heads(self) -> int:
-        return self.hf_config["num_attention_heads"]
+        return self.hf_config.num_attention_heads
 
     @property
     def num_kv_heads(self) -> int:
-        return self.hf_config.get("num_key_value_heads") or self.num_heads
+        return self.get_hf("num_key_value_heads") or self.num_heads
 
     @property
     def head_dim(self) -> int:
-        return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads
+        return self.get_hf("head_dim") or self.hf_config.hidden_size // self.num_heads
 
     @property
     def rope_theta(self) -> float:
         # transformers 5 nests rope settings in rope_parameters; older configs keep them flat.
-        params = self.hf_config.get("rope_parameters") or {}
-        return params.get("rope_theta") or self.hf_config.get("rope_theta") or 10000.0
+        params = self.get_hf("rope_parameters") or {}
+        return params.get("rope_theta") or self.get_hf("rope_theta") or 10000.0
 
     @property
     def rope_scaling(self) -> dict | None:
-        params = self.hf_config.get("rope_parameters") or self.hf_config.get("rope_scaling")
+        params = self.get_hf("rope_parameters") or self.get_hf("rope_scaling")
         if not params or (params.get("rope_type") or params.get("type")) in (None, "default"):
             return None
         return params
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config["vocab_size"]
+        return self.hf_config.vocab_size
 
     # -- per-rank sizes under tensor / pipeline parallelism ------------------------------------
 
@@ -93,21 +104,21 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model: str | None, model_dir: str, dtype: str, max_model_len: int | None,
                  seed: int) -> "ModelConfig":
-        with open(os.path.join(model_dir, "config.json")) as f:
-            hf = json.load(f)
-        archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"model: architecture {archs} is not supported; pagedlm runs "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+        from transformers import AutoConfig
+        try:
+            hf = AutoConfig.from_pretrained(model_dir)
+        except (ValueError, KeyError, OSError) as e:
+            raise ValueError(f"model: cannot read {model_dir}/config.json: {e}") from None
+        arch = resolve_architecture(getattr(hf, "architectures", None))
         if dtype not in _DTYPES and dtype != "auto":
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}.")
         # float32 by default: CPU matmuls gain nothing from fp16 and lose accuracy.
         torch_dtype = torch.float32 if dtype == "auto" else _DTYPES[dtype]
-        derived = hf.get("max_position_embeddings", 2048)
+        derived = getattr(hf, "max_position_embeddings", None) or 2048
         # Sliding-window attention is not implemented: stay inside the window so results
         # are exact rather than silently wrong.
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        window = (getattr(hf, "sliding_window", None)
+                  if getattr(hf, "use_sliding_window", True) else None)
         if isinstance(window, int) and window > 0:
             derived = min(derived, window)
         if max_model_len is None:

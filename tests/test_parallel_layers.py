@@ -478,7 +478,7 @@ def _models_on_rank(rank: int, world_size: int, model_dirs: dict[str, str]):
         start, end = get_pp_indices(cfg.num_layers, pp_group.rank_in_group, pp)
         assert list(model.layers) == [str(i) for i in range(start, end)]
         assert (model.embed_tokens is not None) == (
-            pp_group.is_first_rank or (cfg.hf_config.get("tie_word_embeddings", False)
+            pp_group.is_first_rank or (cfg.get_hf("tie_word_embeddings", False)
                                        and pp_group.is_last_rank))
         assert (model.lm_head is not None) == pp_group.is_last_rank
         if arch == "llama" and pp > 1:
@@ -617,13 +617,13 @@ def test_load_weights_errors_name_the_weight(tiny_models):
     model = get_model(cfg)
     ckpt = list(iterate_safetensors(path))
     bad = [(n, t[:-1] if n == "model.layers.1.self_attn.k_proj.weight" else t) for n, t in ckpt]
-    with pytest.raises(ValueError, match=r"'layers\.1\.self_attn\.k_proj\.weight' has shape "
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has shape "
                                          r"\(31, 64\), expected \(32, 64\)"):
         model.load_weights(bad)
     with pytest.raises(ValueError, match=r"lacks weights for \['layers\.2\.self_attn\.qkv_proj"):
         model.load_weights((n, t) for n, t in ckpt
                            if n != "model.layers.2.self_attn.v_proj.weight")
-    with pytest.raises(ValueError, match=r"unexpected weight 'layers\.0\.extra\.weight'"):
+    with pytest.raises(ValueError, match=r"unexpected weight 'model\.layers\.0\.extra\.weight'"):
         model.load_weights(ckpt + [("model.layers.0.extra.weight", torch.zeros(2))])
     model.load_weights(ckpt)  # and the real thing loads
 

@@ -6,7 +6,7 @@ import torch
 from pagedlm.attention.backends import get_attn_backend
 from pagedlm.config import ModelConfig
 from pagedlm.model_executor.model_loader.weight_utils import iterate_safetensors
-from pagedlm.model_executor.models.llama import LlamaForCausalLM
+from pagedlm.model_executor.models.registry import get_model_class
 
 __all__ = ["get_model", "iterate_safetensors"]
 
@@ -18,8 +18,7 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
     pagedlm.distributed.parallel_state (size 1 when none were initialised): each rank builds
     only its heads, features and layers, and loads its slices of the full checkpoint tensors.
     """
-    # Every architecture ModelConfig accepts is the Llama block with small config differences.
-    cls = LlamaForCausalLM
+    cls = get_model_class(config.architecture)
     attn_backend = get_attn_backend(config.dtype, device)  # chosen once, for every layer
     old = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -53,3 +53,48 @@ def describe_missing(missing: list[str]) -> str:
     """The error message for parameters the checkpoint did not fill."""
     return (f"the checkpoint lacks weights for {missing[:4]}"
             f"{' and more' if len(missing) > 4 else ''}.")
+
+
+def load_weights_into(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
+                      stacked_params: Mapping[str, tuple[str, object]] = {},
+                      rename: Callable[[str], str | None] = lambda name: name,
+                      on_this_rank: Callable[[str], bool] = lambda name: True) -> None:
+    """Load full checkpoint tensors into `module`'s parameters, through each one's
+    weight_loader (default_weight_loader when it has none), and check nothing is left empty.
+
+    rename: checkpoint name -> our parameter name, or None to skip the tensor (buffers such as
+    rotary inv_freq, a tied LM head). stacked_params: a name fragment -> (the fused parameter
+    it is part of, its shard id), e.g. "q_proj" -> ("qkv_proj", "q"). on_this_rank: whether
+    a (renamed) parameter belongs to this pipeline stage; others are skipped silently.
+
+    Errors are ValueErrors naming the checkpoint weight: a wrong shape, a weight with no
+    parameter, and every parameter of this rank the checkpoint did not (wholly) fill.
+    """
+    params = dict(module.named_parameters())  # tied parameters are listed once
+    loaded: dict[str, set] = {}
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name)
+        if name is None:
+            continue
+        frag = next((f for f in stacked_params if f".{f}." in name), None)
+        shard = None
+        if frag is not None:
+            stacked, shard = stacked_params[frag]
+            name = name.replace(f".{frag}.", f".{stacked}.")
+        if not on_this_rank(name):
+            continue
+        if name not in params:
+            raise ValueError(f"unexpected weight {ckpt_name!r} in the checkpoint.")
+        param = params[name]
+        try:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+        except WeightShapeError as e:
+            raise ValueError(f"weight {ckpt_name!r} {e}.") from None
+        loaded.setdefault(name, set()).add(shard)
+    shards_of: dict[str, set] = {}  # fused module name -> the shards that fill it
+    for stacked, shard in stacked_params.values():
+        shards_of.setdefault(stacked, set()).add(shard)
+    missing = [name for name in params
+               if loaded.get(name, set()) != shards_of.get(name.rsplit(".", 2)[-2], {None})]
+    if missing:
+        raise ValueError(describe_missing(missing))

@@ -28,8 +28,7 @@ from pagedlm.model_executor.layers.linear import (MergedColumnParallelLinear, QK
                                                   RowParallelLinear)
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedlm.model_executor.model_loader.weight_utils import (WeightShapeError, default_weight_loader,
-                                                            describe_missing)
+from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -43,13 +42,13 @@ class LlamaAttention(nn.Module):
         # Qwen2 always has QKV bias (and no o_proj bias); Llama-style configs say so with
         # attention_bias, for all four projections.
         qwen2 = cfg.architecture == "Qwen2ForCausalLM"
-        attention_bias = bool(hf.get("attention_bias", False))
+        attention_bias = bool(cfg.get_hf("attention_bias", False))
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(hf["hidden_size"], cfg.head_dim, cfg.num_heads,
+        self.qkv_proj = QKVParallelLinear(hf.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, bias=qwen2 or attention_bias)
         # This rank's heads.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, hf["hidden_size"],
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, hf.hidden_size,
                                         bias=attention_bias and not qwen2)
         self.rotary = rotary
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -84,11 +83,11 @@ class LlamaDecoderLayer(nn.Module):
                  attn_backend: AttentionBackend) -> None:
         super().__init__()
         hf = cfg.hf_config
-        eps = hf.get("rms_norm_eps", 1e-6)
+        eps = cfg.get_hf("rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(cfg, rotary, attn_backend)
-        self.mlp = LlamaMLP(hf["hidden_size"], hf["intermediate_size"], bool(hf.get("mlp_bias", False)))
-        self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.mlp = LlamaMLP(hf.hidden_size, hf.intermediate_size, bool(cfg.get_hf("mlp_bias", False)))
+        self.input_layernorm = RMSNorm(hf.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
         if residual is None:
@@ -116,12 +115,12 @@ class LlamaForCausalLM(nn.Module):
         # Global indices of this stage's layers: [start_layer, end_layer).
         self.start_layer, self.end_layer = get_pp_indices(cfg.num_layers, pp.rank_in_group,
                                                           pp.world_size)
-        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        self.tie_word_embeddings = bool(cfg.get_hf("tie_word_embeddings", False))
         # The last stage needs the embedding too when the LM head is tied to it.
         self.embed_tokens = None
         if self.is_first_stage or (self.tie_word_embeddings and self.is_last_stage):
-            self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"])
-        rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, hf.get("max_position_embeddings", 0)),
+            self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, cfg.get_hf("max_position_embeddings", 0)),
                                  cfg.rope_theta, cfg.rope_scaling)
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
         # Keyed by the global layer index, so parameter names match the checkpoint's.
@@ -129,8 +128,8 @@ class LlamaForCausalLM(nn.Module):
                                      for i in range(self.start_layer, self.end_layer)})
         self.norm = self.lm_head = None
         if self.is_last_stage:
-            self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
-            self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"])
+            self.norm = RMSNorm(hf.hidden_size, cfg.get_hf("rms_norm_eps", 1e-6))
+            self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size)
             if self.tie_word_embeddings:
                 self.lm_head.tie_weights(self.embed_tokens)
 
@@ -186,32 +185,12 @@ class LlamaForCausalLM(nn.Module):
         Errors name the weight: a wrong shape, a weight we have no parameter for, and (after
         the loop) every parameter of this rank the checkpoint did not fill.
         """
-        params = dict(self.named_parameters())  # a tied lm_head is listed as embed_tokens
-        loaded: dict[str, set] = {}
-        for ckpt_name, tensor in weights:
+        def rename(ckpt_name: str) -> str | None:
             name = ckpt_name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
-                continue
-            frag = next((f for f in self.stacked_params if f".{f}." in name), None)
-            shard = None
-            if frag is not None:
-                stacked, shard = self.stacked_params[frag]
-                name = name.replace(f".{frag}.", f".{stacked}.")
-            if not self._on_this_stage(name):
-                continue  # another pipeline stage loads it
-            if name not in params:
-                raise ValueError(f"unexpected weight {ckpt_name.removeprefix('model.')!r} in "
-                                 f"the checkpoint.")
-            param = params[name]
-            try:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
-            except WeightShapeError as e:
-                raise ValueError(f"weight {ckpt_name.removeprefix('model.')!r} {e}.") from None
-            loaded.setdefault(name, set()).add(shard)
-        shards_of = {}  # stacked module name -> the shards that fill it
-        for stacked, shard in self.stacked_params.values():
-            shards_of.setdefault(stacked, set()).add(shard)
-        missing = [name for name in params
-                   if loaded.get(name, set()) != shards_of.get(name.rsplit(".", 2)[-2], {None})]
-        if missing:
-            raise ValueError(describe_missing(missing))
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight"
+                                                 and self.tie_word_embeddings):
+                return None
+            return name
+
+        load_weights_into(self, weights, stacked_params=self.stacked_params, rename=rename,
+                          on_this_rank=self._on_this_stage)

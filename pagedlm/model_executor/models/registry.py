@@ -1,0 +1,47 @@
+"""The model registry: a HuggingFace `architectures` name -> the class that runs it.
+
+Classes are named by "module:Class" and imported on first use, so asking which architectures
+exist (config validation, error messages) imports no model code. Every architecture-specific
+detail lives in the model's own module; the engine, loader and shared layers only see the
+interface below.
+
+A model class is built as `cls(model_config, attn_backend)` under the target dtype and device
+and provides:
+  forward(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors=None)
+      -> final hidden states [num_tokens, hidden] on the last pipeline stage, else
+         IntermediateTensors;
+  compute_logits(hidden) -> float32 logits [num_tokens, vocab_size];
+  load_weights(iterable of (checkpoint name, full tensor)) -> None (raises ValueError naming a
+      wrong, unexpected or missing weight);
+  process_weights_after_loading() -> None.
+"""
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+
+# HF architecture name -> "module under pagedlm.model_executor.models:Class".
+_MODELS = MappingProxyType({
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
+})
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_MODELS)
+
+
+def resolve_architecture(architectures: list[str] | None) -> str:
+    """The first of a config's `architectures` that pagedlm runs; ValueError listing the
+    supported ones otherwise."""
+    for arch in architectures or ():
+        if arch in _MODELS:
+            return arch
+    raise ValueError(f"model: architecture {list(architectures or [])} is not supported; "
+                     f"pagedlm runs {', '.join(sorted(_MODELS))}.")
+
+
+def get_model_class(architecture: str) -> type:
+    module, _, cls = _MODELS[resolve_architecture([architecture])].partition(":")
+    return getattr(importlib.import_module(f"pagedlm.model_executor.models.{module}"), cls)
