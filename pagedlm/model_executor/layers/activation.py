@@ -12,3 +12,24 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+# HF activation names -> a factory. "gelu_new" and "gelu_pytorch_tanh" are both the tanh
+# approximation of GELU (GPT-2's name and torch's); plain "gelu" is the exact erf form.
+_ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "gelu_new": lambda: nn.GELU(approximate="tanh"),
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "silu": nn.SiLU,
+}
+
+
+def get_act_fn(name: str, field: str = "hidden_act") -> nn.Module:
+    """The activation module for an HF config's activation name. `field` is the config key the
+    name came from (hidden_act, activation_function), so an unsupported one is reported there."""
+    try:
+        return _ACTIVATIONS[name]()
+    except (KeyError, TypeError):
+        raise ValueError(f"{field} {name!r} is not supported; pagedlm supports "
+                         f"{', '.join(sorted(_ACTIVATIONS))}.") from None

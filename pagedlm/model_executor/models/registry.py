@@ -25,6 +25,9 @@ _MODELS = MappingProxyType({
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
+    "OPTForCausalLM": "opt:OPTForCausalLM",
+    "GPT2LMHeadModel": "gpt2:GPT2LMHeadModel",
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
 })
 
 

@@ -1,0 +1,217 @@
+"""Phi-3 over a flat batch with paged attention.
+
+The decoder is Llama's (RMSNorm, rotary attention, gated MLP) with three differences handled
+here: the checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, which we
+cut into the parallel layers' shards at load time so each TP rank takes its own heads and
+features; long-context "longrope" scaling (two factor sets; which one is used, and how that relates
+to transformers, is explained in layers/rotary_embedding.py);
+and an optional partial rotary embedding (`partial_rotary_factor`).
+
+Tensor and pipeline parallelism work as in llama.py: heads and MLP features split over the TP
+group, each pipeline stage builds and loads only its layers.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pagedlm.attention.backends import AttentionBackend, get_attn_backend
+from pagedlm.attention.layer import Attention
+from pagedlm.attention.paged_attention import AttentionMetadata
+from pagedlm.config import ModelConfig
+from pagedlm.distributed.parallel_state import get_pp_group
+from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
+from pagedlm.model_executor.layers.activation import SiluAndMul, get_act_fn
+from pagedlm.model_executor.layers.layernorm import RMSNorm
+from pagedlm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                                  RowParallelLinear)
+from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Phi3Attention(nn.Module):
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
+                 attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        hidden = cfg.hf_config.hidden_size
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, hidden)
+        self.rotary = rotary
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads, attn_backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, k = self.rotary(positions, q.view(n, self.num_heads, self.head_dim),
+                           k.view(n, self.num_kv_heads, self.head_dim))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class _GatedAct(nn.Module):
+    """[gate, up] -> act(gate) * up, for a hidden_act other than SiLU."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+
+class Phi3MLP(nn.Module):
+
+    def __init__(self, hidden: int, intermediate: int, hidden_act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
+        act = get_act_fn(hidden_act, "hidden_act")
+        self.act = SiluAndMul() if isinstance(act, nn.SiLU) else _GatedAct(act)
+        self.down_proj = RowParallelLinear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Phi3DecoderLayer(nn.Module):
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
+                 attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        hf = cfg.hf_config
+        eps = cfg.get_hf("rms_norm_eps", 1e-5)
+        self.self_attn = Phi3Attention(cfg, rotary, attn_backend)
+        self.mlp = Phi3MLP(hf.hidden_size, hf.intermediate_size, cfg.get_hf("hidden_act", "silu"))
+        self.input_layernorm = RMSNorm(hf.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        # The residual add is fused into the following norm, as in llama.py.
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+def _rotary_dim(cfg: ModelConfig) -> int:
+    # transformers 5 keeps partial_rotary_factor in rope_parameters; older configs flat.
+    params = cfg.get_hf("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor") or cfg.get_hf("partial_rotary_factor", 1.0)
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}.")
+    return int(cfg.head_dim * factor)
+
+
+class Phi3ForCausalLM(nn.Module):
+
+    def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        hf = cfg.hf_config
+        self.config = cfg
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.start_layer, self.end_layer = get_pp_indices(cfg.num_layers, pp.rank_in_group,
+                                                          pp.world_size)
+        self.tie_word_embeddings = bool(cfg.get_hf("tie_word_embeddings", False))
+        self.embed_tokens = None
+        if self.is_first_stage or (self.tie_word_embeddings and self.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
+        max_pos = cfg.get_hf("max_position_embeddings", 0)
+        rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, max_pos), cfg.rope_theta,
+                                 cfg.rope_scaling, rotary_dim=_rotary_dim(cfg),
+                                 max_position_embeddings=max_pos or None,
+                                 max_model_len=cfg.max_model_len)
+        attn_backend = attn_backend or get_attn_backend(cfg.dtype)
+        self.layers = nn.ModuleDict({str(i): Phi3DecoderLayer(cfg, rotary, attn_backend)
+                                     for i in range(self.start_layer, self.end_layer)})
+        self.norm = self.lm_head = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(hf.hidden_size, cfg.get_hf("rms_norm_eps", 1e-5))
+            self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size)
+            if self.tie_word_embeddings:
+                self.lm_head.tie_weights(self.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """One step over the flat batch (see registry.py for the interface)."""
+        assert len(kv_caches) == len(self.layers), (
+            f"{len(kv_caches)} KV caches for {len(self.layers)} layers on this stage")
+        if self.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        for layer, kv_cache in zip(self.layers.values(), kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors(x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage computes logits")
+        return self.lm_head(hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        for module in self.modules():
+            method = getattr(module, "linear_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+    def _on_this_stage(self, name: str) -> bool:
+        head, _, rest = name.partition(".")
+        if head == "layers":
+            return self.start_layer <= int(rest.split(".", 1)[0]) < self.end_layer
+        if head in ("embed_tokens", "norm", "lm_head"):
+            return getattr(self, head) is not None
+        return True
+
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Cut the fused qkv_proj / gate_up_proj rows into the shards the parallel layers
+        load (named `...qkv_proj.q.weight` etc.), so each rank takes its own heads/features."""
+        cfg, hf = self.config, self.config.hf_config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        fused = {"qkv_proj": ((q, kv, kv), ("q", "k", "v")),
+                 "gate_up_proj": ((hf.intermediate_size,) * 2, ("0", "1"))}
+        for name, tensor in weights:
+            stem, _, param = name.rpartition(".")
+            module = stem.rpartition(".")[2]
+            if module not in fused:
+                yield name, tensor
+                continue
+            sizes, shards = fused[module]
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(f"weight {name!r} has {tensor.shape[0]} rows, expected "
+                                 f"{sum(sizes)} ({' + '.join(map(str, sizes))}).")
+            for shard, part in zip(shards, tensor.split(sizes, dim=0)):
+                yield f"{stem}.{shard}.{param}", part
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def rename(ckpt_name: str) -> str | None:
+            name = ckpt_name.removeprefix("model.")
+            if "rotary_emb." in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                return None
+            return name
+
+        stacked = {"qkv_proj.q": ("qkv_proj", "q"), "qkv_proj.k": ("qkv_proj", "k"),
+                   "qkv_proj.v": ("qkv_proj", "v"), "gate_up_proj.0": ("gate_up_proj", 0),
+                   "gate_up_proj.1": ("gate_up_proj", 1)}
+        load_weights_into(self, self._split_fused(weights), stacked_params=stacked,
+                          rename=rename, on_this_rank=self._on_this_stage)
