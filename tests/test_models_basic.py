@@ -255,6 +255,48 @@ def test_wrong_fused_weight_shape_names_the_weight(models, tmp_path):
         LLM(path, num_gpu_blocks_override=8)
 
 
+def with_renamed_weights(path: str, dst, rename, extra: dict) -> str:
+    """A copy of the model dir whose safetensors names are `rename(name)`, plus `extra`."""
+    from safetensors.torch import load_file, save_file
+    dst = str(dst)
+    os.makedirs(dst)
+    for f in os.listdir(path):
+        if not f.endswith(".safetensors"):
+            os.symlink(os.path.join(path, f), os.path.join(dst, f))
+    tensors = {rename(k): v for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+    save_file({**tensors, **extra}, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def _original_gpt2_names(name: str) -> str:
+    return name.removeprefix("transformer.")
+
+
+def _original_opt_names(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+@pytest.mark.parametrize("name,rename,extra", [
+    # openai-community/gpt2 names its tensors without "transformer." and stores each layer's
+    # causal mask as attn.bias / attn.masked_bias buffers.
+    ("gpt2", _original_gpt2_names,
+     {f"h.{i}.attn.{b}": torch.tril(torch.ones(1, 1, 8, 8)) for i in range(3)
+      for b in ("bias", "masked_bias")}),
+    # facebook/opt-* checkpoints name their tensors "decoder.*".
+    ("opt_pre_ln", _original_opt_names, {}),
+])
+def test_original_checkpoint_names_load(models, tmp_path, name, rename, extra):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    ref = LLM(models[name], num_gpu_blocks_override=16).generate(PROMPTS[:2], params,
+                                                                 use_tqdm=False)
+    path = with_renamed_weights(models[name], tmp_path / "orig", rename, extra)
+    got = LLM(path, num_gpu_blocks_override=16).generate(PROMPTS[:2], params, use_tqdm=False)
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in pos.items()} for pos in g.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in pos.items()} for pos in r.outputs[0].logprobs]
+
+
 # -- tensor and pipeline parallelism (worker processes) ------------------------------------------
 
 def run(path: str, **engine_kwargs):
