@@ -1,6 +1,8 @@
 """The gated activation of Llama-style MLPs."""
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,20 +18,20 @@ class SiluAndMul(nn.Module):
 
 # HF activation names -> a factory. "gelu_new" and "gelu_pytorch_tanh" are both the tanh
 # approximation of GELU (GPT-2's name and torch's); plain "gelu" is the exact erf form.
-_ACTIVATIONS = {
+_ACTIVATIONS = MappingProxyType({
     "relu": nn.ReLU,
     "gelu": nn.GELU,
     "gelu_new": lambda: nn.GELU(approximate="tanh"),
     "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
     "silu": nn.SiLU,
-}
+})
 
 
 def get_act_fn(name: str, field: str = "hidden_act") -> nn.Module:
     """The activation module for an HF config's activation name. `field` is the config key the
     name came from (hidden_act, activation_function), so an unsupported one is reported there."""
-    try:
-        return _ACTIVATIONS[name]()
-    except (KeyError, TypeError):
+    factory = _ACTIVATIONS.get(name) if isinstance(name, str) else None
+    if factory is None:
         raise ValueError(f"{field} {name!r} is not supported; pagedlm supports "
-                         f"{', '.join(sorted(_ACTIVATIONS))}.") from None
+                         f"{', '.join(sorted(_ACTIVATIONS))}.")
+    return factory()
