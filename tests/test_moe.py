@@ -51,6 +51,12 @@ def make_tiny_moe_model(root, arch: str, default_model_dir: str, **overrides) ->
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(**kwargs)
     model = getattr(transformers, model_name)(config).eval()
+    # transformers initialises norm weights to 1, which would hide a norm loaded into the wrong
+    # place (or Qwen3's q_norm / k_norm swapped): make them all distinct.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.3)
     path = os.path.join(str(root), arch)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
