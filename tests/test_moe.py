@@ -31,9 +31,9 @@ _ARCHS = {
                        norm_topk_prob=False, mlp_only_layers=[1])),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=128, moe_intermediate_size=48, num_experts=6,
-                       num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+                       num_experts_per_tok=2, norm_topk_prob=True, head_dim=32,
                        mlp_only_layers=[1])),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=128, head_dim=16)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=128, head_dim=32)),
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -210,11 +210,14 @@ def test_too_many_experts_per_token_is_a_value_error(moe_models, tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_tp2_over_mp_matches_one_worker(moe_models):
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_moe_over_mp_matches_one_worker(moe_models, layout):
+    """Qwen2-MoE: experts split over their intermediate dim plus the shared expert, one
+    all-reduce per block (TP); sparse and dense layers on different stages (PP)."""
     from tests.test_distributed_executor import assert_no_workers_left, assert_same, run
     path = moe_models["qwen2_moe"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     ref = run(path, params)
-    assert_same(ref, run(path, params, tensor_parallel_size=2,
-                         distributed_executor_backend="mp"))
+    assert_same(ref, run(path, params, distributed_executor_backend="mp", **layout))
     assert_no_workers_left()
