@@ -57,13 +57,16 @@ def describe_missing(missing: list[str]) -> str:
 
 def load_weights_into(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
                       stacked_params: Mapping[str, tuple[str, object]] = {},
-                      rename: Callable[[str], str | None] = lambda name: name,
+                      rename: Callable[[str], str | tuple[str, object] | None] = lambda name: name,
                       on_this_rank: Callable[[str], bool] = lambda name: True) -> None:
     """Load full checkpoint tensors into `module`'s parameters, through each one's
     weight_loader (default_weight_loader when it has none), and check nothing is left empty.
 
     rename: checkpoint name -> our parameter name, or None to skip the tensor (buffers such as
-    rotary inv_freq, a tied LM head). stacked_params: a name fragment -> (the fused parameter
+    rotary inv_freq, a tied LM head), or (parameter name, shard id) for a tensor whose shard
+    the name alone gives (one expert's matrix in a stacked MoE weight; stacked_params is then
+    not consulted). A parameter with an `expected_shards` attribute is complete when exactly
+    those shards were loaded. stacked_params: a name fragment -> (the fused parameter
     it is part of, its shard id), e.g. "q_proj" -> ("qkv_proj", "q"). on_this_rank: whether
     a (renamed) parameter belongs to this pipeline stage; others are skipped silently.
 
@@ -76,8 +79,12 @@ def load_weights_into(module: torch.nn.Module, weights: Iterable[tuple[str, torc
         name = rename(ckpt_name)
         if name is None:
             continue
-        frag = next((f for f in stacked_params if f".{f}." in name), None)
         shard = None
+        if isinstance(name, tuple):
+            name, shard = name
+            frag = None
+        else:
+            frag = next((f for f in stacked_params if f".{f}." in name), None)
         if frag is not None:
             stacked, shard = stacked_params[frag]
             name = name.replace(f".{frag}.", f".{stacked}.")
@@ -94,7 +101,8 @@ def load_weights_into(module: torch.nn.Module, weights: Iterable[tuple[str, torc
     shards_of: dict[str, set] = {}  # fused module name -> the shards that fill it
     for stacked, shard in stacked_params.values():
         shards_of.setdefault(stacked, set()).add(shard)
-    missing = [name for name in params
-               if loaded.get(name, set()) != shards_of.get(name.rsplit(".", 2)[-2], {None})]
+    missing = [name for name, param in params.items()
+               if loaded.get(name, set()) != getattr(
+                   param, "expected_shards", shards_of.get(name.rsplit(".", 2)[-2], {None}))]
     if missing:
         raise ValueError(describe_missing(missing))

@@ -36,20 +36,27 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend) -> None:
+                 attn_backend: AttentionBackend, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None) -> None:
+        """qkv_bias / o_bias: for models (in their own modules) whose configs say it another
+        way; by default read from the config as below."""
         super().__init__()
         hf = cfg.hf_config
         # Qwen2 always has QKV bias (and no o_proj bias); Llama-style configs say so with
         # attention_bias, for all four projections.
         qwen2 = cfg.architecture == "Qwen2ForCausalLM"
         attention_bias = bool(cfg.get_hf("attention_bias", False))
+        if qkv_bias is None:
+            qkv_bias = qwen2 or attention_bias
+        if o_bias is None:
+            o_bias = attention_bias and not qwen2
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(hf.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, bias=qwen2 or attention_bias)
+                                          cfg.num_kv_heads, bias=qkv_bias)
         # This rank's heads.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, hf.hidden_size,
-                                        bias=attention_bias and not qwen2)
+                                        bias=o_bias)
         self.rotary = rotary
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
@@ -80,12 +87,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend) -> None:
+                 attn_backend: AttentionBackend, self_attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None) -> None:
+        """self_attn / mlp: a model's own attention or MLP block in place of Llama's (same
+        call signatures); the norms and residual wiring are shared."""
         super().__init__()
         hf = cfg.hf_config
         eps = cfg.get_hf("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, rotary, attn_backend)
-        self.mlp = LlamaMLP(hf.hidden_size, hf.intermediate_size, bool(cfg.get_hf("mlp_bias", False)))
+        self.self_attn = self_attn or LlamaAttention(cfg, rotary, attn_backend)
+        self.mlp = mlp or LlamaMLP(hf.hidden_size, hf.intermediate_size,
+                                   bool(cfg.get_hf("mlp_bias", False)))
         self.input_layernorm = RMSNorm(hf.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps)
 
@@ -124,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
                                  cfg.rope_theta, cfg.rope_scaling)
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
         # Keyed by the global layer index, so parameter names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, rotary, attn_backend)
+        self.layers = nn.ModuleDict({str(i): self.make_layer(cfg, i, rotary, attn_backend)
                                      for i in range(self.start_layer, self.end_layer)})
         self.norm = self.lm_head = None
         if self.is_last_stage:
@@ -132,6 +143,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size)
             if self.tie_word_embeddings:
                 self.lm_head.tie_weights(self.embed_tokens)
+
+    def make_layer(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                   attn_backend: AttentionBackend) -> nn.Module:
+        """Decoder layer `layer_idx`; models that differ from Llama only inside the layer
+        (Qwen3, the MoE models) override this and reuse the rest of the class."""
+        return LlamaDecoderLayer(cfg, rotary, attn_backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata,
@@ -185,12 +202,13 @@ class LlamaForCausalLM(nn.Module):
         Errors name the weight: a wrong shape, a weight we have no parameter for, and (after
         the loop) every parameter of this rank the checkpoint did not fill.
         """
-        def rename(ckpt_name: str) -> str | None:
-            name = ckpt_name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight"
-                                                 and self.tie_word_embeddings):
-                return None
-            return name
+        load_weights_into(self, weights, stacked_params=self.stacked_params,
+                          rename=self.checkpoint_to_param, on_this_rank=self._on_this_stage)
 
-        load_weights_into(self, weights, stacked_params=self.stacked_params, rename=rename,
-                          on_this_rank=self._on_this_stage)
+    def checkpoint_to_param(self, ckpt_name: str) -> str | tuple[str, object] | None:
+        """A checkpoint name -> our parameter name (None: skip it); see load_weights_into."""
+        name = ckpt_name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight"
+                                             and self.tie_word_embeddings):
+            return None
+        return name

@@ -28,6 +28,10 @@ _MODELS = MappingProxyType({
     "OPTForCausalLM": "opt:OPTForCausalLM",
     "GPT2LMHeadModel": "gpt2:GPT2LMHeadModel",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
+    "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
 })
 
 
