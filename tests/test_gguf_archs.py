@@ -1,4 +1,4 @@
-"""GGUF files of architectures other than llama: qwen2, qwen3, phi3 and gpt2.
+"""GGUF files of architectures other than llama: qwen2, qwen3, phi3, gemma2, gemma3 and gpt2.
 
 Each test builds a tiny random model with transformers' own config and model classes, writes it
 as a GGUF file the way llama.cpp's convert_hf_to_gguf.py does (tensor names from the gguf
@@ -52,6 +52,18 @@ def _hf_model(arch: str, tied: bool):
         "qwen3": lambda: transformers.Qwen3Config(**{**llama_like, "num_attention_heads": 2,
                                                       "num_key_value_heads": 1}, head_dim=128, **common),
         "phi3": lambda: transformers.Phi3Config(**llama_like, sliding_window=None, **common),
+        # head_dim 32 is not hidden/heads, so key_length matters; the softcaps are Gemma 2's own.
+        "gemma2": lambda: transformers.Gemma2Config(**llama_like, head_dim=32, sliding_window=8,
+                                                    attn_logit_softcapping=50.0,
+                                                    final_logit_softcapping=30.0, **common),
+        # 7 layers: Gemma 3's default pattern of five local layers, one global one, a local one.
+        # Local layers keep their own rope base, which GGUF does not carry (llama.cpp fixes it
+        # at 10000 too); the global layers' base comes from the file.
+        "gemma3": lambda: transformers.Gemma3TextConfig(
+            **{**llama_like, "num_hidden_layers": 7, "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 50000.0}}},
+            head_dim=32, sliding_window=8, **common),
         # transformers' GGUF loader leaves n_positions at GPT2Config's default of 1024.
         "gpt2": lambda: transformers.GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=1024,
                                                 layer_norm_epsilon=1e-5, **common),
@@ -65,6 +77,9 @@ def _llamacpp_layout(arch: str, hf_name: str, value: np.ndarray) -> np.ndarray:
     # three keep HF's layout (only LlamaModel permutes q/k, which test_model_loading covers).
     if arch == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
         return value.T
+    # Gemma2Model / Gemma3Model.modify_tensors store RMSNorm's (1 + w) as a plain weight.
+    if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+        return value + 1
     return value
 
 
@@ -72,7 +87,7 @@ def write_gguf(path: Path, arch: str, model) -> Path:
     cfg = model.config
     tied = cfg.tie_word_embeddings
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(cfg.num_hidden_layers)
     writer.add_embedding_length(HIDDEN)
     if arch == "gpt2":
         writer.add_context_length(cfg.n_positions)
@@ -84,13 +99,19 @@ def write_gguf(path: Path, arch: str, model) -> Path:
         writer.add_feed_forward_length(cfg.intermediate_size)
         writer.add_head_count(cfg.num_attention_heads)
         writer.add_head_count_kv(cfg.num_key_value_heads)
-        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: per layer type
+        writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         head_dim = getattr(cfg, "head_dim", None) or HIDDEN // cfg.num_attention_heads
         writer.add_rope_dimension_count(head_dim)
         if head_dim != HIDDEN // cfg.num_attention_heads:
             writer.add_key_length(head_dim)
             writer.add_value_length(head_dim)
+        if arch.startswith("gemma"):
+            writer.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(_tokens())
     writer.add_token_merges(["Ġ t", "h e"])
@@ -99,7 +120,7 @@ def write_gguf(path: Path, arch: str, model) -> Path:
     writer.add_pad_token_id(VOCAB - 1)
 
     arch_id = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    name_map = gguf.get_tensor_name_map(arch_id, LAYERS)
+    name_map = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp writes no output matrix for tied embeddings
@@ -120,7 +141,8 @@ def write_gguf(path: Path, arch: str, model) -> Path:
     return path
 
 
-CASES = [("qwen2", True), ("qwen3", False), ("phi3", False), ("gpt2", True)]
+CASES = [("qwen2", True), ("qwen3", False), ("phi3", False), ("gemma2", True), ("gemma3", True),
+         ("gpt2", True)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[a for a, _ in CASES])
@@ -144,14 +166,17 @@ def test_conversion_equals_transformers_gguf_loading(case):
     ours.eval()
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(ours) is type(original)
-    assert ours.config.tie_word_embeddings == original.config.tie_word_embeddings
+    for field in ("tie_word_embeddings", "head_dim", "rope_parameters", "sliding_window", "layer_types",
+                  "attn_logit_softcapping", "final_logit_softcapping", "n_positions"):
+        assert getattr(ours.config, field, None) == getattr(original.config, field, None), field
     ref = _loaded(gguf_file.parent, gguf_file=gguf_file.name).eval()
     ours_sd, ref_sd, orig_sd = ours.state_dict(), ref.state_dict(), original.state_dict()
     assert ours_sd.keys() == ref_sd.keys() == orig_sd.keys()
     for name, tensor in ref_sd.items():
         assert torch.equal(ours_sd[name], tensor), name
         # And the round trip gives back the original model (Q8_0 up to its rounding).
-        atol = 0.05 if "down" in name or "mlp.c_proj.weight" in name else 0.0
+        # Gemma's norms: (w + 1) - 1 in float32 rounds.
+        atol = 0.05 if "down" in name or "mlp.c_proj.weight" in name else 1e-6 if "norm" in name else 0.0
         torch.testing.assert_close(ours_sd[name], orig_sd[name], atol=atol, rtol=0, msg=name)
     ids = torch.tensor([[3, 70, 200, 5, VOCAB - 3]])
     with torch.no_grad():

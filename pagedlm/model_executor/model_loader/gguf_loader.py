@@ -1,4 +1,4 @@
-"""Convert a GGUF file (llama, qwen2, qwen3, phi3, gpt2) into a HuggingFace-format model directory.
+"""Convert a GGUF file (llama, qwen2, qwen3, phi3, gemma2, gemma3, gpt2) into a HuggingFace-format model directory.
 
 The result (config.json, model.safetensors in float32, tokenizer files,
 generation_config.json) loads with ``transformers.AutoModelForCausalLM`` and
@@ -33,9 +33,8 @@ class _ArchSpec:
     """
 
     architecture: str  # the HF `architectures` entry, i.e. pagedlm's registry key
-    # transformers' key for this architecture in GGUF_CONFIG_MAPPING / TENSOR_PROCESSORS,
-    # where it spells it differently from gguf.
-    transformers_key: str | None = None
+    # transformers' model_type, where it is not the GGUF architecture's name.
+    model_type: str | None = None
     # HF ties every bias of a group to one config switch: (switch, projection names).
     bias_switches: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # Config fields whose value is the size of a tensor: field -> (gguf tensor, axis).
@@ -49,14 +48,21 @@ _LLAMA_BIASES = (
     ("attention_bias", ("attn_q", "attn_k", "attn_v", "attn_output")),
     ("mlp_bias", ("ffn_gate", "ffn_up", "ffn_down")),
 )
+# transformers' GGUF mapping leaves these at the config's defaults; llama.cpp writes them.
+_GEMMA_SOFTCAPS = (
+    ("attn_logit_softcapping", "attn_logit_softcapping"),
+    ("final_logit_softcapping", "final_logit_softcapping"),
+)
 # Only architectures whose config transformers builds and that pagedlm's registry runs or
-# refuses by name: Qwen3's class is not in the registry on this branch, so a converted
-# Qwen3 directory is refused there with the list of supported architectures.
+# refuses by name: Qwen3's and Gemma's classes are not in the registry on this branch, so a
+# converted directory of theirs is refused there with the list of supported architectures.
 _ARCHITECTURES = MappingProxyType({
     "llama": _ArchSpec("LlamaForCausalLM", bias_switches=_LLAMA_BIASES),
     "qwen2": _ArchSpec("Qwen2ForCausalLM"),
     "qwen3": _ArchSpec("Qwen3ForCausalLM"),
     "phi3": _ArchSpec("Phi3ForCausalLM"),
+    "gemma2": _ArchSpec("Gemma2ForCausalLM", config_keys=_GEMMA_SOFTCAPS),
+    "gemma3": _ArchSpec("Gemma3ForCausalLM", model_type="gemma3_text", config_keys=_GEMMA_SOFTCAPS),
     "gpt2": _ArchSpec(
         "GPT2LMHeadModel",
         sized_by=(("n_positions", "position_embd.weight", 0),),
@@ -101,7 +107,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     config = _hf_config(reader, arch, spec, tensors)
     hf_names = _hf_parameter_names(config)
     gguf_to_hf = _gguf_to_hf_names(arch, config.num_hidden_layers, hf_names)
-    processor = TENSOR_PROCESSORS.get(spec.transformers_key or arch, TensorProcessor)(config=config.to_dict())
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
 
     state_dict: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -159,12 +165,12 @@ def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) ->
         return _metadata(reader, f"{arch}.{key}", default)
 
     kwargs = {}
-    for key, field in {**GGUF_CONFIG_MAPPING[spec.transformers_key or arch], **dict(spec.config_keys)}.items():
+    for key, field in {**GGUF_CONFIG_MAPPING[arch], **dict(spec.config_keys)}.items():
         value = hparam(key)
         if field is not None and value is not None:
             kwargs[field] = value
-    kwargs.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(spec.transformers_key or arch, {}))
-    config_class = CONFIG_MAPPING[spec.transformers_key or arch]
+    kwargs.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
+    config_class = CONFIG_MAPPING[spec.model_type or arch]
     probe = config_class()
 
     num_heads = int(hparam("attention.head_count"))
@@ -176,7 +182,8 @@ def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) ->
     head_dim = kwargs.get("head_dim", hidden_size // num_heads)
     rope_dims = hparam("rope.dimension_count")
     rope_theta = kwargs.pop("rope_theta", None)
-    if "rope_parameters" in probe.to_dict() and probe.rope_parameters is not None:
+    default_rope = probe.to_dict().get("rope_parameters")
+    if default_rope is not None:
         rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta or 10000.0)}
         rope_freqs = tensors.get(_ROPE_FREQS)
         if rope_freqs is not None:
@@ -184,6 +191,10 @@ def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) ->
         rope_parameters.update(_rope_scaling(reader, arch, rope_freqs, rope_parameters["rope_theta"], head_dim))
         if rope_dims is not None and int(rope_dims) != head_dim:
             rope_parameters["partial_rotary_factor"] = int(rope_dims) / head_dim
+        if "rope_type" not in default_rope:
+            # One rope per layer type (Gemma 3): GGUF's base and scaling are the global layers';
+            # llama.cpp hard-codes the local layers' base, as the config's default does.
+            rope_parameters = {**default_rope, "full_attention": rope_parameters}
         kwargs["rope_parameters"] = rope_parameters
 
     token_ids = {
