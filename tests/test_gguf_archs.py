@@ -1,4 +1,5 @@
-"""GGUF files of architectures other than llama: qwen2, qwen3, phi3, gemma2, gemma3 and gpt2.
+"""GGUF files of architectures other than llama: qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2,
+gemma3 and gpt2.
 
 Each test builds a tiny random model with transformers' own config and model classes, writes it
 as a GGUF file the way llama.cpp's convert_hf_to_gguf.py does (tensor names from the gguf
@@ -51,6 +52,11 @@ def _hf_model(arch: str, tied: bool):
         # read key_length), so only that value lets it be the reference; it is not hidden/heads.
         "qwen3": lambda: transformers.Qwen3Config(**{**llama_like, "num_attention_heads": 2,
                                                       "num_key_value_heads": 1}, head_dim=128, **common),
+        # Expert sizes at the configs' defaults: transformers' GGUF loader does not read them.
+        "qwen2moe": lambda: transformers.Qwen2MoeConfig(**llama_like, num_experts=4, num_experts_per_tok=2,
+                                                        **common),
+        "qwen3moe": lambda: transformers.Qwen3MoeConfig(**llama_like, head_dim=32, num_experts=4,
+                                                        num_experts_per_tok=2, norm_topk_prob=True, **common),
         "phi3": lambda: transformers.Phi3Config(**llama_like, sliding_window=None, **common),
         # head_dim 32 is not hidden/heads, so key_length matters; the softcaps are Gemma 2's own.
         "gemma2": lambda: transformers.Gemma2Config(**llama_like, head_dim=32, sliding_window=8,
@@ -109,6 +115,12 @@ def write_gguf(path: Path, arch: str, model) -> Path:
             writer.add_value_length(head_dim)
         if arch.startswith("gemma"):
             writer.add_sliding_window(cfg.sliding_window)
+        if arch.endswith("moe"):
+            writer.add_expert_count(cfg.num_experts)
+            writer.add_expert_used_count(cfg.num_experts_per_tok)
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         if arch == "gemma2":
             writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -124,10 +136,22 @@ def write_gguf(path: Path, arch: str, model) -> Path:
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp writes no output matrix for tied embeddings
-        module, _, suffix = hf_name.rpartition(".")
+        value = tensor.numpy()
+        if hf_name.endswith("experts.gate_up_proj"):
+            # convert_hf_to_gguf.py writes HF's fused [experts, 2 * ffn, hidden] as two stacks.
+            layer = hf_name.split(".")[2]
+            gate, up = np.split(value, 2, axis=1)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if hf_name.endswith("shared_expert_gate.weight"):
+            value = value.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is a vector
+        module, suffix = hf_name, "weight"  # bare parameters (stacked experts) are weights
+        if hf_name.endswith((".weight", ".bias")):
+            module, _, suffix = hf_name.rpartition(".")
         gguf_name = name_map.get_name(module)
         assert gguf_name is not None, hf_name
-        value = np.ascontiguousarray(_llamacpp_layout(arch, hf_name, tensor.numpy()))
+        value = np.ascontiguousarray(_llamacpp_layout(arch, hf_name, value))
         if ".ffn_down." in f"{gguf_name}." and suffix == "weight":
             # One quantized tensor checks the dequantize/reshape path on non-F32 data.
             writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0),
@@ -141,8 +165,8 @@ def write_gguf(path: Path, arch: str, model) -> Path:
     return path
 
 
-CASES = [("qwen2", True), ("qwen3", False), ("phi3", False), ("gemma2", True), ("gemma3", True),
-         ("gpt2", True)]
+CASES = [("qwen2", True), ("qwen3", False), ("qwen2moe", True), ("qwen3moe", False), ("phi3", False),
+         ("gemma2", True), ("gemma3", True), ("gpt2", True)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[a for a, _ in CASES])
@@ -167,7 +191,9 @@ def test_conversion_equals_transformers_gguf_loading(case):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(ours) is type(original)
     for field in ("tie_word_embeddings", "head_dim", "rope_parameters", "sliding_window", "layer_types",
-                  "attn_logit_softcapping", "final_logit_softcapping", "n_positions"):
+                  "attn_logit_softcapping", "final_logit_softcapping", "n_positions", "num_experts",
+                  "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "norm_topk_prob"):
         assert getattr(ours.config, field, None) == getattr(original.config, field, None), field
     ref = _loaded(gguf_file.parent, gguf_file=gguf_file.name).eval()
     ours_sd, ref_sd, orig_sd = ours.state_dict(), ref.state_dict(), original.state_dict()

@@ -1,4 +1,6 @@
-"""Convert a GGUF file (llama, qwen2, qwen3, phi3, gemma2, gemma3, gpt2) into a HuggingFace-format model directory.
+"""Convert a GGUF file into a HuggingFace-format model directory.
+
+Architectures: llama, qwen2, qwen3, phi3, qwen2moe, qwen3moe, gemma2, gemma3 and gpt2.
 
 The result (config.json, model.safetensors in float32, tokenizer files,
 generation_config.json) loads with ``transformers.AutoModelForCausalLM`` and
@@ -54,13 +56,27 @@ _GEMMA_SOFTCAPS = (
     ("final_logit_softcapping", "final_logit_softcapping"),
 )
 # Only architectures whose config transformers builds and that pagedlm's registry runs or
-# refuses by name: Qwen3's and Gemma's classes are not in the registry on this branch, so a
-# converted directory of theirs is refused there with the list of supported architectures.
+# refuses by name: Qwen3's, the MoE models' and Gemma's classes are not in the registry on
+# this branch, so a converted directory of theirs is refused there with the list of supported
+# architectures.
 _ARCHITECTURES = MappingProxyType({
     "llama": _ArchSpec("LlamaForCausalLM", bias_switches=_LLAMA_BIASES),
     "qwen2": _ArchSpec("Qwen2ForCausalLM"),
     "qwen3": _ArchSpec("Qwen3ForCausalLM"),
     "phi3": _ArchSpec("Phi3ForCausalLM"),
+    "qwen2moe": _ArchSpec(
+        "Qwen2MoeForCausalLM",
+        model_type="qwen2_moe",
+        config_keys=(
+            ("expert_feed_forward_length", "moe_intermediate_size"),
+            ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+        ),
+    ),
+    "qwen3moe": _ArchSpec(
+        "Qwen3MoeForCausalLM",
+        model_type="qwen3_moe",
+        config_keys=(("expert_feed_forward_length", "moe_intermediate_size"),),
+    ),
     "gemma2": _ArchSpec("Gemma2ForCausalLM", config_keys=_GEMMA_SOFTCAPS),
     "gemma3": _ArchSpec("Gemma3ForCausalLM", model_type="gemma3_text", config_keys=_GEMMA_SOFTCAPS),
     "gpt2": _ArchSpec(
@@ -106,21 +122,25 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     tensors = {t.name: t for t in reader.tensors}
     config = _hf_config(reader, arch, spec, tensors)
     hf_names = _hf_parameter_names(config)
-    gguf_to_hf = _gguf_to_hf_names(arch, config.num_hidden_layers, hf_names)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    gguf_to_hf = _gguf_to_hf_names(arch, config.num_hidden_layers, hf_names, processor)
 
     state_dict: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if name == _ROPE_FREQS:
             continue  # already folded into config.rope_parameters
-        if name not in gguf_to_hf:
+        # Stacked experts map without their ".weight": HF holds them as bare parameters.
+        if name not in gguf_to_hf and name.rpartition(".")[0] not in gguf_to_hf:
             raise ValueError(f"GGUF tensor {name!r} has no known HuggingFace {spec.architecture} equivalent.")
         # ggml lists dimensions fastest-varying first; torch wants them the other way round.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        # GPT-2's processor stores output.weight itself (under lm_head.weight) and says so with
-        # name None; the others return the tensor with its llama.cpp layout undone.
-        processed = processor.process(weights=values, name=name, parsed_parameters={"tensors": state_dict})
+        # Processors that store a tensor themselves (GPT-2's output.weight under lm_head.weight,
+        # MoE experts merged into gate_up_proj) say so with name None; the others return the
+        # tensor with its llama.cpp layout undone.
+        processed = processor.process(
+            weights=values, name=name, tensor_key_mapping=gguf_to_hf, parsed_parameters={"tensors": state_dict}
+        )
         if processed.name is None:
             continue
         values = processed.weights
@@ -165,11 +185,13 @@ def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) ->
         return _metadata(reader, f"{arch}.{key}", default)
 
     kwargs = {}
-    for key, field in {**GGUF_CONFIG_MAPPING[arch], **dict(spec.config_keys)}.items():
+    # transformers keys its GGUF config table by the GGUF name or, for MoE, by its model_type.
+    mapping = GGUF_CONFIG_MAPPING.get(arch) or GGUF_CONFIG_MAPPING[spec.model_type]
+    for key, field in {**mapping, **dict(spec.config_keys)}.items():
         value = hparam(key)
         if field is not None and value is not None:
             kwargs[field] = value
-    kwargs.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
+    kwargs.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(spec.model_type or arch, {}))
     config_class = CONFIG_MAPPING[spec.model_type or arch]
     probe = config_class()
 
@@ -239,14 +261,22 @@ def _tied_names(config: PretrainedConfig, hf_names: set[str]) -> set[str]:
     return {"lm_head.weight"} & hf_names if config.tie_word_embeddings else set()
 
 
-def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: set[str]) -> dict[str, str]:
+def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: set[str], processor: TensorProcessor) -> dict[str, str]:
+    # transformers' get_gguf_hf_weights_map, without rebuilding the name map per submodule.
     name_map = get_tensor_name_map(_GGUF_ARCH_IDS[arch], num_layers)
     mapping = {}
     for hf_name in hf_names:
-        module, _, suffix = hf_name.rpartition(".")
+        hf_name = processor.preprocess_name(hf_name)
+        module, suffix = hf_name, ""
+        if hf_name.endswith((".weight", ".bias")):
+            module, dot, suffix = hf_name.rpartition(".")
+            suffix = dot + suffix
         gguf_name = name_map.get_name(module)
-        if gguf_name is not None:
-            mapping[f"{gguf_name}.{suffix}"] = hf_name
+        if gguf_name is None:
+            # One HF tensor fed by several GGUF ones (MoE gate and up experts).
+            processor.perform_fallback_tensor_mapping(mapping, suffix, "", hf_name)
+        else:
+            mapping[gguf_name + suffix] = hf_name
     return mapping
 
 
