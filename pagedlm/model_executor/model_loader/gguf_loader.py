@@ -24,6 +24,7 @@ from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CO
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+
 @dataclass(frozen=True)
 class _ArchSpec:
     """How one GGUF ``general.architecture`` becomes a transformers config and state dict.
@@ -132,9 +133,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         # Stacked experts map without their ".weight": HF holds them as bare parameters.
         if name not in gguf_to_hf and name.rpartition(".")[0] not in gguf_to_hf:
             raise ValueError(f"GGUF tensor {name!r} has no known HuggingFace {spec.architecture} equivalent.")
-        # ggml lists dimensions fastest-varying first; torch wants them the other way round.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(_gguf_shape(tensor))
         # Processors that store a tensor themselves (GPT-2's output.weight under lm_head.weight,
         # MoE experts merged into gate_up_proj) say so with name None; the others return the
         # tensor with its llama.cpp layout undone.
@@ -242,6 +241,7 @@ def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) ->
 
 
 def _gguf_shape(tensor) -> tuple[int, ...]:
+    # ggml lists dimensions fastest-varying first; torch wants them the other way round.
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
