@@ -210,13 +210,9 @@ def _tiny_hf_state(bias: bool, untied: bool, seed: int = 0) -> dict[str, np.ndar
 
 
 def _gguf_name(hf_name: str) -> str:
-    renames = {v: k for k, v in gguf_loader._GLOBAL_TENSORS.items()}
-    if hf_name in renames:
-        return renames[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, suffix = rest.rsplit(".", 1)
-    kind = {v: k for k, v in gguf_loader._BLOCK_TENSORS.items()}[module]
-    return f"blk.{layer}.{kind}.{suffix}"
+    # As convert_hf_to_gguf.py names tensors: the gguf package's own HF -> GGUF name table.
+    module, _, suffix = hf_name.rpartition(".")
+    return f"{gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, TINY['layers']).get_name(module)}.{suffix}"
 
 
 def write_tiny_gguf(
@@ -387,8 +383,9 @@ def test_unknown_tensor_name_is_rejected(tmp_path):
 
 def test_unsupported_architecture_is_rejected(tmp_path):
     state = _tiny_hf_state(bias=False, untied=False)
-    gguf_file = write_tiny_gguf(tmp_path / "q2.gguf", state, arch="qwen2")
-    with pytest.raises(ValueError, match="'qwen2'"):
+    gguf_file = write_tiny_gguf(tmp_path / "falcon.gguf", state, arch="falcon")
+    supported = r"llama, qwen2, qwen3, phi3, qwen2moe, qwen3moe, gemma2, gemma3, gpt2"
+    with pytest.raises(ValueError, match=rf"'falcon' is not supported \(supported: {supported}\)"):
         convert_gguf(str(gguf_file), str(tmp_path / "out"))
 
 

@@ -1,4 +1,6 @@
-"""Convert a llama-family GGUF file into a HuggingFace-format model directory.
+"""Convert a GGUF file into a HuggingFace-format model directory.
+
+Architectures: llama, qwen2, qwen3, phi3, qwen2moe, qwen3moe, gemma2, gemma3 and gpt2.
 
 The result (config.json, model.safetensors in float32, tokenizer files,
 generation_config.json) loads with ``transformers.AutoModelForCausalLM`` and
@@ -9,34 +11,82 @@ from __future__ import annotations
 
 import math
 import os
-import re
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
+from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+@dataclass(frozen=True)
+class _ArchSpec:
+    """How one GGUF ``general.architecture`` becomes a transformers config and state dict.
+
+    Tensor names come from gguf's own TensorNameMap applied to the transformers model's
+    parameter names (as transformers' GGUF loader does); the config keys from transformers'
+    GGUF_CONFIG_MAPPING; the per-tensor undoing of llama.cpp's converter from transformers'
+    GGUF tensor processors. Only what those leave open is spelled out here.
+    """
+
+    architecture: str  # the HF `architectures` entry, i.e. pagedlm's registry key
+    # transformers' model_type, where it is not the GGUF architecture's name.
+    model_type: str | None = None
+    # HF ties every bias of a group to one config switch: (switch, projection names).
+    bias_switches: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Config fields whose value is the size of a tensor: field -> (gguf tensor, axis).
+    sized_by: tuple[tuple[str, str, int], ...] = ()
+    # GGUF metadata keys (without the architecture prefix) -> config fields that transformers'
+    # mapping lacks or names differently.
+    config_keys: tuple[tuple[str, str], ...] = ()
+
+
+_LLAMA_BIASES = (
+    ("attention_bias", ("attn_q", "attn_k", "attn_v", "attn_output")),
+    ("mlp_bias", ("ffn_gate", "ffn_up", "ffn_down")),
+)
+# transformers' GGUF mapping leaves these at the config's defaults; llama.cpp writes them.
+_GEMMA_SOFTCAPS = (
+    ("attn_logit_softcapping", "attn_logit_softcapping"),
+    ("final_logit_softcapping", "final_logit_softcapping"),
+)
+# Only architectures whose config transformers builds and that pagedlm's registry runs or
+# refuses by name: Qwen3's, the MoE models' and Gemma's classes are not in the registry on
+# this branch, so a converted directory of theirs is refused there with the list of supported
+# architectures.
+_ARCHITECTURES = MappingProxyType({
+    "llama": _ArchSpec("LlamaForCausalLM", bias_switches=_LLAMA_BIASES),
+    "qwen2": _ArchSpec("Qwen2ForCausalLM"),
+    "qwen3": _ArchSpec("Qwen3ForCausalLM"),
+    "phi3": _ArchSpec("Phi3ForCausalLM"),
+    "qwen2moe": _ArchSpec(
+        "Qwen2MoeForCausalLM",
+        model_type="qwen2_moe",
+        config_keys=(
+            ("expert_feed_forward_length", "moe_intermediate_size"),
+            ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+        ),
+    ),
+    "qwen3moe": _ArchSpec(
+        "Qwen3MoeForCausalLM",
+        model_type="qwen3_moe",
+        config_keys=(("expert_feed_forward_length", "moe_intermediate_size"),),
+    ),
+    "gemma2": _ArchSpec("Gemma2ForCausalLM", config_keys=_GEMMA_SOFTCAPS),
+    "gemma3": _ArchSpec("Gemma3ForCausalLM", model_type="gemma3_text", config_keys=_GEMMA_SOFTCAPS),
+    "gpt2": _ArchSpec(
+        "GPT2LMHeadModel",
+        sized_by=(("n_positions", "position_embd.weight", 0),),
+        config_keys=(("feed_forward_length", "n_inner"),),
+    ),
+})
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 # Per-dimension llama3 rope factors; turned into config.rope_parameters, not a weight.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -60,92 +110,68 @@ class _PlainArrayGGUFReader(GGUFReader):
 
 
 def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Write an HF-format llama model directory for ``gguf_path`` into ``out_dir``."""
+    """Write an HF-format model directory for ``gguf_path`` into ``out_dir``."""
     gguf_path = os.fspath(gguf_path)
     reader = _PlainArrayGGUFReader(gguf_path)
     arch = _metadata(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    spec = _ARCHITECTURES.get(arch)
+    if spec is None:
         raise ValueError(
             f"{gguf_path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})."
         )
-
-    def hparam(key: str, default=None):
-        return _metadata(reader, f"{arch}.{key}", default)
-
-    hidden_size = int(hparam("embedding_length"))
-    num_heads = int(hparam("attention.head_count"))
-    num_kv_heads = int(hparam("attention.head_count_kv", num_heads))
-    head_dim = int(hparam("attention.key_length", hparam("rope.dimension_count", hidden_size // num_heads)))
-    rope_theta = float(hparam("rope.freq_base", 10000.0))
+    tensors = {t.name: t for t in reader.tensors}
+    config = _hf_config(reader, arch, spec, tensors)
+    hf_names = _hf_parameter_names(config)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    gguf_to_hf = _gguf_to_hf_names(arch, config.num_hidden_layers, hf_names, processor)
 
     state_dict: dict[str, torch.Tensor] = {}
-    rope_freqs = None
-    for tensor in reader.tensors:
-        # ggml lists dimensions fastest-varying first; torch wants them the other way round.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if tensor.name == _ROPE_FREQS:
-            rope_freqs = values
+    for name, tensor in tensors.items():
+        if name == _ROPE_FREQS:
+            continue  # already folded into config.rope_parameters
+        # Stacked experts map without their ".weight": HF holds them as bare parameters.
+        if name not in gguf_to_hf and name.rpartition(".")[0] not in gguf_to_hf:
+            raise ValueError(f"GGUF tensor {name!r} has no known HuggingFace {spec.architecture} equivalent.")
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(_gguf_shape(tensor))
+        # Processors that store a tensor themselves (GPT-2's output.weight under lm_head.weight,
+        # MoE experts merged into gate_up_proj) say so with name None; the others return the
+        # tensor with its llama.cpp layout undone.
+        processed = processor.process(
+            weights=values, name=name, tensor_key_mapping=gguf_to_hf, parsed_parameters={"tensors": state_dict}
+        )
+        if processed.name is None:
             continue
-        name = _hf_name(tensor.name)
-        if ".self_attn.q_proj." in name:
-            values = _unpermute_rope(values, num_heads)
-        elif ".self_attn.k_proj." in name:
-            values = _unpermute_rope(values, num_kv_heads)
+        values = processed.weights
         # np.array copies: the data may be a read-only view into the memory-mapped file.
-        state_dict[name] = torch.from_numpy(np.array(values, dtype=np.float32))
+        # order="C": undoing a transposed layout (GPT-2) leaves a view safetensors cannot save.
+        state_dict[gguf_to_hf[name]] = torch.from_numpy(np.array(values, dtype=np.float32, order="C"))
 
-    num_layers = int(hparam("block_count"))
-    attention_bias = _fill_missing_biases(state_dict, num_layers, ("q_proj", "k_proj", "v_proj", "o_proj"))
-    mlp_bias = _fill_missing_biases(state_dict, num_layers, ("gate_proj", "up_proj", "down_proj"))
-    # Without an output matrix llama.cpp reuses the embedding, i.e. tied weights.
-    tie_word_embeddings = "lm_head.weight" not in state_dict
+    # An absent bias is no bias; HF's one switch per group needs the rest as zeros.
+    for name in hf_names - state_dict.keys():
+        weight = state_dict.get(name.removesuffix(".bias") + ".weight")
+        if name.endswith(".bias") and weight is not None:
+            state_dict[name] = torch.zeros(weight.shape[0])
+    missing = sorted(hf_names - state_dict.keys() - _tied_names(config, hf_names))
+    if missing:
+        raise ValueError(f"{gguf_path}: GGUF file lacks tensors for {', '.join(missing)}.")
 
-    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
-    rope_parameters.update(_rope_scaling(reader, arch, rope_freqs, rope_theta, head_dim))
-
-    token_ids = {
-        f"{name}_token_id": _metadata(reader, f"tokenizer.ggml.{key}")
-        for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"))
-    }
-    token_ids = {k: int(v) for k, v in token_ids.items() if v is not None}
-
-    config = LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        # The embedding's row count is what the weights need; metadata may omit vocab_size.
-        vocab_size=state_dict["model.embed_tokens.weight"].shape[0],
-        hidden_size=hidden_size,
-        intermediate_size=int(hparam("feed_forward_length")),
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=int(hparam("context_length", 2048)),
-        rms_norm_eps=float(hparam("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_parameters=rope_parameters,
-        attention_bias=attention_bias,
-        mlp_bias=mlp_bias,
-        tie_word_embeddings=tie_word_embeddings,
-        dtype="float32",
-        **token_ids,
-    )
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
     save_file(state_dict, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
     # Chat models stop on end-of-turn tokens too (llama.cpp treats them all as end of generation).
-    stop_ids = [token_ids.get("eos_token_id")]
+    stop_ids = [getattr(config, "eos_token_id", None)]
     stop_ids += [_metadata(reader, f"tokenizer.ggml.{key}") for key in ("eot_token_id", "eom_token_id")]
     stop_ids = list(dict.fromkeys(int(i) for i in stop_ids if i is not None))
     generation_config = GenerationConfig(
-        bos_token_id=token_ids.get("bos_token_id"),
+        bos_token_id=getattr(config, "bos_token_id", None),
         eos_token_id=stop_ids[0] if len(stop_ids) == 1 else (stop_ids or None),
-        pad_token_id=token_ids.get("pad_token_id"),
+        pad_token_id=getattr(config, "pad_token_id", None),
     )
     generation_config.save_pretrained(out_dir)
 
-    # AutoTokenizer resolves llama to this same class, but first re-parses the whole GGUF
+    # AutoTokenizer resolves these to this same class, but first re-parses the whole GGUF
     # with gguf's slow per-string reader just to build a config (~4 s for this vocabulary).
     tokenizer = PreTrainedTokenizerFast.from_pretrained(
         os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path)
@@ -153,39 +179,113 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) -> PretrainedConfig:
+    def hparam(key: str, default=None):
+        return _metadata(reader, f"{arch}.{key}", default)
+
+    kwargs = {}
+    # transformers keys its GGUF config table by the GGUF name or, for MoE, by its model_type.
+    mapping = GGUF_CONFIG_MAPPING.get(arch) or GGUF_CONFIG_MAPPING[spec.model_type]
+    for key, field in {**mapping, **dict(spec.config_keys)}.items():
+        value = hparam(key)
+        if field is not None and value is not None:
+            kwargs[field] = value
+    kwargs.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(spec.model_type or arch, {}))
+    config_class = CONFIG_MAPPING[spec.model_type or arch]
+    probe = config_class()
+
+    num_heads = int(hparam("attention.head_count"))
+    hidden_size = int(hparam("embedding_length"))
+    if "head_dim" in probe.to_dict():
+        # llama.cpp writes key_length where head_dim is not hidden / heads; transformers reads
+        # llama's from rope.dimension_count, which is the same number there.
+        kwargs["head_dim"] = int(hparam("attention.key_length", kwargs.get("head_dim", hidden_size // num_heads)))
+    head_dim = kwargs.get("head_dim", hidden_size // num_heads)
+    rope_dims = hparam("rope.dimension_count")
+    rope_theta = kwargs.pop("rope_theta", None)
+    default_rope = probe.to_dict().get("rope_parameters")
+    if default_rope is not None:
+        rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta or 10000.0)}
+        rope_freqs = tensors.get(_ROPE_FREQS)
+        if rope_freqs is not None:
+            rope_freqs = dequantize(rope_freqs.data, rope_freqs.tensor_type)
+        rope_parameters.update(_rope_scaling(reader, arch, rope_freqs, rope_parameters["rope_theta"], head_dim))
+        if rope_dims is not None and int(rope_dims) != head_dim:
+            rope_parameters["partial_rotary_factor"] = int(rope_dims) / head_dim
+        if "rope_type" not in default_rope:
+            # One rope per layer type (Gemma 3): GGUF's base and scaling are the global layers';
+            # llama.cpp hard-codes the local layers' base, as the config's default does.
+            rope_parameters = {**default_rope, "full_attention": rope_parameters}
+        kwargs["rope_parameters"] = rope_parameters
+
+    token_ids = {
+        f"{name}_token_id": _metadata(reader, f"tokenizer.ggml.{key}")
+        for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"))
+    }
+    # None where the file has none: some config classes default to ids of their own
+    # vocabulary (Phi-3's pad 32000), which would be out of range here.
+    kwargs.update({k: None if v is None else int(v) for k, v in token_ids.items()})
+    for switch, kinds in spec.bias_switches:
+        kwargs[switch] = any(_block_kind(name) in kinds and name.endswith(".bias") for name in tensors)
+    for field, name, axis in spec.sized_by:
+        kwargs[field] = _gguf_shape(tensors[name])[axis]
+    kwargs.update(
+        architectures=[spec.architecture],
+        # The embedding's row count is what the weights need; metadata may omit vocab_size.
+        vocab_size=_gguf_shape(tensors["token_embd.weight"])[0],
+        # Without an output matrix llama.cpp reuses the embedding, i.e. tied weights.
+        tie_word_embeddings="output.weight" not in tensors,
+        dtype="float32",
+    )
+    return config_class(**kwargs)
+
+
+def _gguf_shape(tensor) -> tuple[int, ...]:
+    # ggml lists dimensions fastest-varying first; torch wants them the other way round.
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _block_kind(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    return parts[2] if len(parts) == 4 and parts[0] == "blk" else None
+
+
+def _hf_parameter_names(config: PretrainedConfig) -> set[str]:
+    """The state-dict names transformers' model for ``config`` has, built without memory."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return set(model.state_dict())
+
+
+def _tied_names(config: PretrainedConfig, hf_names: set[str]) -> set[str]:
+    return {"lm_head.weight"} & hf_names if config.tie_word_embeddings else set()
+
+
+def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: set[str], processor: TensorProcessor) -> dict[str, str]:
+    # transformers' get_gguf_hf_weights_map, without rebuilding the name map per submodule.
+    name_map = get_tensor_name_map(_GGUF_ARCH_IDS[arch], num_layers)
+    mapping = {}
+    for hf_name in hf_names:
+        hf_name = processor.preprocess_name(hf_name)
+        module, suffix = hf_name, ""
+        if hf_name.endswith((".weight", ".bias")):
+            module, dot, suffix = hf_name.rpartition(".")
+            suffix = dot + suffix
+        gguf_name = name_map.get_name(module)
+        if gguf_name is None:
+            # One HF tensor fed by several GGUF ones (MoE gate and up experts).
+            processor.perform_fallback_tensor_mapping(mapping, suffix, "", hf_name)
+        else:
+            mapping[gguf_name + suffix] = hf_name
+    return mapping
+
+
+_GGUF_ARCH_IDS = MappingProxyType({name: arch for arch, name in MODEL_ARCH_NAMES.items()})
+
+
 def _metadata(reader: GGUFReader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
-
-
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    match = _BLOCK_TENSOR_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_TENSORS:
-        layer, kind, suffix = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_TENSORS[kind]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HuggingFace llama equivalent.")
-
-
-def _unpermute_rope(values: np.ndarray, n_head: int) -> np.ndarray:
-    # llama.cpp's converter interleaves each head's two rotary halves for its rope kernel:
-    #   w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
-    # Swapping the same two axes of the opposite split undoes it (weights and biases alike).
-    rows = values.shape[0]
-    split = values.reshape(n_head, rows // n_head // 2, 2, *values.shape[1:])
-    return split.swapaxes(1, 2).reshape(values.shape)
-
-
-def _fill_missing_biases(state_dict: dict[str, torch.Tensor], num_layers: int, projections: tuple[str, ...]) -> bool:
-    """HF's llama has one switch for all attention (or MLP) biases, so absent ones become zeros."""
-    module = "self_attn" if "q_proj" in projections else "mlp"
-    names = [f"model.layers.{i}.{module}.{p}" for i in range(num_layers) for p in projections]
-    if not any(f"{n}.bias" in state_dict for n in names):
-        return False
-    for n in names:
-        state_dict.setdefault(f"{n}.bias", torch.zeros(state_dict[f"{n}.weight"].shape[0]))
-    return True
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, rope_freqs, rope_theta: float, head_dim: int) -> dict:
