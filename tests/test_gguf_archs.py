@@ -221,7 +221,9 @@ def test_pagedlm_greedy_tokens_equal_transformers(case, tmp_path, monkeypatch):
         return
     llm = LLM(str(gguf_file), num_gpu_blocks_override=32)
     hf = _loaded(resolve_model(str(gguf_file))).eval()
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    # min_tokens masks EOS as min_new_tokens does on the reference side, so both pick the same
+    # token where EOS would otherwise win.
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         ids = torch.tensor([out.prompt_token_ids])
