@@ -252,3 +252,31 @@ def test_unsupported_peft_features_are_named(tiny, tmp_path):
     with pytest.raises(ValueError, match="neither adapter_model.safetensors"):
         llm.llm_engine.add_lora(LoRARequest("dora", 3, path))
     assert llm.llm_engine.list_loras() == []
+
+
+# -- tensor parallelism -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_1(tmp_path, default_model_dir):
+    """Column layers shard B, row layers shard A; one KV head (replicated over the two ranks)
+    exercises the QKV loader's replication for B's k and v rows."""
+    from tests.test_distributed_executor import assert_no_workers_left
+    base = make_tiny_model(tmp_path, "llama", default_model_dir, num_key_value_heads=1)
+    loras = [LoRARequest("all", 1, make_adapter(base, str(tmp_path / "all"), ALL_PROJ)),
+             LoRARequest("qv", 2, make_adapter(base, str(tmp_path / "qv"), ["q_proj", "v_proj",
+                                                                             "down_proj"], r=4))]
+    choice = [loras[0], None, loras[1], loras[0], loras[1], None]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8,
+                  num_gpu_blocks_override=64, tensor_parallel_size=tp,
+                  distributed_executor_backend="mp" if tp > 1 else None)
+        results[tp] = llm.generate(PROMPTS[:6], params, use_tqdm=False, lora_request=choice)
+        llm.shutdown()
+    assert_no_workers_left()
+    assert token_ids(results[2]) == token_ids(results[1])
+    for a, b in zip(results[1], results[2]):
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tid, lp in pa.items():
+                assert pb[tid].logprob == pytest.approx(lp.logprob, abs=1e-4)
