@@ -18,11 +18,12 @@ _EXPORTS = {
     "BeamSearchSequence": "pagedlm.outputs",
     # Needs the `server` extra (prometheus_client).
     "AsyncLLMEngine": "pagedlm.engine.async_llm_engine",
+    "LoRARequest": "pagedlm.lora.request",
 }
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence"]
+           "BeamSearchSequence", "LoRARequest"]
 __version__ = "0.1.0"
 
 

@@ -151,7 +151,15 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority"
+    max_loras: int = 0  # distinct adapters per step (0: LoRA disabled)
     preemption_mode: str = "recompute"  # or "swap"
+
+
+@dataclass
+class LoRAConfig:
+    max_loras: int = 1  # adapters in one step (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1  # adapters kept loaded per worker (>= max_loras)
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -180,3 +188,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
+    lora_config: LoRAConfig | None = None  # None: LoRA disabled

@@ -9,6 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import PositionLogprobs, RequestMetrics
 from pagedlm.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class Sequence:
     num_cached_blocks: int = 0
     # Mixed into the first block's hash: only requests with the same salt share cached blocks.
     cache_salt: str | None = None
+    # The adapter's (id, path), also in the first block's hash: adapters never share KV blocks.
+    lora_key: tuple[int, str] | None = None
     # What the workers hold of this sequence (core/sched_output.py sends only the difference):
     # its first synced_num_tokens tokens and this block table; None: nothing yet.
     synced_num_tokens: int = 0
@@ -79,6 +82,7 @@ class Sequence:
                         status=self.status, cumulative_logprob=self.cumulative_logprob,
                         output_logprobs=list(self.output_logprobs),
                         output_text=self.output_text, cache_salt=self.cache_salt,
+                        lora_key=self.lora_key,
                         detok=DetokenizerState(list(self.detok.tokens), self.detok.prefix_offset,
                                                self.detok.read_offset))
 
@@ -115,6 +119,12 @@ class SequenceGroup:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     arrival_order: int = 0  # set by the scheduler: breaks ties in arrival order
     beam_done: bool = False
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def __post_init__(self) -> None:
         if self.metrics is None:

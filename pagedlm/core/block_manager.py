@@ -67,8 +67,11 @@ class BlockManager:
     # -- prefix caching -----------------------------------------------------------------------
     @staticmethod
     def _extra_keys(seq: Sequence, block_index: int) -> ExtraKeys:
-        # The salt only needs to enter the first block: the chain carries it to the rest.
-        return (seq.cache_salt,) if block_index == 0 and seq.cache_salt is not None else ()
+        # Salt and adapter only need to enter the first block: the chain carries them on.
+        if block_index:
+            return ()
+        keys: ExtraKeys = (seq.cache_salt,) if seq.cache_salt is not None else ()
+        return keys + seq.lora_key if seq.lora_key is not None else keys
 
     def _block_content(self, seq: Sequence, i: int) -> tuple:
         bs = self.block_size

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedlm.core.scheduler import SchedulerOutput
+from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
 
@@ -25,6 +26,8 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # Workers load the adapter themselves from its path (each TP rank its own slices).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -99,7 +102,8 @@ class ExecuteModelRequestBuilder:
             if rid not in self._sent_requests:
                 self._sent_requests.add(rid)
                 req.new_requests.append(NewRequestData(rid, group.prompt_token_ids,
-                                                       group.sampling_params))
+                                                       group.sampling_params,
+                                                       group.lora_request))
             sp = group.sampling_params
             if sp.prompt_logprobs is not None and group.prompt_logprobs is None:
                 req.prompt_logprobs_req_ids.append(rid)

@@ -13,6 +13,11 @@ Three queues, as in the seeds: waiting (new, or preempted by recompute), running
 3. If nothing had to be preempted: swapped groups come back first (blocks_to_swap_in).
 4. If nothing is still swapped out: waiting groups are admitted in order, each starting from its
    longest cached prefix, while the budgets and the free blocks (less a watermark) allow.
+
+LoRA (the seeds' curr_loras): the running groups use at most max_loras distinct adapters, so
+every step fits the workers' adapter slots. A waiting group whose adapter finds no slot stays
+in its place; behind it only base-model groups are admitted, so no later adapter request takes
+the slot it waits for (no starvation) and FCFS order among adapter requests holds.
 """
 from __future__ import annotations
 
@@ -72,6 +77,8 @@ class SchedulerStats:
     num_swapped_out: int = 0  # of those, groups moved to the host pool
     num_swapped_in: int = 0
     num_ignored: int = 0  # groups finished unscheduled: they could never fit
+    num_lora_waits: int = 0  # steps x groups held back because no adapter slot was free
+    max_step_loras: int = 0  # most distinct adapters in one step
 
 
 class Scheduler:
@@ -109,6 +116,9 @@ class Scheduler:
             num_seqs = self._schedule_swapped(sched_out, num_seqs)
             if not self.swapped:
                 self._schedule_waiting(sched_out, num_seqs)
+        if self.config.max_loras:
+            n = len({sg.group.lora_int_id for sg in sched_out.scheduled_groups} - {0})
+            self.stats.max_step_loras = max(self.stats.max_step_loras, n)
         sched_out.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
         sched_out.running_queue_size = len(self.running)
         sched_out.waiting_queue_size = len(self.waiting)
@@ -144,12 +154,22 @@ class Scheduler:
         self.running = [g for g in order if id(g) not in preempted]
         return bool(preempted)
 
+    def _curr_loras(self) -> set[int]:
+        return {g.lora_int_id for g in self.running} - {0}
+
+    def _lora_fits(self, group: SequenceGroup, curr_loras: set[int]) -> bool:
+        lora = group.lora_int_id
+        return not lora or lora in curr_loras or len(curr_loras) < self.config.max_loras
+
     def _schedule_swapped(self, sched_out: SchedulerOutput, num_seqs: int) -> int:
         bm = self.block_manager
         for group in sorted(self.swapped, key=self._key):
             all_seqs = group.unfinished_seqs()
             seqs, tokens = self._plan(group, all_seqs)
             if not seqs or num_seqs + len(all_seqs) > self.config.max_num_seqs:
+                break
+            if self.config.max_loras and not self._lora_fits(group, self._curr_loras()):
+                self.stats.num_lora_waits += 1
                 break
             swapped_in = bm.swap_in(all_seqs, seqs, tokens)
             if swapped_in is None:
@@ -168,13 +188,21 @@ class Scheduler:
     def _schedule_waiting(self, sched_out: SchedulerOutput, num_seqs: int) -> None:
         bm = self.block_manager
         self.waiting.sort(key=self._key)
-        while self.waiting:
-            group = self.waiting[0]
+        curr_loras = self._curr_loras() if self.config.max_loras else set()
+        lora_blocked = False  # a group waits for an adapter slot: hold later adapters back
+        i = 0
+        while i < len(self.waiting):
+            group = self.waiting[i]
             all_seqs = group.unfinished_seqs()
+            if group.lora_int_id and (lora_blocked or not self._lora_fits(group, curr_loras)):
+                lora_blocked = True
+                self.stats.num_lora_waits += 1
+                i += 1
+                continue
             if not self._can_ever_fit(all_seqs):
                 # Waiting would be forever (a sequence grew past the whole cache, say):
                 # finish it with what it has, as the seeds' ignored_seq_groups.
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 for s in all_seqs:
                     s.status = SequenceStatus.FINISHED_LENGTH
                 sched_out.ignored_groups.append(group)
@@ -192,7 +220,9 @@ class Scheduler:
             copies = bm.allocate_slots(seqs, tokens, admission=True, prefixes=prefixes)
             if copies is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if group.lora_int_id:
+                curr_loras.add(group.lora_int_id)
             for s in all_seqs:
                 s.status = SequenceStatus.RUNNING
             if group.metrics.first_scheduled_time is None:

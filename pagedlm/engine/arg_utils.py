@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 
 from pagedlm.core.block_hash import HASH_ALGOS
-from pagedlm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, ModelConfig,
-                            ParallelConfig, SchedulerConfig)
+from pagedlm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, LoRAConfig,
+                            ModelConfig, ParallelConfig, SchedulerConfig)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
 
 
@@ -38,6 +38,26 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     # "uni", "mp" or "ray"; None: uni for one worker, ray if RAY_ADDRESS is set, else mp.
     distributed_executor_backend: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}.")
+        if not self.enable_lora:
+            return None
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            v = getattr(self, name)
+            if v is None and name == "max_cpu_loras":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+        cpu = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        if cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({self.max_loras}).")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
 
     def _parallel_config(self) -> ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -98,6 +118,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}.")
         parallel_config = self._parallel_config()
+        lora_config = self._lora_config()
         model_dir = resolve_model(self.model)
         model_config = ModelConfig.from_dir(self.model, model_dir, self.dtype,
                                             self.max_model_len, self.seed)
@@ -133,4 +154,7 @@ class EngineArgs:
                                              max_model_len=max_len,
                                              enable_chunked_prefill=chunked,
                                              policy=self.scheduling_policy,
-                                             preemption_mode=self.preemption_mode))
+                                             preemption_mode=self.preemption_mode,
+                                             max_loras=lora_config.max_loras if lora_config
+                                             else 0),
+            lora_config=lora_config)

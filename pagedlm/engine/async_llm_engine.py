@@ -83,11 +83,22 @@ class _Add:
     stream: RequestStream
     ack: asyncio.Future
     priority: int = 0
+    lora_request: object = None  # a LoRARequest
 
 
 @dataclass
 class _Abort:
     request_ids: set[str]
+
+
+@dataclass
+class _Call:
+    """Run fn(engine, *args) on the engine thread (adapter changes); its result or error goes
+    to `result`."""
+    fn: object
+    args: tuple
+    loop: asyncio.AbstractEventLoop
+    result: asyncio.Future
 
 
 _SHUTDOWN = object()
@@ -178,7 +189,7 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, lora_request=None) -> RequestStream:
         """Queue a request; returns its output stream once the engine accepted it.
 
         Raises the engine's ValueError for an invalid request (too long, bad params, ...).
@@ -187,7 +198,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, loop)
         ack = loop.create_future()
         self._submit(_Add(request_id, prompt, params, arrival_time or time.time(), stream, ack,
-                          priority))
+                          priority, lora_request))
         try:
             await ack
         except asyncio.CancelledError:
@@ -206,6 +217,22 @@ class AsyncLLMEngine:
         finally:
             if not stream.finished:  # the consumer left early (closed, cancelled, error)
                 self.abort(request_id)
+
+    async def _on_engine_thread(self, fn, *args):
+        loop = asyncio.get_running_loop()
+        result = loop.create_future()
+        self._submit(_Call(fn, args, loop, result))
+        return await result
+
+    async def add_lora(self, lora_request) -> bool:
+        """Register and load an adapter (LLMEngine.add_lora: ValueError for a bad one)."""
+        return await self._on_engine_thread(LLMEngine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._on_engine_thread(LLMEngine.remove_lora, lora_id)
+
+    async def list_loras(self) -> list:
+        return await self._on_engine_thread(LLMEngine.list_loras)
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (unknown or finished ids are ignored). Safe from any thread."""
@@ -252,6 +279,8 @@ class AsyncLLMEngine:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._run_call(command)
             else:
                 self._abort(command.request_ids)
             try:
@@ -263,13 +292,34 @@ class AsyncLLMEngine:
         error = None
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time,
-                                    priority=cmd.priority)
+                                    priority=cmd.priority, lora_request=cmd.lora_request)
         except Exception as e:  # noqa: BLE001 - a bad request fails itself, not the loop
             error = e
         else:
             self._tracked[cmd.request_id] = _Tracked(cmd.stream, cmd.params.output_kind,
                                                      cmd.arrival_time)
         self._call(cmd.stream.loop, _resolve, cmd.ack, error)
+
+    def _run_call(self, cmd: _Call) -> None:
+        def settle(fut: asyncio.Future, value, error) -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(value)
+
+        value = error = None
+        try:
+            value = cmd.fn(self.engine, *cmd.args)
+        except Exception as e:  # noqa: BLE001 - a bad adapter fails its caller, not the loop
+            error = e
+        # Requests an unload aborted in the engine: end their streams too.
+        for rid in [r for r in self._tracked if r not in self.engine.requests
+                    and r not in self.engine.beam_searches]:
+            self._abort_stream(rid)
+        self._call(cmd.loop, settle, cmd.result, value, error)
+
+    def _abort_stream(self, rid: str) -> None:
+        tracked = self._tracked.pop(rid)
+        self.metrics.record_finished("abort")
+        self._call(tracked.stream.loop, _deliver, [(tracked.stream, _END)])
 
     def _abort(self, ids: set[str]) -> None:
         present = [rid for rid in ids if rid in self._tracked]
@@ -332,7 +382,9 @@ class AsyncLLMEngine:
             prefix_cache_hit_rate=e.prefix_cache_hit_rate,
             prompt_tokens=e.stats.num_prompt_tokens,
             generation_tokens=e.stats.num_generation_tokens,
-            preemptions=e.stats.num_preemptions))
+            preemptions=e.stats.num_preemptions,
+            running_loras=e.running_loras() if e.config.lora_config else [],
+            max_loras=e.config.lora_config.max_loras if e.config.lora_config else 0))
         if self.log_stats:
             self.metrics.maybe_log(self.log_stats_interval)
 

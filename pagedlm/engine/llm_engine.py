@@ -22,6 +22,8 @@ from pagedlm.engine.beam_search import BeamSearch
 from pagedlm.engine.output_processor import OutputProcessor, make_request_output
 from pagedlm.executor.abstract import Executor
 from pagedlm.inputs.preprocess import InputPreprocessor, ProcessedPrompt, PromptType
+from pagedlm.lora.request import LoRARequest
+from pagedlm.lora.worker_manager import LoRAStats
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
@@ -96,6 +98,9 @@ class LLMEngine:
         self.beam_searches: dict[str, BeamSearch] = {}
         self._beam_of: dict[str, BeamSearch] = {}  # beam step request id -> its search
         self.stats = EngineStats(self.scheduler.stats)
+        # Registered adapters by id (the workers cache and may evict them; a request naming an
+        # evicted one makes them load it again from its path).
+        self.loras: dict[int, LoRARequest] = {}
         logger.info("engine ready in %.2fs: %d KV blocks of %d tokens",
                     time.perf_counter() - t, self.block_manager.num_blocks,
                     config.cache_config.block_size)
@@ -104,8 +109,58 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args.create_engine_config())
 
+    # -- LoRA adapters --------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter and load it on every worker now. ValueError naming what is wrong
+        (LoRA disabled, a bad path, rank, target module or shape, an id bound to another path or
+        name); then no worker keeps it. False if it was already registered."""
+        if self.config.lora_config is None:
+            raise ValueError("lora_request given, but LoRA is disabled: create the engine "
+                             "with enable_lora=True.")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}.")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if (known.lora_path, known.lora_name) != (lora_request.lora_path,
+                                                      lora_request.lora_name):
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already used for "
+                                 f"{known.lora_name!r} at {known.lora_path!r}.")
+            return False
+        errors = [e for e in self.executor.collective_rpc("add_lora", args=(lora_request,))
+                  if e is not None]
+        if errors:
+            self.executor.collective_rpc("remove_lora", args=(lora_request.lora_int_id,))
+            raise ValueError(errors[0])
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unregister an adapter; requests still using it are aborted first."""
+        if self.loras.pop(lora_id, None) is None:
+            return False
+        self.abort_request([rid for rid, g in self.requests.items()
+                            if g.lora_int_id == lora_id])
+        self.executor.collective_rpc("remove_lora", args=(lora_id,))
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
+
+    def lora_stats(self) -> LoRAStats:
+        """The output rank's adapter cache counters (loads, evictions, slot loads)."""
+        return self.executor.collective_rpc("lora_stats")[0]
+
+    def running_loras(self) -> list[str]:
+        """Names of the adapters of the running requests (the metrics' running adapters)."""
+        ids = {g.lora_int_id for g in self.scheduler.running} - {0}
+        return sorted(self.loras[i].lora_name for i in ids if i in self.loras)
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
+        if lora_request is not None:
+            self.add_lora(lora_request)  # validates; no-op when registered
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}.")
         if request_id in self.requests or request_id in self.beam_searches:
@@ -143,27 +198,35 @@ class LLMEngine:
             search = BeamSearch(request_id, processed.prompt, list(ids), params,
                                 self.eos_token_ids, max_len, self.tokenizer, arrival_time)
             self.beam_searches[request_id] = search
-            self._add_beam_step(search, processed.cache_salt, priority)
+            self._add_beam_step(search, processed.cache_salt, priority, lora_request)
             return
-        self._add_sequence_group(request_id, processed, params, arrival_time, priority)
+        self._add_sequence_group(request_id, processed, params, arrival_time, priority,
+                                 lora_request)
 
     def _add_sequence_group(self, request_id: str, processed: ProcessedPrompt,
-                            params: SamplingParams, arrival_time: float, priority: int) -> None:
+                            params: SamplingParams, arrival_time: float, priority: int,
+                            lora_request: LoRARequest | None = None) -> None:
         ids = processed.prompt_token_ids
+        lora_key = None
+        if lora_request is not None:
+            lora_key = (lora_request.lora_int_id, lora_request.lora_path)
         seq = Sequence(next(self.seq_counter), list(ids), len(ids),
-                       cache_salt=processed.cache_salt)
+                       cache_salt=processed.cache_salt, lora_key=lora_key)
         seq.detok = self.output_processor.detokenizer.init_state(ids, params.skip_special_tokens)
         group = SequenceGroup(request_id, [seq], params, processed.prompt, list(ids),
-                              arrival_time=arrival_time, priority=priority)
+                              arrival_time=arrival_time, priority=priority,
+                              lora_request=lora_request)
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
 
-    def _add_beam_step(self, search: BeamSearch, cache_salt: str | None, priority: int) -> None:
+    def _add_beam_step(self, search: BeamSearch, cache_salt: str | None, priority: int,
+                       lora_request: LoRARequest | None = None) -> None:
         for req in search.next_requests():
             self._beam_of[req.request_id] = search
             self._add_sequence_group(req.request_id,
                                      ProcessedPrompt(None, req.prompt_token_ids, cache_salt),
-                                     req.params, search.metrics.arrival_time, priority)
+                                     req.params, search.metrics.arrival_time, priority,
+                                     lora_request)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
@@ -233,7 +296,8 @@ class LLMEngine:
                     del self.beam_searches[search.request_id]
                     outputs.append(search.request_output())
                 else:
-                    self._add_beam_step(search, group.seqs[0].cache_salt, group.priority)
+                    self._add_beam_step(search, group.seqs[0].cache_salt, group.priority,
+                                        group.lora_request)
         self.stats.step_time += time.perf_counter() - t0
         return outputs
 

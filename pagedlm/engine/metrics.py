@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -33,6 +33,8 @@ class EngineSnapshot:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
+    running_loras: list[str] = field(default_factory=list)  # adapters of running requests
+    max_loras: int = 0
 
 
 class EngineMetrics:
@@ -81,6 +83,12 @@ class EngineMetrics:
                               _ITL_BUCKETS)
         self.e2e = histogram("pagedlm:e2e_request_latency_seconds",
                              "Time from arrival to finish.", _E2E_BUCKETS)
+        # vLLM's lora_requests_info: one sample, the running adapters in a label.
+        self.lora_info = Gauge("pagedlm:lora_requests_info", "Running LoRA adapters (a "
+                               "comma-separated label) and max_lora; the value is the update "
+                               "time.", ["running_lora_adapters", "max_lora"], registry=r)
+        self.num_running_loras = gauge("pagedlm:num_running_lora_adapters",
+                                       "Distinct LoRA adapters among the running requests.")
         self.num_finished: dict[str, int] = {}  # the same counts, readable without a scrape
         self.snapshot = EngineSnapshot()
         self._last_log_time = time.monotonic()
@@ -97,6 +105,12 @@ class EngineMetrics:
         self.prompt_tokens.inc(max(0, snap.prompt_tokens - old.prompt_tokens))
         self.generation_tokens.inc(max(0, snap.generation_tokens - old.generation_tokens))
         self.preemptions.inc(max(0, snap.preemptions - old.preemptions))
+        if snap.max_loras:
+            self.num_running_loras.set(len(snap.running_loras))
+            if snap.running_loras != old.running_loras or not old.max_loras:
+                self.lora_info.clear()
+                self.lora_info.labels(",".join(snap.running_loras),
+                                      str(snap.max_loras)).set(time.time())
         self.snapshot = snap
 
     def record_finished(self, reason: str) -> None:

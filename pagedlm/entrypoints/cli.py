@@ -10,7 +10,9 @@ SmolLM2-135M-Instruct runs. `pagedlm CMD --help` lists every flag.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 import textwrap
 
@@ -46,6 +48,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int)
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: 1.0)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="Stop string (repeatable).")
+
+
+def _add_lora_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora", default=None, metavar="PATH",
+                        help="A PEFT LoRA adapter directory to generate with (turns on "
+                             "--enable-lora, and raises --max-lora-rank to its rank).")
 
 
 def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
@@ -88,6 +96,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_model_positional(gen)
     gen.add_argument("--prompt", "-p", default=None,
                      help="The prompt. Default: read it from stdin.")
+    _add_lora_arg(gen)
     _add_sampling_args(gen, 128)
     add_engine_args(gen)
     _add_log_level(gen, "warning")
@@ -101,6 +110,7 @@ def make_parser() -> argparse.ArgumentParser:
                     "/exit, Ctrl-D or end of input quits.")
     add_model_positional(chat)
     chat.add_argument("--system", default=None, help="A system message to start with.")
+    _add_lora_arg(chat)
     _add_sampling_args(chat, 512)
     add_engine_args(chat)
     _add_log_level(chat, "warning")
@@ -121,9 +131,9 @@ def _sampling_params(args: argparse.Namespace):
                           output_kind=RequestOutputKind.DELTA)
 
 
-def _stream(engine, request_id: str, prompt, params, out) -> str:
+def _stream(engine, request_id: str, prompt, params, out, lora_request=None) -> str:
     """Run one request on a synchronous LLMEngine, writing its text as it comes."""
-    engine.add_request(request_id, prompt, params)
+    engine.add_request(request_id, prompt, params, lora_request=lora_request)
     text = []
     try:
         while engine.has_unfinished_requests():
@@ -140,8 +150,32 @@ def _stream(engine, request_id: str, prompt, params, out) -> str:
 
 
 def _build_engine(args: argparse.Namespace):
+    """The engine and the --lora adapter's request (None without one)."""
     from pagedlm.engine.llm_engine import LLMEngine
-    return LLMEngine.from_engine_args(engine_args_from_namespace(args))
+    from pagedlm.lora.request import LoRARequest
+
+    engine_args = engine_args_from_namespace(args)
+    lora = None
+    if getattr(args, "lora", None):
+        engine_args.enable_lora = True
+        rank = _adapter_rank(args.lora)
+        if rank is not None:
+            engine_args.max_lora_rank = max(engine_args.max_lora_rank, rank)
+        lora = LoRARequest(os.path.basename(os.path.normpath(args.lora)) or "lora", 1,
+                           args.lora)
+    engine = LLMEngine.from_engine_args(engine_args)
+    if lora is not None:
+        engine.add_lora(lora)  # a bad adapter fails now, with its message
+    return engine, lora
+
+
+def _adapter_rank(path: str) -> int | None:
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            rank = json.load(f).get("r")
+    except (OSError, ValueError):
+        return None  # the engine's loader reports what is wrong
+    return rank if isinstance(rank, int) else None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -151,8 +185,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not prompt:
         raise SystemExit("error: empty prompt (give --prompt or pipe one in)")
     params = _sampling_params(args)
-    engine = _build_engine(args)
-    _stream(engine, "generate-0", prompt, params, sys.stdout)
+    engine, lora = _build_engine(args)
+    _stream(engine, "generate-0", prompt, params, sys.stdout, lora)
     sys.stdout.write("\n")
 
 
@@ -160,7 +194,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from pagedlm.entrypoints.openai.serving_chat import apply_chat_template
 
     params = _sampling_params(args)
-    engine = _build_engine(args)
+    engine, lora = _build_engine(args)
     tokenizer = engine.get_tokenizer()
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
@@ -187,7 +221,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         history.append({"role": "user", "content": line})
         prompt = apply_chat_template(tokenizer, history)
         try:
-            reply = _stream(engine, f"chat-{turn}", prompt, params, sys.stdout)
+            reply = _stream(engine, f"chat-{turn}", prompt, params, sys.stdout, lora)
         except ValueError as e:  # e.g. the conversation outgrew the context: drop the turn
             print(f"error: {e}", file=sys.stderr)
             history.pop()

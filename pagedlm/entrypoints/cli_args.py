@@ -50,6 +50,11 @@ _HELP = {
                             "parallelism).",
     "pipeline_parallel_size": "Workers that each run a contiguous stage of the layers "
                               "(pipeline parallelism).",
+    "enable_lora": "Serve LoRA adapters (requests name one with lora_request / model=NAME).",
+    "max_loras": "LoRA adapters in one engine step (device slots).",
+    "max_lora_rank": "Largest LoRA rank accepted.",
+    "max_cpu_loras": "LoRA adapters kept loaded; the least recently used are evicted. "
+                     "Default: --max-loras.",
     "distributed_executor_backend": "How workers run: uni (in this process), mp (processes on "
                                     "this node), ray (a Ray cluster: RAY_ADDRESS or a local "
                                     "one). Default: uni for one worker, ray if RAY_ADDRESS is "
@@ -175,6 +180,11 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _lora_module(text: str):
+    from pagedlm.entrypoints.openai.serving_models import parse_lora_module
+    return parse_lora_module(text)
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
@@ -202,6 +212,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
                        help="Seconds an idle HTTP keep-alive connection stays open. "
                             "(default: 5)")
+    group.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None,
+                       metavar="NAME=PATH",
+                       help="LoRA adapters to serve (with --enable-lora), each as name=path "
+                            "or JSON {\"name\", \"path\", \"base_model_name\"}; a request "
+                            "selects one with model=NAME.")
+    group.add_argument("--enable-runtime-lora-updating", action="store_true",
+                       help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                            "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=true).")
     group.add_argument("--disable-log-stats", action="store_true",
                        help="Do not log the periodic engine stats line.")
     group.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",

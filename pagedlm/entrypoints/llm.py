@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.inputs.preprocess import PromptType
+from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -53,9 +54,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """priority: one per prompt (lower runs first), with scheduling_policy='priority'."""
+        """priority: one per prompt (lower runs first), with scheduling_policy='priority'.
+        lora_request: one adapter for every prompt, or one (or None) per prompt; needs
+        enable_lora=True."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -76,7 +80,14 @@ class LLM:
         elif len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries but there are "
                              f"{len(prompts)} prompts; pass one per prompt.")
-        self._add_requests(prompts, params, list(priority))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request has {len(loras)} entries but there are "
+                                 f"{len(prompts)} prompts; pass one, or one per prompt.")
+        self._add_requests(prompts, params, list(priority), loras)
         return self._run_engine(use_tqdm)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
@@ -99,7 +110,9 @@ class LLM:
     def chat(self, messages: ChatMessages | Seq[ChatMessages],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
@@ -112,20 +125,24 @@ class LLM:
             # The template already holds the special tokens (BOS etc.): do not add them twice.
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
-                      priority: list[int]) -> None:
+                      priority: list[int], loras: list[LoRARequest | None] | None = None
+                      ) -> None:
         added = []
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p, prio in zip(prompts, params, priority):
+            for prompt, p, prio, lora in zip(prompts, params, priority, loras):
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"sampling_params entries must be SamplingParams, got "
                                      f"{type(p).__name__}.")
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY  # generate() returns finals only
                 request_id = str(next(self.request_counter))
-                self.llm_engine.add_request(request_id, prompt, p, priority=prio)
+                self.llm_engine.add_request(request_id, prompt, p, priority=prio,
+                                            lora_request=lora)
                 added.append(request_id)
         except Exception:
             # All or nothing: a bad prompt must not leave the earlier ones queued.

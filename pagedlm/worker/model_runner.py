@@ -17,6 +17,7 @@ from pagedlm.config import ModelConfig
 from pagedlm.core.sched_output import ExecuteModelRequest
 from pagedlm.core.scheduler import is_decode
 from pagedlm.distributed import IntermediateTensors
+from pagedlm.lora.request import LoRARequest
 from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedlm.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class CachedRequestState:
     # Seeded requests draw from their own generator so results do not depend on batching.
     generator: torch.Generator | None
     seq_ids: set[int]
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -99,12 +101,15 @@ class _FlatBatch:
     decodes: list[tuple[CachedSequenceState, int]]  # (seq, computed tokens)
     prefills: list[tuple[CachedSequenceState, int, int, int]]  # (seq, computed, row0, end)
     last_row: dict[int, int]  # seq id -> its last row
+    # With LoRA: each sequence's adapter and token count, in row order.
+    loras: list[LoRARequest | None] | None = None
+    lora_counts: list[int] | None = None
 
 
 class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, model: torch.nn.Module, block_size: int,
-                 eos_token_ids: frozenset[int]) -> None:
+                 eos_token_ids: frozenset[int], lora_manager=None) -> None:
         self.model_config = model_config
         self.model = model
         self.block_size = block_size
@@ -114,6 +119,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.requests: dict[str, CachedRequestState] = {}
         self.seqs: dict[int, CachedSequenceState] = {}
+        self.lora_manager = lora_manager  # a WorkerLoRAManager, or None without LoRA
 
     # -- state --------------------------------------------------------------------------------
     def update_states(self, req: ExecuteModelRequest) -> None:
@@ -128,7 +134,8 @@ class ModelRunner:
         for new in req.new_requests:
             sp = new.sampling_params
             gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
-            self.requests[new.req_id] = CachedRequestState(new.prompt_token_ids, sp, gen, set())
+            self.requests[new.req_id] = CachedRequestState(new.prompt_token_ids, sp, gen, set(),
+                                                           new.lora_request)
         for new in req.new_seqs:
             state = self.requests[new.req_id]
             state.seq_ids.add(new.seq_id)
@@ -146,6 +153,8 @@ class ModelRunner:
         batch = self._build_batch(req)
         sampling, sample_rows, first_row = self._build_sampling_metadata(req, batch.last_row)
         dev = self.device
+        if self.lora_manager is not None:
+            self.lora_manager.set_active_loras(batch.loras, batch.lora_counts, dev)
         return ModelInput(torch.tensor(batch.input_ids, device=dev),
                           torch.tensor(batch.positions, device=dev),
                           self._build_attn_metadata(batch, dev), sample_rows.to(dev), sampling,
@@ -158,8 +167,13 @@ class ModelRunner:
                                     req.num_scheduled_tokens):
             (decodes if is_decode(start, n) else prefills).append((seq_id, start, n))
         batch = _FlatBatch([], [], [], [], [], {})
+        if self.lora_manager is not None:
+            batch.loras, batch.lora_counts = [], []
         for i, (seq_id, start, n) in enumerate(decodes + prefills):
             seq = self.seqs[seq_id]
+            if batch.loras is not None:
+                batch.loras.append(self.requests[seq.req_id].lora_request)
+                batch.lora_counts.append(n)
             table = seq.block_ids
             row0 = len(batch.input_ids)
             batch.input_ids += seq.token_ids[start:start + n]

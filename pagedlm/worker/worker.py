@@ -21,6 +21,8 @@ from pagedlm.distributed import (IntermediateTensors, default_backend,
                                  ensure_model_parallel_initialized, get_pp_group, get_tp_group,
                                  init_distributed_environment)
 from pagedlm.distributed.parallel_state import destroy_distributed_environment
+from pagedlm.lora.request import LoRARequest
+from pagedlm.lora.worker_manager import LoRAStats, WorkerLoRAManager
 from pagedlm.model_executor.model_loader.loader import get_model
 from pagedlm.utils import available_memory_bytes, cdiv
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
@@ -65,8 +67,14 @@ class Worker:
         # Build (first run only) and load the native attention kernel now rather than in the
         # middle of the first request; without a compiler this warns and falls back.
         kernels.available()
+        self.lora_manager = None
+        lc = self.config.lora_config
+        if lc is not None:
+            self.lora_manager = WorkerLoRAManager(
+                self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras,
+                pipeline_parallel=self.config.parallel_config.pipeline_parallel_size > 1)
         self.runner = ModelRunner(self.model_config, self.model, self.cache_config.block_size,
-                                  self.eos_token_ids)
+                                  self.eos_token_ids, self.lora_manager)
 
     def _kv_shape(self) -> tuple[int, int]:
         """This rank's KV heads and layers."""
@@ -114,6 +122,22 @@ class Worker:
             return None
         output.timings.comm_s = tp.comm_s + pp.comm_s - comm_before
         return output if tp.is_first_rank else None
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+    def add_lora(self, req: LoRARequest) -> str | None:
+        """Load (and validate) an adapter now rather than in a step: its error message, or None.
+        Returned, not raised, as a raising worker stops the executor."""
+        try:
+            self.lora_manager.add_adapter(req)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.lora_manager.remove_adapter(lora_id)
+
+    def lora_stats(self) -> LoRAStats:
+        return self.lora_manager.get_stats()
 
     def shutdown(self) -> None:
         destroy_distributed_environment()

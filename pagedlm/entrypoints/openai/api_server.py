@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over an AsyncLLMEngine, run by uvicorn.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus), GET /version. With an API key, /v1/* needs `Authorization: Bearer
+GET /metrics (Prometheus), GET /version; with runtime LoRA updating (--enable-runtime-lora-updating
+or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true), POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter. With an API key, /v1/* needs `Authorization: Bearer
 KEY`. Errors are OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
 
     pagedlm serve [MODEL] --port 8000      (see pagedlm/entrypoints/cli.py)
@@ -10,15 +12,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
+import json
 import logging
+import os
 import socket
 from typing import Awaitable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
@@ -30,6 +35,7 @@ from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                  ModelCard, ModelList)
 from pagedlm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedlm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from pagedlm.entrypoints.openai.serving_engine import (error_body, error_response,
                                                        validation_error_response)
 
@@ -93,14 +99,30 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               api_key: str | None = None, allowed_origins: list[str] | None = None,
               allowed_methods: list[str] | None = None,
               allowed_headers: list[str] | None = None,
-              allow_credentials: bool = False) -> FastAPI:
-    """The FastAPI app serving `engine`. The caller owns the engine (and shuts it down)."""
+              allow_credentials: bool = False,
+              lora_modules: list[LoRAModulePath] | None = None,
+              enable_runtime_lora_updating: bool | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`. The caller owns the engine (and shuts it down).
+    lora_modules are loaded at start-up (an invalid one stops it). Runtime LoRA updating:
+    None reads VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
     names = served_model_names or [engine.model_config.model or "default"]
-    app = FastAPI(title="pagedlm OpenAI-compatible server", version=pagedlm.__version__)
+    models = OpenAIServingModels(engine, names, lora_modules)
+    if enable_runtime_lora_updating is None:
+        enable_runtime_lora_updating = os.environ.get(
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await models.init_static_loras()
+        yield
+
+    app = FastAPI(title="pagedlm OpenAI-compatible server", version=pagedlm.__version__,
+                  lifespan=lifespan)
     app.state.engine = engine
     app.state.served_model_names = names
-    completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    app.state.models = models
+    completion = OpenAIServingCompletion(engine, names, models)
+    chat = OpenAIServingChat(engine, names, models)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(_, exc: StarletteHTTPException):
@@ -127,11 +149,37 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        mc = engine.model_config
-        cards = [ModelCard(id=name, root=mc.model_dir, max_model_len=mc.max_model_len)
-                 for name in names]
-        return ModelList(data=cards).model_dump()
+    async def list_models() -> dict:
+        return ModelList(data=models.cards()).model_dump()
+
+    if enable_runtime_lora_updating:
+        async def _json_body(raw: Request) -> dict | Response:
+            try:
+                body = json.loads(await raw.body() or b"{}")
+            except json.JSONDecodeError as e:
+                return error_response(f"Invalid JSON body: {e}", 400)
+            if not isinstance(body, dict):
+                return error_response("The body must be a JSON object.", 400)
+            return body
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw: Request) -> Response:
+            body = await _json_body(raw)
+            if isinstance(body, Response):
+                return body
+            err = await models.load_lora(body.get("lora_name"), body.get("lora_path"),
+                                         body.get("base_model_name"))
+            return err or PlainTextResponse(
+                f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request) -> Response:
+            body = await _json_body(raw)
+            if isinstance(body, Response):
+                return body
+            err = await models.unload_lora(body.get("lora_name"))
+            return err or PlainTextResponse(
+                f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
@@ -178,6 +226,8 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedlm.entrypoints.cli_args import engine_args_from_namespace
 
     engine_args = engine_args_from_namespace(args)
+    if args.lora_modules and not engine_args.enable_lora:
+        raise SystemExit("error: --lora-modules needs --enable-lora")
     names = args.served_model_name or [default_served_name(engine_args.model)]
     sock = _bind(args.host, args.port)  # before the model loads: a taken port fails at once
     try:
@@ -192,7 +242,9 @@ def run_server(args: argparse.Namespace) -> None:
                         allowed_origins=args.allowed_origins,
                         allowed_methods=args.allowed_methods,
                         allowed_headers=args.allowed_headers,
-                        allow_credentials=args.allow_credentials)
+                        allow_credentials=args.allow_credentials,
+                        lora_modules=args.lora_modules,
+                        enable_runtime_lora_updating=args.enable_runtime_lora_updating or None)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=args.timeout_keep_alive)

@@ -52,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
         request_id = f"chatcmpl-{random_uuid()}"
         streams = await self.submit(request_id, [prompt], params, request.priority,
-                                         request.cache_salt)
+                                    request.cache_salt, request.model)
         if isinstance(streams, JSONResponse):
             return streams
         model = self.model_name(request.model)

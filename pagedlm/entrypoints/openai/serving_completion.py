@@ -29,7 +29,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
         request_id = f"cmpl-{random_uuid()}"
         streams = await self.submit(request_id, prompts, params, request.priority,
-                                         request.cache_salt)
+                                    request.cache_salt, request.model)
         if isinstance(streams, JSONResponse):
             return streams
         model = self.model_name(request.model)

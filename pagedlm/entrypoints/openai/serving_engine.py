@@ -135,13 +135,17 @@ class EngineStreamingResponse(StreamingResponse):
 
 class OpenAIServing:
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
+                 models=None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.models = models  # OpenAIServingModels: LoRA adapters by name
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.model_config.max_model_len
 
     def check_model(self, model: str | None) -> JSONResponse | None:
+        if self.models is not None:
+            return self.models.check(model)
         if model is None or model in self.served_model_names:
             return None
         return error_response(f"The model `{model}` does not exist.", 404, "model")
@@ -150,19 +154,21 @@ class OpenAIServing:
         return model if model is not None else self.served_model_names[0]
 
     async def submit(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
-                     priority: int = 0, cache_salt: str | None = None
-                     ) -> list[RequestStream] | JSONResponse:
+                     priority: int = 0, cache_salt: str | None = None,
+                     model: str | None = None) -> list[RequestStream] | JSONResponse:
         """Add one engine request per prompt, all or nothing; an error becomes a response."""
         if (too_long := self.check_context(prompts, params)) is not None:
             return too_long
         if cache_salt is not None:
             prompts = [{**p, "cache_salt": cache_salt} for p in prompts]
+        lora = self.models.lora_for(model) if self.models is not None else None
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.engine.add_request(rid, prompt, params,
-                                                             priority=priority))
+                                                             priority=priority,
+                                                             lora_request=lora))
         except ValueError as e:
             self.abort(streams)
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))

@@ -1,0 +1,204 @@
+"""LoRA over the OpenAI server (a real socket, the `openai` client) and the CLI's --lora, on a
+tiny random Llama, against the offline LLM's outputs with the same adapters."""
+from __future__ import annotations
+
+import subprocess
+
+import httpx
+import openai
+import pytest
+
+from pagedlm import LLM, EngineArgs, LoRARequest, SamplingParams
+from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+from pagedlm.entrypoints.openai.serving_models import parse_lora_module
+from tests.conftest import make_tiny_model
+from tests.server_utils import serve_in_thread, wait_until_idle
+from tests.test_cli import REPO, _env, cli
+from tests.test_lora import ALL_PROJ, make_adapter
+
+BASE = "tiny-base"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+MAX_TOKENS = 16
+ENGINE = dict(enable_lora=True, max_loras=2, max_lora_rank=8, num_gpu_blocks_override=128,
+              max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("lora_server")
+    base = make_tiny_model(root, "llama", default_model_dir)
+    paths = {"a1": make_adapter(base, str(root / "a1"), ALL_PROJ, seed=1),
+             "a2": make_adapter(base, str(root / "a2"), ["q_proj", "v_proj", "down_proj"],
+                                r=4, seed=2),
+             "a3": make_adapter(base, str(root / "a3"), ["o_proj", "up_proj"], seed=3),
+             "r16": make_adapter(base, str(root / "r16"), ["q_proj"], r=16),
+             "head": make_adapter(base, str(root / "head"), ["lm_head"])}
+    wide = make_tiny_model(root / "wide", "llama", default_model_dir, hidden_size=96)
+    paths["wide"] = make_adapter(wide, str(root / "wide_a"), ["q_proj"])
+    return base, paths
+
+
+@pytest.fixture(scope="module")
+def offline(setup):
+    """Greedy completions of PROMPTS per adapter (None: the base model), offline."""
+    base, paths = setup
+    llm = LLM(base, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = {}
+    for i, name in enumerate([None, "a1", "a2", "a3"]):
+        lora = LoRARequest(name, i, paths[name]) if name else None
+        out[name] = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False,
+                                                               lora_request=lora)]
+    llm.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    base, paths = setup
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(base, **ENGINE), log_stats=False,
+                                             model_name=BASE)
+    modules = [parse_lora_module(f"a1={paths['a1']}"),
+               parse_lora_module(f'{{"name": "a2", "path": "{paths["a2"]}", '
+                                 f'"base_model_name": "{BASE}"}}')]
+    try:
+        with serve_in_thread(engine, served_model_names=[BASE], lora_modules=modules,
+                             enable_runtime_lora_updating=True) as running:
+            yield running
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+def complete(client, model: str) -> list[str]:
+    r = client.completions.create(model=model, prompt=PROMPTS, max_tokens=MAX_TOKENS,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+def _error(exc_info, status: int, param: str | None = None) -> dict:
+    e = exc_info.value
+    assert e.status_code == status
+    body = e.body
+    assert body["code"] == status and body["message"]
+    if param is not None:
+        assert body["param"] == param, body
+    return body
+
+
+def test_models_lists_adapters_with_parent(client):
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {BASE, "a1", "a2"}
+    assert cards["a1"].parent == cards["a2"].parent == BASE
+    assert getattr(cards[BASE], "parent", None) is None
+
+
+def test_adapters_match_offline(client, offline):
+    assert complete(client, BASE) == offline[None]
+    assert complete(client, "a1") == offline["a1"]
+    assert complete(client, "a2") == offline["a2"]
+    assert offline["a1"] != offline[None] != offline["a2"]
+
+
+def test_concurrent_requests_of_several_adapters(server, offline):
+    import asyncio
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+
+        async def one(model, prompt):
+            r = await aclient.completions.create(model=model, prompt=prompt, temperature=0,
+                                                 max_tokens=MAX_TOKENS,
+                                                 extra_body={"ignore_eos": True})
+            return r.choices[0].text
+        jobs = [(m, i) for m in (BASE, "a1", "a2") for i in range(len(PROMPTS))]
+        texts = await asyncio.gather(*(one(m, PROMPTS[i]) for m, i in jobs))
+        return dict(zip(jobs, texts))
+
+    got = asyncio.run(run())
+    for (model, i), text in got.items():
+        assert text == offline[None if model == BASE else model][i]
+
+
+def test_running_adapters_in_metrics(server, client):
+    stream = client.completions.create(model="a1", prompt=PROMPTS[0], max_tokens=200,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # a1 is running now
+    text = httpx.get(server.url + "/metrics").text
+    stream.close()
+    assert 'pagedlm:lora_requests_info{max_lora="2",running_lora_adapters="a1"}' in text
+    assert f'pagedlm:num_running_lora_adapters{{model_name="{BASE}"}} 1.0' in text
+    wait_until_idle(server.engine)
+
+
+def test_load_and_unload_at_runtime(server, client, setup, offline):
+    _, paths = setup
+    r = httpx.post(server.url + "/v1/load_lora_adapter",
+                   json={"lora_name": "a3", "lora_path": paths["a3"]})
+    assert r.status_code == 200, r.text
+    assert "a3" in {m.id for m in client.models.list().data}
+    assert complete(client, "a3") == offline["a3"]
+    r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "a3"})
+    assert r.status_code == 200, r.text
+    assert "a3" not in {m.id for m in client.models.list().data}
+    with pytest.raises(openai.NotFoundError) as exc_info:
+        complete(client, "a3")
+    _error(exc_info, 404, "model")
+    r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "a3"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+    assert server.engine.engine.lora_stats().cached_ids.count(3) == 0
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"lora_name": "x"}, "lora_path", "lora_path"),
+    ({"lora_path": "/tmp"}, "lora_name", "lora_name"),
+    ({"lora_name": "x", "lora_path": "/nonexistent/adapter"}, "lora_path", "not a directory"),
+    ({"lora_name": "x", "lora_path": "r16"}, "lora_path", "max_lora_rank"),
+    ({"lora_name": "x", "lora_path": "head"}, "lora_path", "lm_head"),
+    ({"lora_name": "x", "lora_path": "wide"}, "lora_path", "shape"),
+    ({"lora_name": "a1", "lora_path": "a3"}, "lora_name", "already in use"),
+    ({"lora_name": "x", "lora_path": "a3", "base_model_name": "other"}, "base_model_name",
+     "base_model_name"),
+])
+def test_bad_load_requests_are_400(server, client, setup, body, param, words):
+    _, paths = setup
+    body = {k: paths.get(v, v) if k == "lora_path" else v for k, v in body.items()}
+    before = sorted(m.id for m in client.models.list().data)
+    cached = server.engine.engine.lora_stats().cached_ids
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert sorted(m.id for m in client.models.list().data) == before
+    assert server.engine.engine.lora_stats().cached_ids == cached
+
+
+def test_runtime_updating_needs_the_flag(server, setup):
+    with serve_in_thread(server.engine, served_model_names=[BASE],
+                         enable_runtime_lora_updating=False) as other:
+        r = httpx.post(other.url + "/v1/load_lora_adapter",
+                       json={"lora_name": "x", "lora_path": setup[1]["a3"]})
+        assert r.status_code == 404
+
+
+def test_cli_generate_with_lora(setup, offline):
+    base, paths = setup
+    out = subprocess.run(cli("generate", base, "--prompt", PROMPTS[0], "--max-tokens", "8",
+                             "--temperature", "0", "--lora", paths["a1"],
+                             "--num-gpu-blocks-override", "32"),
+                         capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stderr
+    llm_text = offline["a1"][0]
+    # Greedy: the first 8 tokens of the offline 16 (unless an EOS came first, which the CLI
+    # stops at).
+    assert llm_text.startswith(out.stdout.rstrip("\n"))
+    assert out.stdout.strip()
+    bad = subprocess.run(cli("generate", base, "--prompt", "hi", "--max-tokens", "2",
+                             "--lora", paths["head"], "--num-gpu-blocks-override", "32"),
+                         capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
+    assert bad.returncode != 0 and "lm_head" in bad.stderr and "Traceback" not in bad.stderr
