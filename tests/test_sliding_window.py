@@ -122,3 +122,155 @@ def test_bad_window_or_cap_is_a_value_error():
         Attention(4, 16, 0.25, 2, sliding_window=0)
     with pytest.raises(ValueError, match="logits_soft_cap"):
         Attention(4, 16, 0.25, 2, logits_soft_cap=-1.0)
+
+
+# -- end to end against transformers ---------------------------------------------------------
+
+LONG_PROMPTS = [
+    "The capital of France is a city that has seen kings, revolutions, and empires rise and "
+    "fall. Its streets are lined with cafes, its river is crossed by dozens of bridges, and",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
+    "fibonacci(n - 2)\n\n\ndef factorial(n):\n    result = 1\n    for i in range(2, n + 1):",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "woman who kept bees, a goat, and a secret that nobody in the village",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,",
+]
+
+
+def make_hf_model(root, name: str, config_cls, model_cls, tokenizer_dir: str, **overrides):
+    """A random-weight transformers model saved as safetensors with the SmolLM2 tokenizer;
+    returns (path, the model in float32 eval mode)."""
+    import os
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    kwargs = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-6,
+                  # Larger weights give peaked logits, so greedy choices are not near-ties.
+                  initializer_range=0.3, tie_word_embeddings=False,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.eos_token_id)
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    # Eager attention: transformers' reference implementation, which applies the window
+    # (and Gemma 2's soft cap) itself.
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    model = model_cls(config).eval()
+    path = os.path.join(str(root), name)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model
+
+
+_HF_GREEDY: dict = {}  # (model id, prompt, length) -> tokens: backends share one reference
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
+    """transformers' greedy tokens, EOS ignored."""
+    key = (id(model), tuple(prompt_ids), max_new)
+    if key not in _HF_GREEDY:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new,
+                                 min_new_tokens=max_new, do_sample=False, top_k=None,
+                                 top_p=None, attention_mask=torch.ones(1, len(prompt_ids)))
+        _HF_GREEDY[key] = out[0, len(prompt_ids):].tolist()
+    return _HF_GREEDY[key]
+
+
+def assert_matches_hf(llm: LLM, hf_model, prompts: list[str], max_tokens: int,
+                      top: int = 5, tol: float = 1e-3) -> list[list[int]]:
+    """Greedy tokens identical to transformers', top-`top` logprobs within `tol` at every
+    position, and every KV block back in the pool afterwards. Returns the token ids."""
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=top)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    results = []
+    for prompt, out in zip(prompts, outs):
+        ids = tok.encode(prompt)
+        got = out.outputs[0].token_ids
+        assert got == hf_greedy(hf_model, ids, max_tokens), prompt
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids + got])).logits[0].float(), -1)
+        for i, position in enumerate(out.outputs[0].logprobs):
+            best = ref[len(ids) - 1 + i].topk(top)
+            for tid, val in zip(best.indices.tolist(), best.values.tolist()):
+                assert tid in position, (prompt, i)
+                assert position[tid].logprob == pytest.approx(val, abs=tol), (prompt, i)
+        results.append(got)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(c == 0 for c in bm.ref_counts)
+    return results
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def backend(request, monkeypatch):
+    """Runs the test once with the native kernel and once with the PyTorch path (the backend
+    is chosen when the model is built, reading PAGEDLM_DISABLE_KERNELS)."""
+    if request.param == "kernel":
+        if shutil.which("gcc") is None:
+            pytest.skip("no C compiler")
+        monkeypatch.delenv("PAGEDLM_DISABLE_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDLM_DISABLE_KERNELS", "1")
+    return request.param
+
+
+def _check_backend(llm: LLM, backend: str) -> None:
+    from pagedlm.attention.layer import Attention
+    model = llm.llm_engine.executor.worker.model
+    names = {m.backend.name for m in model.modules() if isinstance(m, Attention)}
+    assert names == {"native_kernel" if backend == "kernel" else "torch_sdpa"}
+
+
+WINDOW = 32
+LONG_TOKENS = 90  # prompts of 37-52 tokens + 90 outputs: > 120 tokens, several windows
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory, default_model_dir):
+    from transformers import MistralConfig, MistralForCausalLM
+    path, model = make_hf_model(tmp_path_factory.mktemp("mistral"), "mistral", MistralConfig,
+                                MistralForCausalLM, default_model_dir, sliding_window=WINDOW)
+    return path, model
+
+
+def test_mistral_window_matches_transformers(mistral, backend):
+    path, hf_model = mistral
+    # Small chunks: each prompt is prefilled in pieces that read earlier context (short ones
+    # through the kernel, the rest through SDPA), and decodes run next to prefills.
+    llm = LLM(path, max_num_batched_tokens=24, max_num_seqs=4, enable_chunked_prefill=True,
+              num_gpu_blocks_override=64)
+    assert llm.llm_engine.config.model_config.max_model_len == 512  # not cut to the window
+    first = assert_matches_hf(llm, hf_model, LONG_PROMPTS, LONG_TOKENS)
+    assert min(len(llm.get_tokenizer().encode(p)) for p in LONG_PROMPTS) + LONG_TOKENS > 120
+    # Again: the prompts' blocks now come from the prefix cache (chunks with cached context).
+    again = llm.generate(LONG_PROMPTS, SamplingParams(temperature=0, max_tokens=LONG_TOKENS,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == first
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    _check_backend(llm, backend)
+
+
+def test_mistral_window_is_applied_by_the_reference(mistral):
+    """The reference really uses a window: without it, transformers' logits differ."""
+    path, hf_model = mistral
+    from transformers import MistralForCausalLM
+    full = MistralForCausalLM.from_pretrained(path, dtype=torch.float32, sliding_window=None,
+                                              attn_implementation="eager").eval()
+    ids = torch.tensor([list(range(100, 100 + 3 * WINDOW))])
+    with torch.inference_mode():
+        a, b = hf_model(ids).logits[0], full(ids).logits[0]
+    assert torch.allclose(a[:WINDOW], b[:WINDOW], atol=1e-5)  # inside the window: the same
+    assert (a[WINDOW:] - b[WINDOW:]).abs().max() > 1e-2
+
+
+def test_mistral_window_under_preemption(mistral):
+    """Recompute after preemption rebuilds windowed context exactly: a cache too small for all
+    four sequences at once gives the same tokens as transformers."""
+    path, hf_model = mistral
+    llm = LLM(path, max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=20)
+    assert_matches_hf(llm, hf_model, LONG_PROMPTS, LONG_TOKENS)
+    assert llm.llm_engine.stats.num_preemptions > 0

@@ -36,7 +36,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend) -> None:
+                 attn_backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         hf = cfg.hf_config
         # Qwen2 always has QKV bias (and no o_proj bias); Llama-style configs say so with
@@ -54,7 +54,8 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, attn_backend)
+                              self.num_kv_heads, attn_backend,
+                              sliding_window=cfg.get_sliding_window(layer))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -80,11 +81,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend) -> None:
+                 attn_backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         hf = cfg.hf_config
         eps = cfg.get_hf("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, rotary, attn_backend)
+        self.self_attn = LlamaAttention(cfg, rotary, attn_backend, layer)
         self.mlp = LlamaMLP(hf.hidden_size, hf.intermediate_size, bool(cfg.get_hf("mlp_bias", False)))
         self.input_layernorm = RMSNorm(hf.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps)
@@ -124,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
                                  cfg.rope_theta, cfg.rope_scaling)
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
         # Keyed by the global layer index, so parameter names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, rotary, attn_backend)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, rotary, attn_backend, i)
                                      for i in range(self.start_layer, self.end_layer)})
         self.norm = self.lm_head = None
         if self.is_last_stage:
