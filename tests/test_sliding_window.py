@@ -137,9 +137,11 @@ LONG_PROMPTS = [
 ]
 
 
-def make_hf_model(root, name: str, config_cls, model_cls, tokenizer_dir: str, **overrides):
+def make_hf_model(root, name: str, config_cls, model_cls, tokenizer_dir: str,
+                  embed_std: float | None = None, **overrides):
     """A random-weight transformers model saved as safetensors with the SmolLM2 tokenizer;
-    returns (path, the model in float32 eval mode)."""
+    returns (path, the model in float32 eval mode). embed_std re-draws the embedding (a tied
+    head over a large embedding keeps predicting the input token)."""
     import os
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -157,6 +159,12 @@ def make_hf_model(root, name: str, config_cls, model_cls, tokenizer_dir: str, **
     config = config_cls(**kwargs)
     config._attn_implementation = "eager"
     model = model_cls(config).eval()
+    with torch.no_grad():  # norms start at 1 (or Gemma's 0 offset): make their weights matter
+        for pname, param in model.named_parameters():
+            if "norm" in pname:
+                param.add_(0.3 * torch.randn_like(param))
+        if embed_std is not None:
+            model.get_input_embeddings().weight.normal_(0.0, embed_std)
     path = os.path.join(str(root), name)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
