@@ -125,10 +125,12 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model: str | None, model_dir: str, dtype: str, max_model_len: int | None,
                  seed: int) -> "ModelConfig":
+        from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
         try:
             hf = AutoConfig.from_pretrained(model_dir)
-        except (ValueError, KeyError, OSError) as e:
+        # transformers 5 validates field types itself, raising a non-ValueError.
+        except (ValueError, KeyError, OSError, StrictDataclassError) as e:
             raise ValueError(f"model: cannot read {model_dir}/config.json: {e}") from None
         arch = resolve_architecture(getattr(hf, "architectures", None))
         if dtype not in _DTYPES and dtype != "auto":
