@@ -58,6 +58,14 @@ static int tile_rows(size_t* rows, const int32_t* blocks, int start, int ctx_len
     return n > 0 ? n : 0;
 }
 
+/* s = cap * tanh(s / cap) over G rows of n scores. Out of line, so the uncapped path's code
+ * is laid out as without it. */
+__attribute__((noinline)) static void soft_cap_scores(float* s, int G, int n, int tile,
+                                                      float cap) {
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < n; j++) s[g * tile + j] = cap * tanhf(s[g * tile + j] / cap);
+}
+
 /* One (token, kv head): out[g] = softmax(scale * q[g] K^T) V for its G query heads.
  * Scratch: q, acc [G * D]; s [G * tile]; m, l [G]; rows [2 * tile]. */
 REASSOC static void attend_one(float* out, const float* query, const float* k_cache,
@@ -94,10 +102,7 @@ REASSOC static void attend_one(float* out, const float* query, const float* k_ca
                 s[g * tile + j] = dot;
             }
         }
-        if (soft_cap > 0.0f)
-            for (int g = 0; g < G; g++)
-                for (int j = 0; j < n; j++)
-                    s[g * tile + j] = soft_cap * tanhf(s[g * tile + j] / soft_cap);
+        if (soft_cap > 0.0f) soft_cap_scores(s, G, n, tile, soft_cap);
         /* Online softmax: rescale the running sums to the new max, turn scores into weights. */
         for (int g = 0; g < G; g++) {
             float *sg = s + g * tile, mx = m[g], sum = 0.0f;
