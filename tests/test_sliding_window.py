@@ -282,3 +282,30 @@ def test_mistral_window_under_preemption(mistral):
     llm = LLM(path, max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=20)
     assert_matches_hf(llm, hf_model, LONG_PROMPTS, LONG_TOKENS)
     assert llm.llm_engine.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),
+    dict(use_sliding_window=False, sliding_window=16, max_window_layers=1),
+])
+def test_qwen2_windowed_layers_follow_transformers(tmp_path, default_model_dir, overrides):
+    """Which layers are windowed (use_sliding_window, max_window_layers) is read as
+    transformers reads it: the per-layer windows equal its attention modules'."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from pagedlm.config import ModelConfig
+    path, hf_model = make_hf_model(tmp_path, "qwen2", Qwen2Config, Qwen2ForCausalLM,
+                                   default_model_dir, **overrides)
+    cfg = ModelConfig.from_dir(path, path, "auto", None, 0)
+    expected = [layer.self_attn.sliding_window for layer in hf_model.model.layers]
+    assert [cfg.get_sliding_window(i) for i in range(cfg.num_layers)] == expected
+    assert cfg.max_model_len == 512
+
+
+def test_qwen2_partly_windowed_matches_transformers(tmp_path, default_model_dir):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    path, hf_model = make_hf_model(tmp_path, "qwen2", Qwen2Config, Qwen2ForCausalLM,
+                                   default_model_dir, use_sliding_window=True,
+                                   sliding_window=16, max_window_layers=1)
+    llm = LLM(path, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks_override=64)
+    assert_matches_hf(llm, hf_model, LONG_PROMPTS[:2], 24)
