@@ -66,6 +66,27 @@ class ModelConfig:
             return None
         return params
 
+    def get_sliding_window(self, layer: int) -> int | None:
+        """Keys a query of this (global) layer sees, itself included; None for full attention.
+
+        As transformers reads it: a config with `layer_types` windows only its
+        "sliding_attention" layers (Qwen2 derives them from use_sliding_window and
+        max_window_layers, Gemma from its pattern); one without (Mistral) windows every layer.
+        """
+        window = self.get_hf("sliding_window")
+        if window is None or self.get_hf("use_sliding_window", True) is False:
+            return None
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"sliding_window in {self.model_dir}/config.json must be a "
+                             f"positive integer or null, got {window!r}.")
+        layer_types = self.get_hf("layer_types")
+        if layer_types is None:
+            return window
+        if len(layer_types) != self.num_layers:
+            raise ValueError(f"layer_types in {self.model_dir}/config.json has "
+                             f"{len(layer_types)} entries for {self.num_layers} layers.")
+        return window if layer_types[layer] == "sliding_attention" else None
+
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
@@ -104,10 +125,12 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model: str | None, model_dir: str, dtype: str, max_model_len: int | None,
                  seed: int) -> "ModelConfig":
+        from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
         try:
             hf = AutoConfig.from_pretrained(model_dir)
-        except (ValueError, KeyError, OSError) as e:
+        # transformers 5 validates field types itself, raising a non-ValueError.
+        except (ValueError, KeyError, OSError, StrictDataclassError) as e:
             raise ValueError(f"model: cannot read {model_dir}/config.json: {e}") from None
         arch = resolve_architecture(getattr(hf, "architectures", None))
         if dtype not in _DTYPES and dtype != "auto":
@@ -115,12 +138,6 @@ class ModelConfig:
         # float32 by default: CPU matmuls gain nothing from fp16 and lose accuracy.
         torch_dtype = torch.float32 if dtype == "auto" else _DTYPES[dtype]
         derived = getattr(hf, "max_position_embeddings", None) or 2048
-        # Sliding-window attention is not implemented: stay inside the window so results
-        # are exact rather than silently wrong.
-        window = (getattr(hf, "sliding_window", None)
-                  if getattr(hf, "use_sliding_window", True) else None)
-        if isinstance(window, int) and window > 0:
-            derived = min(derived, window)
         if max_model_len is None:
             max_model_len = derived
         elif not isinstance(max_model_len, int) or max_model_len < 1:
@@ -128,8 +145,11 @@ class ModelConfig:
         elif max_model_len > derived:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
                              f"context length ({derived}).")
-        return cls(model=model, model_dir=model_dir, dtype=torch_dtype,
-                   max_model_len=max_model_len, architecture=arch, hf_config=hf, seed=seed)
+        config = cls(model=model, model_dir=model_dir, dtype=torch_dtype,
+                     max_model_len=max_model_len, architecture=arch, hf_config=hf, seed=seed)
+        for i in range(config.num_layers):  # a bad window fails here, not inside a layer
+            config.get_sliding_window(i)
+        return config
 
 
 @dataclass

@@ -98,10 +98,12 @@ def models(tmp_path_factory, tokenizer):
         "opt_pre_ln_proj": make_opt(root, tokenizer, "opt_pre_ln_proj", word_embed_proj_dim=32),
         "gpt2": make_gpt2(root, tokenizer),
         "phi3_longrope": make_phi3(root, tokenizer, "phi3_longrope"),
+        # Also a window shorter than prompt + output (Phi-3 windows every layer).
         "phi3_partial_rotary": make_phi3(root, tokenizer, "phi3_partial_rotary",
                                          rope_parameters={"rope_type": "default",
                                                           "rope_theta": 10000.0,
-                                                          "partial_rotary_factor": 0.5}),
+                                                          "partial_rotary_factor": 0.5},
+                                         sliding_window=16),
     }
 
 

@@ -93,7 +93,7 @@ def load_library() -> ctypes.CDLL | None:
                        "fallback: %s", exc)
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
+    fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, ctypes.c_float, i]
     fn.restype = None
     return lib
 
@@ -113,13 +113,15 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int) -> None:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, token_seq: torch.Tensor,
                     token_ctx_len: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Attention of each query token over its sequence's paged K/V.
 
     query [T, Hq, D] float32; k_cache/v_cache [num_blocks, block_size, Hkv, D] float32;
     block_tables [S, max_blocks] int32; token_seq [T] int32 (row of block_tables per token);
-    token_ctx_len [T] int32 (token t attends to positions 0 .. token_ctx_len[t]-1).
-    All contiguous. Returns (or fills ``out``) [T, Hq, D].
+    token_ctx_len [T] int32 (token t attends to positions 0 .. token_ctx_len[t]-1, or only the
+    last ``sliding_window`` of them). ``logits_soft_cap`` c maps each scaled score s to
+    c * tanh(s / c) before the softmax. All contiguous. Returns (or fills ``out``) [T, Hq, D].
 
     Index values are not range-checked here (that would cost a reduction per call); an
     out-of-range block id or context length reads out of bounds.
@@ -142,6 +144,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"{num_q_heads} query heads not a multiple of {num_kv_heads} kv heads")
     if token_seq.numel() != num_tokens or token_ctx_len.numel() != num_tokens:
         raise ValueError("token_seq/token_ctx_len must have one entry per query token")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {sliding_window!r}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap!r}")
     if out is None:
         out = torch.empty_like(query)
     else:
@@ -153,5 +159,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), token_seq.data_ptr(), token_ctx_len.data_ptr(),
             num_tokens, num_q_heads, num_kv_heads, head_dim, block_size,
-            block_tables.shape[1], float(scale), torch.get_num_threads())
+            block_tables.shape[1], float(scale), int(sliding_window or 0),
+            float(logits_soft_cap or 0.0), torch.get_num_threads())
     return out

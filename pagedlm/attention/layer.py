@@ -13,12 +13,25 @@ class Attention(nn.Module):
 
     num_heads / num_kv_heads are the heads this layer computes (per tensor-parallel rank). The
     backend is chosen once, here or by the model (so all layers share one), never per call.
+    sliding_window (keys a query sees, itself included) and logits_soft_cap are this layer's:
+    a model may mix local and global layers.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float,
-                 num_kv_heads: int | None = None, backend: AttentionBackend | None = None
+                 num_kv_heads: int | None = None, backend: AttentionBackend | None = None,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None
                  ) -> None:
         super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or isinstance(sliding_window, bool)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got "
+                             f"{sliding_window!r}.")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive or None, got "
+                             f"{logits_soft_cap!r}.")
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads or num_heads
         assert self.num_heads % self.num_kv_heads == 0, (
@@ -34,9 +47,11 @@ class Attention(nn.Module):
         out = self.backend.forward(query.reshape(n, self.num_heads, self.head_dim),
                                    key.reshape(n, self.num_kv_heads, self.head_dim),
                                    value.reshape(n, self.num_kv_heads, self.head_dim),
-                                   kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+                                   kv_cache[0], kv_cache[1], attn_metadata, self.scale,
+                                   self.sliding_window, self.logits_soft_cap)
         return out.view(n, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, backend={self.backend.name}")
+                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}, "
+                f"logits_soft_cap={self.logits_soft_cap}, backend={self.backend.name}")

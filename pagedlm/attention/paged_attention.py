@@ -45,6 +45,9 @@ class AttentionMetadata:
     # Inputs a backend builds on first use and shares across the layers of the step (the native
     # backend's kernel plan). Not for callers.
     _kernel_plan: Any = field(default=None, init=False, repr=False, compare=False)
+    # The PyTorch path's decode masks narrowed to a sliding window, by window size.
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False,
+                                                   compare=False)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

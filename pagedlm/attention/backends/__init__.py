@@ -24,7 +24,9 @@ def get_attn_backend(dtype: torch.dtype, device: torch.device | str = "cpu") -> 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, backend: AttentionBackend | None = None) -> torch.Tensor:
+                    scale: float, backend: AttentionBackend | None = None,
+                    sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D], after writing K/V to the cache.
 
     A one-off call for tests and tools (models hold the backend chosen when they were built):
@@ -33,7 +35,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     if backend is None:
         backend = get_attn_backend(query.dtype, query.device)
-    return backend.forward(query, key, value, k_cache, v_cache, meta, scale)
+    return backend.forward(query, key, value, k_cache, v_cache, meta, scale,
+                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
 __all__ = ["AttentionBackend", "NativeKernelBackend", "TorchSDPABackend", "get_attn_backend",

@@ -23,8 +23,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+                scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D].
+
+        sliding_window: a query at position p sees only the keys at positions p - window + 1
+        .. p (transformers' convention). logits_soft_cap c: scores (already scaled) become
+        c * tanh(score / c) before the softmax. Both are per layer, hence per call."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

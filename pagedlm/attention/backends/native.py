@@ -33,13 +33,16 @@ class NativeKernelBackend(AttentionBackend):
         return (dtype == torch.float32 and torch.device(device).type == "cpu"
                 and kernels.available())
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, sliding_window=None,
+                logits_soft_cap=None) -> torch.Tensor:
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        _kernel_attention(query, k_cache, v_cache, meta, scale, out)
+        _kernel_attention(query, k_cache, v_cache, meta, scale, out, sliding_window,
+                          logits_soft_cap)
         for p in meta.prefills:
             if not _kernel_chunk(p):
-                prefill_attention(query, key, value, k_cache, v_cache, p, scale, out)
+                prefill_attention(query, key, value, k_cache, v_cache, p, scale, out,
+                                  sliding_window, logits_soft_cap)
         return out
 
 
@@ -58,8 +61,11 @@ def _kernel_chunk(p: PrefillChunk) -> bool:
 
 
 def _kernel_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Decode rows and short prefill chunks with earlier context, through the native kernel."""
+                      meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                      sliding_window: int | None = None,
+                      logits_soft_cap: float | None = None) -> None:
+    """Decode rows and short prefill chunks with earlier context, through the native kernel.
+    The plan does not depend on the window, so local and global layers share it."""
     block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
     plan = meta._kernel_plan
     if plan is None or plan.key != (block_size, num_blocks):
@@ -69,10 +75,13 @@ def _kernel_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if isinstance(plan.rows, slice):
         kernels.paged_attention(query[plan.rows].contiguous(), k_cache, v_cache,
                                 plan.block_tables, plan.token_seq, plan.ctx_lens, scale,
-                                out=out[plan.rows])
+                                out=out[plan.rows], sliding_window=sliding_window,
+                                logits_soft_cap=logits_soft_cap)
     else:
         o = kernels.paged_attention(query.index_select(0, plan.rows), k_cache, v_cache,
-                                    plan.block_tables, plan.token_seq, plan.ctx_lens, scale)
+                                    plan.block_tables, plan.token_seq, plan.ctx_lens, scale,
+                                    sliding_window=sliding_window,
+                                    logits_soft_cap=logits_soft_cap)
         out.index_copy_(0, plan.rows, o)
 
 

@@ -5,6 +5,9 @@
  * Token t reads block-table row token_seq[t] and attends to the positions
  * 0 .. token_ctx_len[t]-1 of that sequence; position p lives in slot p % block_size of block
  * block_tables[row * max_blocks_per_seq + p / block_size].
+ * window > 0 (sliding-window attention) keeps only the last `window` of those positions: the
+ * keys before them are never read, so their blocks need not even be valid. soft_cap > 0 maps
+ * each scaled score s to soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2).
  *
  * One work item = one (token, kv head) pair. Its G = num_q_heads / num_kv_heads query heads
  * are processed together so every K/V row is read from memory once. Softmax is computed
@@ -55,21 +58,31 @@ static int tile_rows(size_t* rows, const int32_t* blocks, int start, int ctx_len
     return n > 0 ? n : 0;
 }
 
+/* s = cap * tanh(s / cap) over G rows of n scores. Out of line, so the uncapped path's code
+ * is laid out as without it. */
+__attribute__((noinline)) static void soft_cap_scores(float* s, int G, int n, int tile,
+                                                      float cap) {
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < n; j++) s[g * tile + j] = cap * tanhf(s[g * tile + j] / cap);
+}
+
 /* One (token, kv head): out[g] = softmax(scale * q[g] K^T) V for its G query heads.
  * Scratch: q, acc [G * D]; s [G * tile]; m, l [G]; rows [2 * tile]. */
 REASSOC static void attend_one(float* out, const float* query, const float* k_cache,
                                const float* v_cache, const int32_t* blocks, int ctx_len,
                                int kvh, int G, int D, int num_kv_heads, int block_size,
-                               int tile, float scale, float* q, float* acc, float* s, float* m,
-                               float* l, size_t* rows) {
+                               int tile, float scale, int window, float soft_cap, float* q,
+                               float* acc, float* s, float* m, float* l, size_t* rows) {
     const size_t row_stride = (size_t)num_kv_heads * D, head_off = (size_t)kvh * D;
     for (int i = 0; i < G * D; i++) q[i] = query[i] * scale;
     for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
     for (int g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
 
+    /* Keys outside the window are skipped, not masked: the first tile starts at the window. */
+    const int first = window > 0 && ctx_len > window ? ctx_len - window : 0;
     size_t *cur = rows, *next = rows + tile; /* row offsets of this tile and the next */
-    tile_rows(cur, blocks, 0, ctx_len, tile, block_size, row_stride, head_off);
-    for (int start = 0; start < ctx_len; start += tile) {
+    tile_rows(cur, blocks, first, ctx_len, tile, block_size, row_stride, head_off);
+    for (int start = first; start < ctx_len; start += tile) {
         const int n = ctx_len - start < tile ? ctx_len - start : tile;
         const int n_next = tile_rows(next, blocks, start + tile, ctx_len, tile, block_size,
                                      row_stride, head_off);
@@ -89,6 +102,7 @@ REASSOC static void attend_one(float* out, const float* query, const float* k_ca
                 s[g * tile + j] = dot;
             }
         }
+        if (soft_cap > 0.0f) soft_cap_scores(s, G, n, tile, soft_cap);
         /* Online softmax: rescale the running sums to the new max, turn scores into weights. */
         for (int g = 0; g < G; g++) {
             float *sg = s + g * tile, mx = m[g], sum = 0.0f;
@@ -130,12 +144,14 @@ void paged_attention_f32(float* out, const float* query, const float* k_cache,
                          const float* v_cache, const int32_t* block_tables,
                          const int32_t* token_seq, const int32_t* token_ctx_len, int num_tokens,
                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                         int max_blocks_per_seq, float scale, int num_threads) {
+                         int max_blocks_per_seq, float scale, int window, float soft_cap,
+                         int num_threads) {
     const int G = num_q_heads / num_kv_heads;
     const int tile = block_size >= TILE_KEYS ? block_size : TILE_KEYS / block_size * block_size;
     const long num_items = (long)num_tokens * num_kv_heads;
     long work = 0; /* K/V rows to read, to keep small calls on few threads */
-    for (int t = 0; t < num_tokens; t++) work += token_ctx_len[t];
+    for (int t = 0; t < num_tokens; t++)
+        work += window > 0 && token_ctx_len[t] > window ? window : token_ctx_len[t];
     work *= num_kv_heads;
     if ((long)num_threads * ROWS_PER_THREAD > work) num_threads = (int)(work / ROWS_PER_THREAD);
     if (num_threads > num_items) num_threads = (int)num_items;
@@ -153,7 +169,7 @@ void paged_attention_f32(float* out, const float* query, const float* k_cache,
             attend_one(out + off, query + off, k_cache, v_cache,
                        block_tables + (size_t)token_seq[t] * max_blocks_per_seq,
                        token_ctx_len[t], kvh, G, head_dim, num_kv_heads, block_size, tile,
-                       scale, q, acc, s, m, l, rows);
+                       scale, window, soft_cap, q, acc, s, m, l, rows);
         }
     }
 }

@@ -1,4 +1,5 @@
-"""The gated activation of Llama-style MLPs."""
+"""Activations: the gated ones of Llama-style (SiLU) and Gemma-style (GELU) MLPs, and the
+plain ones of OPT / GPT-2 / Phi-3 by their HF config names."""
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -14,6 +15,25 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """x = [gate, up] along the last dim -> gelu(gate) * up (GeGLU).
+
+    approximate: "tanh" (transformers' gelu_pytorch_tanh, Gemma's) or "none" (exact erf)."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"GELU approximate must be 'tanh' or 'none', got {approximate!r}.")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
 
 
 # HF activation names -> a factory. "gelu_new" and "gelu_pytorch_tanh" are both the tanh

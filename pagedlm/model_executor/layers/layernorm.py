@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it; Gemma's (1 + w) variant."""
 from __future__ import annotations
 
 import torch
@@ -24,3 +24,20 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored as an offset from one: x_hat * (1 + w).
+
+    Unlike RMSNorm, the weight is applied in float32 before the cast back, as transformers'
+    Gemma norms do, so low-precision runs round the same way."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -36,10 +36,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend, qkv_bias: bool | None = None,
+                 attn_backend: AttentionBackend, layer: int, qkv_bias: bool | None = None,
                  o_bias: bool | None = None) -> None:
-        """qkv_bias / o_bias: for models (in their own modules) whose configs say it another
-        way; by default read from the config as below."""
+        """layer: the global layer index (its sliding window, if any). qkv_bias / o_bias: for
+        models (in their own modules) whose configs say it another way; by default read from
+        the config as below."""
         super().__init__()
         hf = cfg.hf_config
         # Qwen2 always has QKV bias (and no o_proj bias); Llama-style configs say so with
@@ -61,7 +62,8 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, attn_backend)
+                              self.num_kv_heads, attn_backend,
+                              sliding_window=cfg.get_sliding_window(layer))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -87,14 +89,14 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend, self_attn: nn.Module | None = None,
+                 attn_backend: AttentionBackend, layer: int, self_attn: nn.Module | None = None,
                  mlp: nn.Module | None = None) -> None:
         """self_attn / mlp: a model's own attention or MLP block in place of Llama's (same
         call signatures); the norms and residual wiring are shared."""
         super().__init__()
         hf = cfg.hf_config
         eps = cfg.get_hf("rms_norm_eps", 1e-6)
-        self.self_attn = self_attn or LlamaAttention(cfg, rotary, attn_backend)
+        self.self_attn = self_attn or LlamaAttention(cfg, rotary, attn_backend, layer)
         self.mlp = mlp or LlamaMLP(hf.hidden_size, hf.intermediate_size,
                                    bool(cfg.get_hf("mlp_bias", False)))
         self.input_layernorm = RMSNorm(hf.hidden_size, eps)
@@ -148,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
                    attn_backend: AttentionBackend) -> nn.Module:
         """Decoder layer `layer_idx`; models that differ from Llama only inside the layer
         (Qwen3, the MoE models) override this and reuse the rest of the class."""
-        return LlamaDecoderLayer(cfg, rotary, attn_backend)
+        return LlamaDecoderLayer(cfg, rotary, attn_backend, layer_idx)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata,

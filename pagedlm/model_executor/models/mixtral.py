@@ -36,8 +36,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
                    attn_backend: AttentionBackend) -> LlamaDecoderLayer:
-        attn = LlamaAttention(cfg, rotary, attn_backend, qkv_bias=False, o_bias=False)
-        return LlamaDecoderLayer(cfg, rotary, attn_backend, self_attn=attn, mlp=MixtralMoE(cfg))
+        attn = LlamaAttention(cfg, rotary, attn_backend, layer_idx, qkv_bias=False, o_bias=False)
+        return LlamaDecoderLayer(cfg, rotary, attn_backend, layer_idx, self_attn=attn,
+                                 mlp=MixtralMoE(cfg))
 
     def load_weights(self, weights) -> None:
         super().load_weights(split_stacked_experts(weights))

@@ -37,7 +37,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class Phi3Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend) -> None:
+                 attn_backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         hidden = cfg.hf_config.hidden_size
         self.head_dim = cfg.head_dim
@@ -47,8 +47,10 @@ class Phi3Attention(nn.Module):
         self.rotary = rotary
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
+        # Phi-3's configs window every layer (sliding_window, e.g. 2047 in Phi-3-mini).
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, attn_backend)
+                              self.num_kv_heads, attn_backend,
+                              sliding_window=cfg.get_sliding_window(layer))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -87,11 +89,11 @@ class Phi3MLP(nn.Module):
 class Phi3DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend) -> None:
+                 attn_backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         hf = cfg.hf_config
         eps = cfg.get_hf("rms_norm_eps", 1e-5)
-        self.self_attn = Phi3Attention(cfg, rotary, attn_backend)
+        self.self_attn = Phi3Attention(cfg, rotary, attn_backend, layer)
         self.mlp = Phi3MLP(hf.hidden_size, hf.intermediate_size, cfg.get_hf("hidden_act", "silu"))
         self.input_layernorm = RMSNorm(hf.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps)
@@ -136,7 +138,7 @@ class Phi3ForCausalLM(nn.Module):
                                  max_position_embeddings=max_pos or None,
                                  max_model_len=cfg.max_model_len)
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
-        self.layers = nn.ModuleDict({str(i): Phi3DecoderLayer(cfg, rotary, attn_backend)
+        self.layers = nn.ModuleDict({str(i): Phi3DecoderLayer(cfg, rotary, attn_backend, i)
                                      for i in range(self.start_layer, self.end_layer)})
         self.norm = self.lm_head = None
         if self.is_last_stage:

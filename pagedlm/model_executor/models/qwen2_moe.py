@@ -76,9 +76,9 @@ def is_sparse_layer(cfg: ModelConfig, layer_idx: int) -> bool:
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
 
     def make_attention(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                       attn_backend: AttentionBackend) -> nn.Module:
+                       attn_backend: AttentionBackend, layer_idx: int) -> nn.Module:
         # Checkpoints from before transformers 5 lack qkv_bias: Qwen2-MoE always had it.
-        return LlamaAttention(cfg, rotary, attn_backend,
+        return LlamaAttention(cfg, rotary, attn_backend, layer_idx,
                               qkv_bias=bool(cfg.get_hf("qkv_bias", True)), o_bias=False)
 
     def make_layer(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
@@ -86,8 +86,9 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         hf = cfg.hf_config
         mlp = (Qwen2MoeSparseMoeBlock(cfg) if is_sparse_layer(cfg, layer_idx)
                else LlamaMLP(hf.hidden_size, hf.intermediate_size))
-        return LlamaDecoderLayer(cfg, rotary, attn_backend,
-                                 self_attn=self.make_attention(cfg, rotary, attn_backend), mlp=mlp)
+        return LlamaDecoderLayer(cfg, rotary, attn_backend, layer_idx,
+                                 self_attn=self.make_attention(cfg, rotary, attn_backend, layer_idx),
+                                 mlp=mlp)
 
     def load_weights(self, weights) -> None:
         super().load_weights(split_stacked_experts(weights))

@@ -19,9 +19,9 @@ from pagedlm.model_executor.models.llama import (KVCache, LlamaAttention, LlamaD
 class Qwen3Attention(LlamaAttention):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend) -> None:
+                 attn_backend: AttentionBackend, layer: int) -> None:
         bias = bool(cfg.get_hf("attention_bias", False))
-        super().__init__(cfg, rotary, attn_backend, qkv_bias=bias, o_bias=bias)
+        super().__init__(cfg, rotary, attn_backend, layer, qkv_bias=bias, o_bias=bias)
         eps = cfg.get_hf("rms_norm_eps", 1e-6)
         # One weight per head dimension, shared by all heads, so TP ranks hold it whole.
         self.q_norm = RMSNorm(self.head_dim, eps)
@@ -41,5 +41,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
                    attn_backend: AttentionBackend) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(cfg, rotary, attn_backend,
-                                 self_attn=Qwen3Attention(cfg, rotary, attn_backend))
+        return LlamaDecoderLayer(cfg, rotary, attn_backend, layer_idx,
+                                 self_attn=Qwen3Attention(cfg, rotary, attn_backend, layer_idx))

@@ -15,5 +15,5 @@ from pagedlm.model_executor.models.qwen3 import Qwen3Attention
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
 
     def make_attention(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                       attn_backend: AttentionBackend) -> nn.Module:
-        return Qwen3Attention(cfg, rotary, attn_backend)
+                       attn_backend: AttentionBackend, layer_idx: int) -> nn.Module:
+        return Qwen3Attention(cfg, rotary, attn_backend, layer_idx)

@@ -32,6 +32,8 @@ _MODELS = MappingProxyType({
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
 })
 
 
