@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2) over a flat batch with paged attention.
+"""The Llama family (Llama 2/3, SmolLM, Mistral; the base of Qwen2, Qwen3, Mixtral and the Qwen
+MoE models in their own modules) over a flat batch with paged attention.
 
 Every tensor here is flat over the step's tokens ([num_tokens, ...]); which token belongs to which
 sequence is only known to the attention metadata.
@@ -43,14 +44,10 @@ class LlamaAttention(nn.Module):
         the config as below."""
         super().__init__()
         hf = cfg.hf_config
-        # Qwen2 always has QKV bias (and no o_proj bias); Llama-style configs say so with
-        # attention_bias, for all four projections.
-        qwen2 = cfg.architecture == "Qwen2ForCausalLM"
+        # Llama-style configs set attention_bias for all four projections.
         attention_bias = bool(cfg.get_hf("attention_bias", False))
-        if qkv_bias is None:
-            qkv_bias = qwen2 or attention_bias
-        if o_bias is None:
-            o_bias = attention_bias and not qwen2
+        qkv_bias = attention_bias if qkv_bias is None else qkv_bias
+        o_bias = attention_bias if o_bias is None else o_bias
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(hf.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, bias=qkv_bias)

@@ -24,7 +24,7 @@ from types import MappingProxyType
 _MODELS = MappingProxyType({
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "qwen2:Qwen2ForCausalLM",
     "OPTForCausalLM": "opt:OPTForCausalLM",
     "GPT2LMHeadModel": "gpt2:GPT2LMHeadModel",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
