@@ -30,6 +30,7 @@ from pagedlm.model_executor.layers.linear import (ColumnParallelLinear, QKVParal
                                                   RowParallelLinear)
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
+from pagedlm.model_executor.models.utils import CausalLMBase
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -98,7 +99,10 @@ class GPT2Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLMBase):
+
+    stage_modules = ("wte", "wpe", "ln_f", "lm_head")
+    layers_name = "h"
 
     def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
@@ -143,25 +147,6 @@ class GPT2LMHeadModel(nn.Module):
             # A single residual stream: there is no separate residual to send.
             return IntermediateTensors(x, x.new_empty(0))
         return self.ln_f(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            raise RuntimeError("only the last pipeline stage computes logits")
-        return self.lm_head(hidden).float()
-
-    def process_weights_after_loading(self) -> None:
-        for module in self.modules():
-            method = getattr(module, "linear_method", None)
-            if method is not None:
-                method.process_weights_after_loading(module)
-
-    def _on_this_stage(self, name: str) -> bool:
-        head, _, rest = name.partition(".")
-        if head == "h":
-            return self.start_layer <= int(rest.split(".", 1)[0]) < self.end_layer
-        if head in ("wte", "wpe", "ln_f", "lm_head"):
-            return getattr(self, head) is not None
-        return True
 
     def _from_conv1d(self, weights: Iterable[tuple[str, torch.Tensor]]
                      ) -> Iterator[tuple[str, torch.Tensor]]:

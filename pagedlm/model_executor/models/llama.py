@@ -30,6 +30,7 @@ from pagedlm.model_executor.layers.linear import (MergedColumnParallelLinear, QK
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
+from pagedlm.model_executor.models.utils import CausalLMBase
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -109,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMBase):
 
     # checkpoint name fragment -> (our stacked parameter, its weight_loader's shard id)
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -172,27 +173,6 @@ class LlamaForCausalLM(nn.Module):
             return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the whole vocabulary (gathered over the TP ranks)."""
-        if self.lm_head is None:
-            raise RuntimeError("only the last pipeline stage computes logits")
-        return self.lm_head(hidden).float()
-
-    def process_weights_after_loading(self) -> None:
-        for module in self.modules():
-            method = getattr(module, "linear_method", None)
-            if method is not None:
-                method.process_weights_after_loading(module)
-
-    def _on_this_stage(self, name: str) -> bool:
-        """Whether a (known) checkpoint weight belongs to a module this pipeline stage has."""
-        head, _, rest = name.partition(".")
-        if head == "layers":
-            return self.start_layer <= int(rest.split(".", 1)[0]) < self.end_layer
-        if head in ("embed_tokens", "norm", "lm_head"):
-            return getattr(self, head) is not None
-        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full checkpoint tensors; each parameter's weight_loader takes this rank's part

@@ -32,6 +32,7 @@ from pagedlm.model_executor.layers.linear import (ColumnParallelLinear, QKVParal
                                                   ReplicatedLinear, RowParallelLinear)
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
+from pagedlm.model_executor.models.utils import CausalLMBase
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -94,7 +95,10 @@ class OPTDecoderLayer(nn.Module):
         return x if self.pre_norm else self.final_layer_norm(x)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(CausalLMBase):
+
+    stage_modules = ("embed_tokens", "embed_positions", "project_in", "final_layer_norm",
+                     "project_out", "lm_head")
 
     def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
@@ -157,26 +161,6 @@ class OPTForCausalLM(nn.Module):
         if self.project_out is not None:
             x = self.project_out(x)
         return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            raise RuntimeError("only the last pipeline stage computes logits")
-        return self.lm_head(hidden).float()
-
-    def process_weights_after_loading(self) -> None:
-        for module in self.modules():
-            method = getattr(module, "linear_method", None)
-            if method is not None:
-                method.process_weights_after_loading(module)
-
-    def _on_this_stage(self, name: str) -> bool:
-        head, _, rest = name.partition(".")
-        if head == "layers":
-            return self.start_layer <= int(rest.split(".", 1)[0]) < self.end_layer
-        if head in ("embed_tokens", "embed_positions", "project_in", "final_layer_norm",
-                    "project_out", "lm_head"):
-            return getattr(self, head) is not None
-        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(ckpt_name: str) -> str | None:

@@ -30,6 +30,7 @@ from pagedlm.model_executor.layers.linear import (MergedColumnParallelLinear, QK
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
+from pagedlm.model_executor.models.utils import CausalLMBase
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -118,7 +119,7 @@ def _rotary_dim(cfg: ModelConfig) -> int:
     return int(cfg.head_dim * factor)
 
 
-class Phi3ForCausalLM(nn.Module):
+class Phi3ForCausalLM(CausalLMBase):
 
     def __init__(self, cfg: ModelConfig, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
@@ -164,25 +165,6 @@ class Phi3ForCausalLM(nn.Module):
             return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            raise RuntimeError("only the last pipeline stage computes logits")
-        return self.lm_head(hidden).float()
-
-    def process_weights_after_loading(self) -> None:
-        for module in self.modules():
-            method = getattr(module, "linear_method", None)
-            if method is not None:
-                method.process_weights_after_loading(module)
-
-    def _on_this_stage(self, name: str) -> bool:
-        head, _, rest = name.partition(".")
-        if head == "layers":
-            return self.start_layer <= int(rest.split(".", 1)[0]) < self.end_layer
-        if head in ("embed_tokens", "norm", "lm_head"):
-            return getattr(self, head) is not None
-        return True
 
     def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]
                      ) -> Iterator[tuple[str, torch.Tensor]]:
