@@ -18,48 +18,20 @@ import torch
 from torch import nn
 
 from pagedlm.attention.backends import AttentionBackend, get_attn_backend
-from pagedlm.attention.layer import Attention
 from pagedlm.attention.paged_attention import AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.distributed.parallel_state import get_pp_group
 from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
 from pagedlm.model_executor.layers.activation import SiluAndMul, get_act_fn
 from pagedlm.model_executor.layers.layernorm import RMSNorm
-from pagedlm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                                  RowParallelLinear)
+from pagedlm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
+from pagedlm.model_executor.models.llama import LlamaAttention
 from pagedlm.model_executor.models.utils import CausalLMBase
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class Phi3Attention(nn.Module):
-
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend, layer: int) -> None:
-        super().__init__()
-        hidden = cfg.hf_config.hidden_size
-        self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(hidden, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, hidden)
-        self.rotary = rotary
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        # Phi-3's configs window every layer (sliding_window, e.g. 2047 in Phi-3-mini).
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, attn_backend,
-                              sliding_window=cfg.get_sliding_window(layer))
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q, k = self.rotary(positions, q.view(n, self.num_heads, self.head_dim),
-                           k.view(n, self.num_kv_heads, self.head_dim))
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class _GatedAct(nn.Module):
@@ -94,7 +66,10 @@ class Phi3DecoderLayer(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         eps = cfg.get_hf("rms_norm_eps", 1e-5)
-        self.self_attn = Phi3Attention(cfg, rotary, attn_backend, layer)
+        # Llama's attention: only the checkpoint's fused qkv_proj differs (split at load).
+        # Phi-3's configs window every layer (sliding_window, e.g. 2047 in Phi-3-mini).
+        self.self_attn = LlamaAttention(cfg, rotary, attn_backend, layer, qkv_bias=False,
+                                        o_bias=False)
         self.mlp = Phi3MLP(hf.hidden_size, hf.intermediate_size, cfg.get_hf("hidden_act", "silu"))
         self.input_layernorm = RMSNorm(hf.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps)
