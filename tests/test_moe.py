@@ -210,13 +210,16 @@ def test_too_many_experts_per_token_is_a_value_error(moe_models, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
-                                    dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
-def test_moe_over_mp_matches_one_worker(moe_models, layout):
-    """Qwen2-MoE: experts split over their intermediate dim plus the shared expert, one
+@pytest.mark.parametrize("arch,layout", [("qwen2_moe", dict(tensor_parallel_size=2)),
+                                         ("qwen2_moe", dict(pipeline_parallel_size=2)),
+                                         ("mixtral", dict(tensor_parallel_size=2)),
+                                         ("qwen3_moe", dict(tensor_parallel_size=2))],
+                         ids=["qwen2_moe-tp2", "qwen2_moe-pp2", "mixtral-tp2", "qwen3_moe-tp2"])
+def test_moe_over_mp_matches_one_worker(moe_models, arch, layout):
+    """Experts split over their intermediate dim (plus Qwen2-MoE's shared expert), one
     all-reduce per block (TP); sparse and dense layers on different stages (PP)."""
     from tests.test_distributed_executor import assert_no_workers_left, assert_same, run
-    path = moe_models["qwen2_moe"]
+    path = moe_models[arch]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     ref = run(path, params)
     assert_same(ref, run(path, params, distributed_executor_backend="mp", **layout))
