@@ -28,7 +28,7 @@ from pagedlm.model_executor.layers.linear import MergedColumnParallelLinear, Row
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
-from pagedlm.model_executor.models.llama import LlamaAttention
+from pagedlm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
 from pagedlm.model_executor.models.utils import CausalLMBase
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -59,30 +59,15 @@ class Phi3MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class Phi3DecoderLayer(nn.Module):
-
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
-                 attn_backend: AttentionBackend, layer: int) -> None:
-        super().__init__()
-        hf = cfg.hf_config
-        eps = cfg.get_hf("rms_norm_eps", 1e-5)
-        # Llama's attention: only the checkpoint's fused qkv_proj differs (split at load).
-        # Phi-3's configs window every layer (sliding_window, e.g. 2047 in Phi-3-mini).
-        self.self_attn = LlamaAttention(cfg, rotary, attn_backend, layer, qkv_bias=False,
-                                        o_bias=False)
-        self.mlp = Phi3MLP(hf.hidden_size, hf.intermediate_size, cfg.get_hf("hidden_act", "silu"))
-        self.input_layernorm = RMSNorm(hf.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps)
-
-    def forward(self, positions, x, residual, kv_cache, meta):
-        # The residual add is fused into the following norm, as in llama.py.
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+def _phi3_layer(cfg: ModelConfig, rotary: RotaryEmbedding, attn_backend: AttentionBackend,
+               layer: int) -> LlamaDecoderLayer:
+    """Llama's decoder layer with Phi-3's MLP (its hidden_act). The attention is Llama's too:
+    only the checkpoint's fused qkv_proj differs, and it is split at load. Phi-3's configs
+    window every layer (sliding_window, e.g. 2047 in Phi-3-mini)."""
+    hf = cfg.hf_config
+    attn = LlamaAttention(cfg, rotary, attn_backend, layer, qkv_bias=False, o_bias=False)
+    mlp = Phi3MLP(hf.hidden_size, hf.intermediate_size, cfg.get_hf("hidden_act", "silu"))
+    return LlamaDecoderLayer(cfg, rotary, attn_backend, layer, self_attn=attn, mlp=mlp)
 
 
 def _rotary_dim(cfg: ModelConfig) -> int:
@@ -114,7 +99,7 @@ class Phi3ForCausalLM(CausalLMBase):
                                  max_position_embeddings=max_pos or None,
                                  max_model_len=cfg.max_model_len)
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
-        self.layers = nn.ModuleDict({str(i): Phi3DecoderLayer(cfg, rotary, attn_backend, i)
+        self.layers = nn.ModuleDict({str(i): _phi3_layer(cfg, rotary, attn_backend, i)
                                      for i in range(self.start_layer, self.end_layer)})
         self.norm = self.lm_head = None
         if self.is_last_stage:
