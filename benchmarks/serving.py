@@ -145,6 +145,8 @@ async def send(client: httpx.AsyncClient, args, model: str, prompt: str, t0: flo
             "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    # compare.py sends the same sampling fields to every server.
+    body.update(getattr(args, "extra_body", None) or {})
     if args.endpoint == "chat":
         url = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": prompt}]
