@@ -174,10 +174,12 @@ class Request:
     max_tokens: int
 
 
-def ordinary_token_ids(tokenizer) -> list[int]:
+def ordinary_token_ids(model_dir: str) -> list[int]:
     """Ids of the vocabulary's ordinary tokens: no special or added (chat-template) tokens."""
-    excluded = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-    return sorted(set(tokenizer.get_vocab().values()) - excluded)
+    from tokenizers import Tokenizer  # transformers' tokenizer is the same, and slower to load
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    added = set(tokenizer.get_added_tokens_decoder())
+    return sorted(set(tokenizer.get_vocab(with_added_tokens=True).values()) - added)
 
 
 def make_requests(vocab: list[int], n: int, input_range: tuple[int, int],
@@ -667,10 +669,8 @@ def main(argv=None) -> int:
     out_dir = args.output_dir or REPO_ROOT / "benchmarks" / "results" / f"compare-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from transformers import AutoTokenizer
     from pagedlm.model_executor.model_loader.model_path import resolve_model
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    workloads = make_workloads(args, ordinary_token_ids(tokenizer))
+    workloads = make_workloads(args, ordinary_token_ids(resolve_model(args.model)))
     args.max_model_len = max(
         {"batch": args.input_range[1] + args.output_range[1],
          "single": args.single_input_len + args.single_output_len,
