@@ -558,8 +558,8 @@ def source_type(path: str) -> str:
     field = reader.fields.get("general.file_type")
     if field is None:
         return "unknown"
-    return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix(
-        "MOSTLY_").upper()
+    name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_").upper()
 
 
 PLANNERS = {"pagedlm": plan_pagedlm, "vllm": plan_vllm, "llamacpp": plan_llamacpp}
