@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,31 +159,39 @@ def setup_llamacpp(peers_dir: Path) -> LlamaCppInstall:
         log(f"building llama.cpp (llama-server, llama-quantize) from llama-cpp-python=="
             f"{LLAMA_CPP_PYTHON_VERSION}'s vendored source into {home}; about 6 minutes of "
             f"both cores at nice 19 (log {setup_log})")
-        with tempfile.TemporaryDirectory(prefix="llamacpp-build-", dir=home) as tmp:
-            tmp = Path(tmp)
+        # A fixed work folder, not a temporary one: an interrupted build (it takes long on a busy
+        # machine) resumes where it stopped, since ninja rebuilds only what is missing.
+        work = home / "work"
+        source_root = work / "source"
+        if not (source_root / ".extracted").is_file():
+            shutil.rmtree(source_root, ignore_errors=True)
+            source_root.mkdir(parents=True)
             # Only this package as source: `--no-binary :all:` would also build its build
             # dependencies (scikit-build-core, hatchling, setuptools, ...) from source, recursively.
             run([sys.executable, "-m", "pip", "--disable-pip-version-check", "download",
                  "--no-binary", "llama-cpp-python", "--no-deps",
-                 f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmp)],
+                 f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(source_root)],
                 log_path=setup_log)
-            (sdist,) = tmp.glob("llama_cpp_python-*.tar.gz")
+            (sdist,) = source_root.glob("llama_cpp_python-*.tar.gz")
             with tarfile.open(sdist) as tar:
-                tar.extractall(tmp, filter="data")
-            (source,) = tmp.glob("llama_cpp_python-*/vendor/llama.cpp")
-            build = tmp / "build"
-            run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja",
-                 "-DCMAKE_BUILD_TYPE=Release",
-                 "-DGGML_NATIVE=ON",            # this machine's SIMD (AVX2 / AVX-512 / ...)
-                 "-DBUILD_SHARED_LIBS=OFF",     # binaries that run from wherever they are copied
-                 "-DLLAMA_CURL=OFF",            # no model downloads
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
-                log_path=setup_log)
-            run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize",
-                 "-j", str(os.cpu_count() or 2)], log_path=setup_log, nice=True)
-            bin_dir.mkdir(exist_ok=True)
-            for name in ("llama-server", "llama-quantize"):
-                shutil.copy2(build / "bin" / name, bin_dir / name)
+                tar.extractall(source_root, filter="data")
+            sdist.unlink()
+            (source_root / ".extracted").write_text("")
+        (source,) = source_root.glob("llama_cpp_python-*/vendor/llama.cpp")
+        build = work / "build"
+        run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja",
+             "-DCMAKE_BUILD_TYPE=Release",
+             "-DGGML_NATIVE=ON",            # this machine's SIMD (AVX2 / AVX-512 / ...)
+             "-DBUILD_SHARED_LIBS=OFF",     # binaries that run from wherever they are copied
+             "-DLLAMA_CURL=OFF",            # no model downloads
+             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+            log_path=setup_log)
+        run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize",
+             "-j", str(os.cpu_count() or 2)], log_path=setup_log, nice=True)
+        bin_dir.mkdir(exist_ok=True)
+        for name in ("llama-server", "llama-quantize"):
+            shutil.copy2(build / "bin" / name, bin_dir / name)
+        shutil.rmtree(work)
         version = subprocess.run([str(bin_dir / "llama-server"), "--version"], text=True,
                                  capture_output=True)
         build_line = next((line for line in (version.stdout + version.stderr).splitlines()
