@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pagedlm.core.block_hash import HASH_ALGOS
 from pagedlm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, LoRAConfig,
                             ModelConfig, ParallelConfig, SchedulerConfig)
-from pagedlm.model_executor.layers.quantization import verify_quantization
+from pagedlm.model_executor.layers.quantization import (get_quantization_config,
+                                                        verify_quantization)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
 
 
@@ -128,6 +129,9 @@ class EngineArgs:
         model_dir = resolve_model(self.model)
         model_config = ModelConfig.from_dir(self.model, model_dir, self.dtype,
                                             self.max_model_len, self.seed)
+        # Checked here, before any worker starts: e.g. gguf on a non-GGUF model, or a GGUF
+        # tensor type it cannot run.
+        get_quantization_config(quantization, model_dir)
         model_config.quantization = quantization
         model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size,
                                                  parallel_config.pipeline_parallel_size)
