@@ -72,7 +72,9 @@ class GGUFLinearMethod(PackedLinearMethod):
             layer.linear_method.process_weights_after_loading(layer)
             return
         blocks = qweight.data
-        if not torch.equal(kernels.dequantize(qweight.qformat, blocks), layer.weight.float()):
+        # The float path's weights are these blocks dequantized (rounded to the model dtype).
+        dequantized = kernels.dequantize(qweight.qformat, blocks).to(layer.weight.dtype)
+        if not torch.equal(dequantized, layer.weight):
             raise ValueError(f"quantization='gguf': the blocks loaded for {layer.quant_prefix} do "
                              f"not dequantize to its float weights; their layout is not one "
                              f"this loader undoes. Load this model without quantization.")

@@ -112,10 +112,14 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).contiguous()
 
 
-def quantize_i8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], float32 scale [N]): symmetric, per output channel."""
+def quantize_i8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], float32 scale [N]): symmetric, per output channel.
+    row_absmax: each row's largest |w| when `weight` is only part of the row (a TP slice)."""
     w = weight.detach().float()
-    scale = w.abs().amax(-1) / 127
+    if row_absmax is None:
+        row_absmax = w.abs().amax(-1)
+    scale = row_absmax.float() / 127
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     q = (w * inv[:, None]).round().clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
@@ -183,6 +187,8 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
     x2 = x.reshape(-1, k)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
     m = x2.shape[0]
     if m >= DEQUANT_GEMM_MIN_ROWS or not native_available():
         y = F.linear(x2, dequantize(fmt, qweight, scale), bias)

@@ -1,6 +1,7 @@
 """int8 and int4: float checkpoints quantized at load time, weights only (activations stay float).
 
-int8: symmetric int8 per output channel (one float32 scale per row).
+int8: symmetric int8 per output channel (one float32 scale per row, taken over the whole row
+      also when tensor parallelism splits it).
 int4: 4-bit groups of 32 along the input features, each with a scale and a zero point (w = d*q
       + m, d and m in fp16: the q4_1 block, so the same kernel serves GGUF Q4_1 files). The LM
       head stays int8 under int4: the logits are what the sampler ranks, and a 4-bit head
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedlm.model_executor.layers.linear import LinearMethodBase
+from pagedlm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 from pagedlm.model_executor.layers.quantization import kernels
 from pagedlm.model_executor.layers.quantization.base import PackedLinearMethod, QuantizationConfig
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
@@ -19,7 +20,12 @@ from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 
 class Int8LinearMethod(PackedLinearMethod):
     def pack(self, layer):
-        qweight, scale = kernels.quantize_i8(layer.weight)
+        absmax = layer.weight.detach().abs().amax(-1).float()
+        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+            # Each rank holds part of every row: scale by the whole row's max, so every
+            # tensor-parallel layout runs the same int8 weights as one worker.
+            absmax = layer.tp_group.all_gather(absmax[None], dim=0).amax(0)
+        qweight, scale = kernels.quantize_i8(layer.weight, absmax)
         return "i8", qweight, scale
 
 
