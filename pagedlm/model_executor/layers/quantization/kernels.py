@@ -28,8 +28,9 @@ QK = 32  # weights per q4_1 / q8_0 block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 FORMATS = ("q4_1", "q8_0", "i8")
 # From this many input rows on, unpacking each weight block once per 4-row tile costs more
-# than dequantizing the whole matrix once and running oneDNN/MKL's float GEMM (measured on the
-# SmolLM2 shapes here: at M=16 the two are about even; at M=256 the GEMM path is ~2.5x faster).
+# than dequantizing the whole matrix once and running the float GEMM. Measured here on
+# SmolLM2's gate_up shape (N=3072, K=576), one thread, best of 5 on a busy machine: M=8 kernel
+# 2.0 ms vs dequantize+GEMM 25 ms; M=16 24 vs 18 ms; M=64 45 vs 32 ms; M=256 235 vs 90 ms.
 DEQUANT_GEMM_MIN_ROWS = 16
 
 
