@@ -14,6 +14,12 @@ With ``--baseline-commit REV`` the same workload also runs on pagedlm as it was 
     python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 \
         --output-len 16:256 --baseline-commit HEAD~1
 
+With ``--quantization`` the pagedlm run is repeated for each weight format listed (``none``:
+float32), with the bytes of weights a decode step reads and the bandwidth that implies next to
+the measured memory bandwidth (a large tensor copy), e.g. single-stream decode:
+    python benchmarks/throughput.py --num-prompts 1 --input-len 32 --output-len 256 \
+        --temperature 0 --quantization none gguf int8 int4
+
 With ``--baseline no-chunked-prefill`` the baseline is pagedlm itself with chunked prefill off,
 so chunked prefill (the default) can be compared with one-step prefills:
     python benchmarks/throughput.py --num-prompts 64 --input-len 1024 --output-len 128 \
@@ -37,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from commit_baseline import run_script_at_commit, strip_option  # noqa: E402
 from pagedlm import LLM, SamplingParams  # noqa: E402
 from pagedlm.model_executor.model_loader.model_path import default_model_file  # noqa: E402
+from quality import linear_weight_bytes  # noqa: E402
 
 
 def parse_len(text):
@@ -73,6 +80,10 @@ def parse_args():
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for both runs (default: torch's choice)")
+    p.add_argument("--quantization", nargs="+", default=None,
+                   choices=["none", "gguf", "int8", "int4"],
+                   help="run pagedlm once per weight format listed (none: float32)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--output-json", default=None, help="write config and all figures here")
     p.add_argument("--no-tqdm", action="store_true")
     return p.parse_args()
@@ -133,7 +144,8 @@ def run_pagedlm(requests, args, model_file, **overrides):
 
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
     # temperature=1.0 (random sampling) as in vLLM's benchmark; ignore_eos pins the output length.
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True)
+    params = [SamplingParams(temperature=args.temperature, top_p=1.0, max_tokens=n,
+                             ignore_eos=True)
               for _, n in requests]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
@@ -146,11 +158,29 @@ def run_pagedlm(requests, args, model_file, **overrides):
         assert got == n, f"pagedlm produced {got} tokens, asked for {n}"
     st = llm.llm_engine.stats
     print(f"pagedlm step breakdown: {st.breakdown()}; {st.num_preemptions} preemptions")
+    # Only a worker in this process has its model here (tp/pp run workers elsewhere).
+    weight_bytes = (linear_weight_bytes(llm) if hasattr(llm.llm_engine.executor, "worker")
+                    else None)
     if hasattr(llm, "shutdown"):  # stop worker processes before the next run
         llm.shutdown()
     del llm
     gc.collect()  # free the engine's KV cache before the baseline loads its own model
-    return figures(requests, elapsed, load_s)
+    fig = figures(requests, elapsed, load_s)
+    if weight_bytes is not None:
+        fig["linear_weight_bytes"] = weight_bytes
+    return fig
+
+
+def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best of `repeats` copies of a 1 GiB tensor: bytes read + written per second."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
 
 
 def run_hf(requests, args, model_file, tokenizer):
@@ -219,6 +249,9 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"gguf_file": gguf} if gguf else {}))
     requests = make_requests(tokenizer, args)
 
+    if args.quantization:
+        run_quantizations(requests, args, model_file)
+        return
     results = {"pagedlm": run_pagedlm(requests, args, model_file)}
     report("pagedlm", results["pagedlm"])
     baselines = [args.baseline] if args.baseline != "none" else []
@@ -254,6 +287,37 @@ def main():
         with open(args.output_json, "w") as f:
             json.dump({"command": shlex.join(["python"] + sys.argv), "config": config,
                        "results": results}, f, indent=2)
+        print("wrote", args.output_json)
+
+
+def run_quantizations(requests, args, model_file):
+    """pagedlm once per --quantization value, then a table with a roofline column: the weight
+    bytes a decode step reads times the steps per second, against the copy bandwidth."""
+    results = {}
+    for q in args.quantization:
+        results[q] = run_pagedlm(requests, args, model_file,
+                                 quantization=None if q == "none" else q)
+        report(f"pagedlm {q}", results[q])
+    bandwidth = memory_bandwidth_gbs()
+    steps = max(n for _, n in requests)  # decode steps of the run (one stream: its tokens)
+    print(f"memory bandwidth (1 GiB tensor copy, read + write): {bandwidth:.1f} GB/s")
+    print(f"{'weights':>8} {'out tok/s':>10} {'MB/step':>8} {'GB/s read':>10} {'% of copy bw':>12}")
+    for q, fig in results.items():
+        mb = fig.get("linear_weight_bytes", 0) / 1e6
+        steps_per_s = steps / fig["elapsed_s"]
+        gbs = mb * steps_per_s / 1e3
+        fig["weight_read_gb_per_s"] = gbs
+        print(f"{q:>8} {fig['output_tokens_per_s']:10.1f} {mb:8.1f} {gbs:10.2f} "
+              f"{gbs / bandwidth:12.1%}")
+    first = args.quantization[0]
+    for q in args.quantization[1:]:
+        print(f"output tok/s ratio ({q} / {first}): "
+              f"{results[q]['output_tokens_per_s'] / results[first]['output_tokens_per_s']:.2f}x")
+    if args.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+        with open(args.output_json, "w") as f:
+            json.dump({"command": shlex.join(["python"] + sys.argv),
+                       "memory_bandwidth_gb_per_s": bandwidth, "results": results}, f, indent=2)
         print("wrote", args.output_json)
 
 

@@ -27,6 +27,8 @@ class ModelConfig:
     # a config.json may leave out.
     hf_config: PretrainedConfig
     seed: int = 0
+    # None (float weights), or a name from layers/quantization's QUANTIZATION_METHODS.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_config, dict):  # tests and tools may pass plain keys

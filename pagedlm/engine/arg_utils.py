@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pagedlm.core.block_hash import HASH_ALGOS
 from pagedlm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, LoRAConfig,
                             ModelConfig, ParallelConfig, SchedulerConfig)
+from pagedlm.model_executor.layers.quantization import (get_quantization_config,
+                                                        verify_quantization)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
 
 
@@ -42,6 +44,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    quantization: str | None = None  # None: float weights; "int8", "int4" or "gguf"
 
     def _lora_config(self) -> LoRAConfig | None:
         if not isinstance(self.enable_lora, bool):
@@ -119,9 +122,17 @@ class EngineArgs:
                              f"{self.gpu_memory_utilization!r}.")
         parallel_config = self._parallel_config()
         lora_config = self._lora_config()
+        quantization = verify_quantization(self.quantization)
+        if quantization is not None and lora_config is not None:
+            raise ValueError(f"quantization={quantization!r} cannot be combined with "
+                             f"enable_lora: LoRA adapters need the float base weights.")
         model_dir = resolve_model(self.model)
         model_config = ModelConfig.from_dir(self.model, model_dir, self.dtype,
                                             self.max_model_len, self.seed)
+        # Checked here, before any worker starts: e.g. gguf on a non-GGUF model, or a GGUF
+        # tensor type it cannot run.
+        get_quantization_config(quantization, model_dir)
+        model_config.quantization = quantization
         model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size,
                                                  parallel_config.pipeline_parallel_size)
         max_len = model_config.max_model_len

@@ -59,12 +59,16 @@ _HELP = {
                                     "this node), ray (a Ray cluster: RAY_ADDRESS or a local "
                                     "one). Default: uni for one worker, ray if RAY_ADDRESS is "
                                     "set, else mp.",
+    "quantization": "Quantized weights: int8 (per output channel), int4 (groups of 32 with "
+                    "scale and zero), gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored). "
+                    "Default: float weights.",
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
             "prefix_caching_hash_algo": list(HASH_ALGOS),
             "distributed_executor_backend": list(EXECUTOR_BACKENDS),
-            "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"]}
+            "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"],
+            "quantization": ["int8", "int4", "gguf"]}
 # Extra spellings, as vLLM users know them.
 _ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"], "tensor_parallel_size": ["-tp"],
             "pipeline_parallel_size": ["-pp"]}

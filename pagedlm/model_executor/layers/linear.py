@@ -2,8 +2,8 @@
 
 The layer owns the shapes and how a checkpoint tensor is sliced for this rank (each parameter's
 `weight_loader` takes the FULL checkpoint tensor); the LinearMethod owns the weight format and
-the matmul (`create_weights`, `apply`, `process_weights_after_loading`). Quantized formats will
-plug in as further LinearMethods.
+the matmul (`create_weights`, `apply`, `process_weights_after_loading`). Quantized formats
+plug in as further LinearMethods (see quantization/).
 
 Tensor parallelism (Megatron style): a ColumnParallelLinear splits the output features across
 the TP ranks (each computes a slice; no communication unless gather_output), a
@@ -257,9 +257,18 @@ class RowParallelLinear(LinearBase):
             default_weight_loader(param, loaded_weight, shard_id)
             return
         assert shard_id is None, f"RowParallelLinear got shard {shard_id!r}"
-        check_shape(loaded_weight, (self.output_size, self.input_size))
+        # A block-quantized weight's dim 1 counts blocks of `input_block` input features
+        # (trailing dims: the bytes of a block); a rank's slice must start on a block.
+        block = getattr(param, "input_block", 1)
         n = self.input_size_per_partition
-        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * n, n))
+        if n % block:
+            raise ValueError(f"tensor_parallel_size={self.tp_size} splits {self.input_size} "
+                             f"input features into {n} per rank, not a multiple of the "
+                             f"{block}-weight quantization block; choose a "
+                             f"tensor_parallel_size that keeps them whole.")
+        check_shape(loaded_weight, (self.output_size, self.input_size // block,
+                                    *param.shape[2:]))
+        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * n // block, n // block))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

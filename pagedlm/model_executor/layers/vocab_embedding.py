@@ -49,7 +49,8 @@ class VocabParallelEmbedding(nn.Module):
                       shard_id: object = None) -> None:
         """Copy this rank's vocabulary range of the full [vocab, dim] tensor; zero the padding."""
         assert shard_id is None
-        check_shape(loaded_weight, (self.org_vocab_size, self.embedding_dim))
+        # Trailing dims from the parameter: a quantized head's rows are blocks, not floats.
+        check_shape(loaded_weight, (self.org_vocab_size, *param.shape[1:]))
         # Rows of the real vocabulary in this rank's range (none for a rank of pure padding,
         # which only happens with a vocabulary smaller than the padding).
         n = max(0, min(self.vocab_end_index, self.org_vocab_size) - self.vocab_start_index)

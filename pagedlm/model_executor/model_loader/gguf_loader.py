@@ -4,7 +4,9 @@ Architectures: llama, qwen2, qwen3, phi3, qwen2moe, qwen3moe, gemma2, gemma3 and
 
 The result (config.json, model.safetensors in float32, tokenizer files,
 generation_config.json) loads with ``transformers.AutoModelForCausalLM`` and
-``AutoTokenizer``, so the rest of pagedlm only ever deals with HF directories.
+``AutoTokenizer``, so the rest of pagedlm only ever deals with HF directories. With
+``quantization="gguf"``, :func:`iterate_gguf_blocks` also hands the quantized tensors' raw
+blocks, under their HF names, to the quantized linear layers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
@@ -120,11 +122,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
             f"{gguf_path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})."
         )
-    tensors = {t.name: t for t in reader.tensors}
-    config = _hf_config(reader, arch, spec, tensors)
-    hf_names = _hf_parameter_names(config)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    gguf_to_hf = _gguf_to_hf_names(arch, config.num_hidden_layers, hf_names, processor)
+    tensors, config, hf_names, processor, gguf_to_hf = _open(reader, arch, spec)
 
     state_dict: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -177,6 +175,77 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path)
     )
     tokenizer.save_pretrained(out_dir)
+
+
+def _open(reader: GGUFReader, arch: str, spec: _ArchSpec):
+    tensors = {t.name: t for t in reader.tensors}
+    config = _hf_config(reader, arch, spec, tensors)
+    hf_names = _hf_parameter_names(config)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    gguf_to_hf = _gguf_to_hf_names(arch, config.num_hidden_layers, hf_names, processor)
+    return tensors, config, hf_names, processor, gguf_to_hf
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A 2-D GGUF tensor kept in its quantized blocks, rows in HuggingFace order.
+
+    qtype: ggml's type name ("Q4_1", ...); blocks: uint8 [rows, blocks per row, block bytes]
+    (ggml's block layout, blocks running along the input features)."""
+
+    qtype: str
+    blocks: torch.Tensor
+
+
+def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
+    """ggml type name of every tensor in the file (reads the header only)."""
+    return {t.name: t.tensor_type.name for t in _PlainArrayGGUFReader(os.fspath(gguf_path)).tensors}
+
+
+def iterate_gguf_blocks(gguf_path: str, qtypes: tuple[str, ...],
+                        embedding_name: str = "token_embd.weight",
+                        tied_head_name: str = "lm_head.weight"):
+    """(HF name, GGUFBlocks) of each 2-D tensor of a type in ``qtypes`` whose llama.cpp layout
+    is at most a reordering of rows (llama.cpp permutes Llama's q/k rows for its rope layout).
+
+    Transformers' own tensor processor says what reordering to undo: it is run on the row
+    indices, and a tensor whose processing is anything but a row permutation (a transpose, a
+    merge, a value change) is not yielded, so it stays on the float path. The token embedding
+    is not yielded under its own name (lookups need float rows); when the file has no output
+    matrix it is yielded as the tied LM head's.
+    """
+    reader = _PlainArrayGGUFReader(os.fspath(gguf_path))
+    arch = _metadata(reader, "general.architecture")
+    spec = _ARCHITECTURES.get(arch)
+    if spec is None:
+        raise ValueError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}).")
+    tensors, config, _, processor, gguf_to_hf = _open(reader, arch, spec)
+    tied = "output.weight" not in tensors
+    for name, tensor in tensors.items():
+        if tensor.tensor_type.name not in qtypes or len(tensor.shape) != 2:
+            continue
+        if name == embedding_name:
+            if not tied:
+                continue
+            hf_name = tied_head_name
+        else:
+            hf_name = gguf_to_hf.get(name)
+            if hf_name is None:
+                continue
+        rows = _gguf_shape(tensor)[0]
+        index = np.arange(rows, dtype=np.float32).reshape(rows, 1)
+        processed = processor.process(weights=index, name=name, tensor_key_mapping=gguf_to_hf,
+                                      parsed_parameters={"tensors": {}})
+        if processed.name is None or np.shape(processed.weights) != (rows, 1):
+            continue
+        order = np.asarray(processed.weights).reshape(rows).astype(np.int64)
+        if not np.array_equal(np.sort(order), np.arange(rows)):
+            continue
+        data = np.asarray(tensor.data)  # [rows, bytes per row], memory-mapped
+        block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
+        blocks = torch.from_numpy(np.ascontiguousarray(data[order])).reshape(rows, -1, block_bytes)
+        yield hf_name, GGUFBlocks(tensor.tensor_type.name, blocks)
 
 
 def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) -> PretrainedConfig:

@@ -4,11 +4,17 @@ from __future__ import annotations
 import torch
 
 from pagedlm.attention.backends import get_attn_backend
+import logging
+
 from pagedlm.config import ModelConfig
+from pagedlm.model_executor.layers.quantization import get_quantization_config
+from pagedlm.model_executor.layers.quantization.base import weight_formats
 from pagedlm.model_executor.model_loader.weight_utils import iterate_safetensors
 from pagedlm.model_executor.models.registry import get_model_class
 
 __all__ = ["get_model", "iterate_safetensors"]
+
+logger = logging.getLogger(__name__)
 
 
 def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -19,6 +25,7 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
     only its heads, features and layers, and loads its slices of the full checkpoint tensors.
     """
     cls = get_model_class(config.architecture)
+    quant_config = get_quantization_config(config.quantization, config.model_dir)
     attn_backend = get_attn_backend(config.dtype, device)  # chosen once, for every layer
     old = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
@@ -30,6 +37,13 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
             model = cls(config, attn_backend)
     finally:
         torch.set_default_dtype(old)
-    model.load_weights(iterate_safetensors(config.model_dir))
+    weights = iterate_safetensors(config.model_dir)
+    if quant_config is not None:
+        quant_config.apply(model)
+        weights = quant_config.weights(weights)
+    model.load_weights(weights)
     model.process_weights_after_loading()
+    if quant_config is not None:
+        logger.info("quantization=%r: linear layers by weight format: %s",
+                    config.quantization, dict(weight_formats(model)))
     return model.eval().requires_grad_(False)

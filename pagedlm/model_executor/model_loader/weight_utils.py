@@ -101,8 +101,11 @@ def load_weights_into(module: torch.nn.Module, weights: Iterable[tuple[str, torc
     shards_of: dict[str, set] = {}  # fused module name -> the shards that fill it
     for stacked, shard in stacked_params.values():
         shards_of.setdefault(stacked, set()).add(shard)
+    # load_optional: a parameter the checkpoint may or may not fill (a quantized copy of a
+    # weight whose float version is loaded anyway); its layer checks what it got.
     missing = [name for name, param in params.items()
-               if loaded.get(name, set()) != getattr(
+               if not getattr(param, "load_optional", False)
+               and loaded.get(name, set()) != getattr(
                    param, "expected_shards", shards_of.get(name.rsplit(".", 2)[-2], {None}))]
     if missing:
         raise ValueError(describe_missing(missing))

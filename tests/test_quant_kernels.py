@@ -1,0 +1,117 @@
+"""The quantized weight formats and their native kernels against plain PyTorch, and against
+gguf-py's own (llama.cpp's) quantizers and dequantizers for the GGUF block layouts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from pagedlm.model_executor.layers.quantization import kernels
+
+# (N, K): SmolLM2-135M's qkv, o, gate_up, down; a Llama-7B-like down projection slice; an odd
+# N (a vocabulary slice); and a tiny test model's.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (256, 11008), (4099, 576),
+          (64, 32)]
+# Ragged row counts: the 4-row tile and its remainders, and both sides of the switch to
+# dequantize + float GEMM.
+ROWS = [1, 2, 3, 5, 7, kernels.DEQUANT_GEMM_MIN_ROWS - 1, kernels.DEQUANT_GEMM_MIN_ROWS, 37]
+
+
+def _pack(fmt: str, w: torch.Tensor):
+    if fmt == "q4_1":
+        return kernels.quantize_q4_1(w), None
+    if fmt == "q8_0":
+        return kernels.quantize_q8_0(w), None
+    return kernels.quantize_i8(w)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    if not kernels.native_available():
+        pytest.fail("the native quantized kernels did not build (see the warning above)")
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "i8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_matmul_matches_reference(fmt, shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    qweight, scale = _pack(fmt, w)
+    ref_w = kernels.dequantize_reference(fmt, qweight, scale).double()
+    assert torch.equal(kernels.dequantize(fmt, qweight, scale), ref_w.float())
+    bias = torch.randn(n, generator=gen)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen)
+        ref = x.double() @ ref_w.T + bias.double()
+        got = kernels.quantized_matmul(fmt, x, qweight, scale, bias)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        # float32 accumulation over k terms against a float64 reference
+        tol = 1e-5 * k ** 0.5 * ref.abs().max().item() + 1e-5
+        assert (got.double() - ref).abs().max().item() < tol, (fmt, shape, m)
+
+
+def test_leading_dims_and_empty_batch():
+    w = torch.randn(96, 64)
+    qweight = kernels.quantize_q4_1(w)
+    x = torch.randn(2, 3, 64)
+    got = kernels.quantized_matmul("q4_1", x, qweight)
+    ref = x @ kernels.dequantize_reference("q4_1", qweight).T
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert kernels.quantized_matmul("q4_1", torch.empty(0, 64), qweight).shape == (0, 96)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "i8"])
+def test_quantization_error_is_within_half_a_step(fmt):
+    w = torch.randn(128, 256)
+    qweight, scale = _pack(fmt, w)
+    err = (kernels.dequantize_reference(fmt, qweight, scale) - w).abs()
+    if fmt == "i8":
+        step = scale[:, None]
+    else:
+        step = kernels._fp16_field(qweight, 0).expand(-1, -1, 32).reshape(128, 256)
+    # half a quantization step, plus the fp16 rounding of the block's scale and min
+    assert (err <= step * 0.5 + w.abs() * 2e-3 + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype,fmt", [("Q4_1", "q4_1"), ("Q8_0", "q8_0"), ("Q4_0", "q4_1")])
+def test_gguf_blocks_dequantize_as_llama_cpp_does(qtype, fmt):
+    """Blocks made by gguf-py's port of llama.cpp's quantizer read back, through our format,
+    to exactly gguf-py's dequantized values (Q4_0 after its conversion to q4_1)."""
+    gtype = GGMLQuantizationType[qtype]
+    w = np.random.default_rng(0).standard_normal((48, 192)).astype(np.float32)
+    raw = gguf_quantize(w, gtype)
+    expected = torch.from_numpy(gguf_dequantize(raw, gtype).reshape(48, 192))
+    blocks = torch.from_numpy(raw).reshape(48, 192 // 32, -1)
+    if qtype == "Q4_0":
+        blocks = kernels.q4_0_to_q4_1(blocks)
+    assert torch.equal(kernels.dequantize_reference(fmt, blocks), expected)
+    assert torch.equal(kernels.dequantize(fmt, blocks), expected)
+
+
+def test_q4_1_quantizer_matches_llama_cpp():
+    w = np.random.default_rng(1).standard_normal((16, 128)).astype(np.float32)
+    raw = gguf_quantize(w, GGMLQuantizationType.Q4_1).reshape(16, 4, 20)
+    ours = kernels.quantize_q4_1(torch.from_numpy(w))
+    # Identical blocks but for a rare off-by-one q where llama.cpp rounds (w - min) * (1 / d)
+    # with the unrounded d and we use the stored fp16 one.
+    same = (ours.numpy() == raw).mean()
+    assert same > 0.98, same
+
+
+def test_bad_inputs_raise_value_error():
+    qweight = kernels.quantize_q4_1(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="input features"):
+        kernels.quantized_matmul("q4_1", torch.randn(1, 32), qweight)
+    with pytest.raises(ValueError, match="unknown quantized format 'q3'"):
+        kernels.quantized_matmul("q3", torch.randn(1, 64), qweight)
+    with pytest.raises(ValueError, match=r"\[N, K/32, 34\]"):
+        kernels.quantized_matmul("q8_0", torch.randn(1, 64), qweight)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.quantize_q4_1(torch.randn(8, 40))
+    qi8, _ = kernels.quantize_i8(torch.randn(8, 40))
+    with pytest.raises(ValueError, match="scale"):
+        kernels.quantized_matmul("i8", torch.randn(1, 40), qi8, None)

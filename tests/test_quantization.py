@@ -1,0 +1,213 @@
+"""quantization= through the engine: the embedded GGUF run on its own Q4_1/Q8_0 blocks against
+the float32 path, int8/int4 agreement and perplexity next to float32's, any model built on the
+parallel layers (tiny Llama and Qwen2 with biases), and the errors for bad settings."""
+from __future__ import annotations
+
+import gc
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.model_executor.layers.quantization import QUANTIZATION_METHODS, kernels
+from pagedlm.model_executor.layers.quantization.base import weight_formats
+from pagedlm.model_executor.layers.quantization.gguf import GGUFConfig
+from pagedlm.model_executor.model_loader.model_path import CONVERSION_MARKER
+from tests.conftest import make_tiny_model
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Explain in one sentence why the sky is blue.",
+    "List three fruits that are red:",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Translate to French: Good morning, how are you?",
+]
+# Written for this test: ordinary English prose for perplexity.
+TEXT = (
+    "The town library opened its doors at nine every morning, and by ten the reading room was "
+    "usually full. Students came to prepare for their examinations, retired teachers came to "
+    "read the newspapers, and small children sat on the carpet in the corner while a volunteer "
+    "read stories aloud. The building itself was old: its wooden floors creaked, the windows "
+    "were tall and narrow, and in winter the radiators made a gentle knocking sound. Last year "
+    "the council decided to repair the roof and to replace the heating system."
+)
+MAX_TOKENS = 32
+
+
+def _model(llm: LLM):
+    return llm.llm_engine.executor.worker.model
+
+
+def _greedy(llm: LLM, prompts: list[str], max_tokens: int):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def _perplexity(llm: LLM, text: str) -> float:
+    out = llm.generate([text], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    lps = [pos[t].logprob for t, pos in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+    return math.exp(-sum(lps) / len(lps))
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+
+
+@pytest.fixture(scope="module")
+def default_runs():
+    """Each weight format of the default model, loaded one at a time (the models are freed in
+    between): its greedy outputs, its perplexity on TEXT and its layers' weight formats."""
+    runs = {}
+    for q in (None, "gguf", "int8", "int4"):
+        llm = LLM(quantization=q)
+        runs[q] = {"greedy": _greedy(llm, PROMPTS, MAX_TOKENS), "ppl": _perplexity(llm, TEXT),
+                   "formats": weight_formats(_model(llm))}
+        del llm
+        gc.collect()
+    return runs
+
+
+def test_gguf_runs_the_files_blocks_and_matches_float32(default_runs):
+    # Every linear layer on the file's own blocks: the Q4_1 layers and the Q8_0 tied head.
+    formats = default_runs["gguf"]["formats"]
+    assert "float" not in formats and set(formats) == {"q4_1", "q8_0"}, formats
+    ref, got = default_runs[None]["greedy"], default_runs["gguf"]["greedy"]
+    identical = 0
+    for (rt, rl), (gt, gl) in zip(ref, got):
+        n = _first_difference(rt, gt)
+        identical += n == len(rt)
+        # Same weights, different summation order: logprobs agree wherever the tokens do.
+        assert np.abs(np.array(rl[:n]) - np.array(gl[:n])).max(initial=0) < 1e-2
+    assert identical >= 7, f"only {identical}/8 prompts identical to float32"
+
+
+@pytest.mark.parametrize("quantization,bound", [("int8", 1.05), ("int4", 1.15)])
+def test_int8_int4_perplexity_and_agreement(default_runs, quantization, bound):
+    ref, run = default_runs[None], default_runs[quantization]
+    formats = run["formats"]
+    assert "float" not in formats, formats
+    ratio = run["ppl"] / ref["ppl"]
+    tokens = [_first_difference(r[0], g[0]) for r, g in zip(ref["greedy"], run["greedy"])]
+    print(f"{quantization}: perplexity {run['ppl']:.3f} vs float32 {ref['ppl']:.3f} "
+          f"(x{ratio:.3f}); prompts identical {sum(n == MAX_TOKENS for n in tokens)}/8, "
+          f"tokens before the first difference {sum(tokens)}/{8 * MAX_TOKENS}")
+    assert ratio < bound
+    # The first token of most prompts: quantization that broke the model would miss them.
+    assert sum(n > 0 for n in tokens) >= 6
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("quant")
+    return {"llama": make_tiny_model(root, "llama", default_model_dir),
+            "qwen2": make_tiny_model(root, "qwen2", default_model_dir)}
+
+
+def _dequantized_twin(src: str, dst: str, quantization: str) -> str:
+    """A float copy of the HF model at `src` whose linear weights are what `quantization`
+    packs them to, dequantized by the formats' plain-PyTorch reference: pagedlm on `src`
+    quantized and on this copy in float run the same weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            w = module.weight.data
+            if quantization == "int4" and name != "lm_head":  # the head stays int8 (see int4)
+                deq = kernels.dequantize_reference("q4_1", kernels.quantize_q4_1(w))
+            else:
+                deq = kernels.dequantize_reference("i8", *kernels.quantize_i8(w))
+            w.copy_(deq)
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+def _assert_same(ref, got, atol: float) -> None:
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    for (_, a), (_, b) in zip(ref, got):
+        assert np.abs(np.array(a) - np.array(b)).max() < atol
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_any_model_on_the_parallel_layers(tiny_models, tmp_path, arch, quantization):
+    """No model code: Qwen2's biased qkv_proj quantizes like Llama's, and the quantized engine
+    equals the float engine on the same (dequantized) weights."""
+    twin = _dequantized_twin(tiny_models[arch], str(tmp_path / "twin"), quantization)
+    ref = _greedy(LLM(model=twin), PROMPTS[:4], 8)
+    llm = LLM(model=tiny_models[arch], quantization=quantization)
+    assert "float" not in weight_formats(_model(llm))
+    _assert_same(ref, _greedy(llm, PROMPTS[:4], 8), atol=1e-3)
+
+
+def test_bad_quantization_raises_value_error(tiny_models):
+    with pytest.raises(ValueError, match=r"quantization must be one of \['gguf', 'int4', "
+                                         r"'int8'\].*'int3'"):
+        LLM(model=tiny_models["llama"], quantization="int3")
+    with pytest.raises(ValueError, match="quantization='gguf' needs a GGUF model file"):
+        EngineArgs(model=tiny_models["llama"], quantization="gguf").create_engine_config()
+    with pytest.raises(ValueError, match="cannot be combined with enable_lora"):
+        EngineArgs(model=tiny_models["llama"], quantization="int8",
+                   enable_lora=True).create_engine_config()
+    assert set(QUANTIZATION_METHODS) == {"int8", "int4", "gguf"}
+
+
+def test_gguf_tensor_type_it_cannot_run(tmp_path):
+    """A K-quant tensor: a ValueError naming the tensor, its type and what is supported."""
+    path = tmp_path / "kquant.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((2, 144), dtype=np.uint8),
+                      raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model_dir = tmp_path / "converted"
+    model_dir.mkdir()
+    (model_dir / CONVERSION_MARKER).write_text(json.dumps({"source": str(path)}))
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.weight' .* is Q4_K.*"
+                                         r"Supported: Q4_0, Q4_1, Q8_0"):
+        GGUFConfig.from_model_dir(str(model_dir))
+
+
+def test_cli_flag():
+    import argparse
+
+    from pagedlm.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from_namespace(
+        parser.parse_args(["--quantization", "int4"])).quantization == "int4"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_tensor_parallel_matches_one_worker(tiny_models, quantization):
+    """TP=2 over worker processes runs the same quantized weights as one worker: int4's
+    groups of 32 never straddle a rank's slice, and int8 scales a row-parallel layer's rows by
+    the whole row's max (gathered from the ranks)."""
+    from tests.test_distributed_executor import assert_no_workers_left
+    path = tiny_models["llama"]
+    one = _greedy(LLM(model=path, quantization=quantization), PROMPTS[:4], 8)
+    llm = LLM(model=path, quantization=quantization, tensor_parallel_size=2,
+              distributed_executor_backend="mp")
+    two = _greedy(llm, PROMPTS[:4], 8)
+    llm.shutdown()
+    del llm
+    _assert_same(one, two, atol=1e-3)
+    assert_no_workers_left()
