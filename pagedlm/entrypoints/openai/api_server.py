@@ -150,7 +150,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         logger.exception("unhandled error: %r", exc)
         return error_response(f"Internal server error: {exc!r}", 500)
 
-    @app.get("/health", responses=responses(None, 500, ok_description="The engine is running."))
+    @app.get("/health", response_class=Response,
+             responses=responses(None, 500, ok_description="The engine is running (no body)."))
     async def health() -> Response:
         if engine.is_running:
             return Response(status_code=200)
@@ -184,7 +185,6 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         lora_ok = {"text/plain": {"schema": {"type": "string"}}}
 
         @app.post("/v1/load_lora_adapter", openapi_extra=body(LoadLoRAAdapterRequest),
-                  response_class=PlainTextResponse,
                   responses=responses(None, 400, 401, 404, 500, ok_content=lora_ok))
         async def load_lora_adapter(raw: Request) -> Response:
             body = await _json_body(raw)
@@ -196,7 +196,6 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                 f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter", openapi_extra=body(UnloadLoRAAdapterRequest),
-                  response_class=PlainTextResponse,
                   responses=responses(None, 400, 401, 404, 500, ok_content=lora_ok))
         async def unload_lora_adapter(raw: Request) -> Response:
             body = await _json_body(raw)
