@@ -122,7 +122,9 @@ def fuzz_operation(operation, base_url: str, max_examples: int, max_tokens: int,
 
 
 def fuzz_server(base_url: str, max_examples: int, max_tokens: int, modes: list[str],
-                seed: int = 0, only: set[str] | None = None) -> list[OperationReport]:
+                seed: int = 0, only: set[str] | None = None, headers: dict | None = None,
+                verbose: bool = True) -> list[OperationReport]:
+    """Fuzz every operation of the server's document (or those whose path is in `only`)."""
     import schemathesis
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
     reports = []
@@ -132,13 +134,16 @@ def fuzz_server(base_url: str, max_examples: int, max_tokens: int, modes: list[s
             continue
         for mode in modes:
             t = time.perf_counter()
-            r = fuzz_operation(operation, base_url, max_examples, max_tokens, mode, seed)
+            r = fuzz_operation(operation, base_url, max_examples, max_tokens, mode, seed,
+                               headers)
             r.label = f"{operation.label} [{mode}]"
+            reports.append(r)
+            if not verbose:
+                continue
             print(f"  {r.label}: {r.sent} requests in {time.perf_counter() - t:.1f}s, status "
                   f"{dict(sorted(r.statuses.items()))}, {len(r.failures)} failures", flush=True)
             for f in r.failures[:5]:
                 print("    FAIL", f, flush=True)
-            reports.append(r)
     return reports
 
 

@@ -185,7 +185,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         lora_ok = {"text/plain": {"schema": {"type": "string"}}}
 
         @app.post("/v1/load_lora_adapter", openapi_extra=body(LoadLoRAAdapterRequest),
-                  responses=responses(None, 400, 401, 404, 500, ok_content=lora_ok))
+                  responses=responses(None, 400, 401, 500, ok_content=lora_ok))
         async def load_lora_adapter(raw: Request) -> Response:
             body = await _json_body(raw)
             if isinstance(body, Response):
