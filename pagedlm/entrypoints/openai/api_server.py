@@ -176,7 +176,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         async def _json_body(raw: Request) -> dict | Response:
             try:
                 body = json.loads(await raw.body() or b"{}")
-            except json.JSONDecodeError as e:
+            except ValueError as e:  # bad JSON, or bytes that are not UTF-8 at all
                 return error_response(f"Invalid JSON body: {e}", 400)
             if not isinstance(body, dict):
                 return error_response("The body must be a JSON object.", 400)
