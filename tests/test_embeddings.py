@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from pagedlm import LLM, EngineArgs
+from pagedlm.entrypoints.cli import make_parser
+from pagedlm.entrypoints.cli_args import engine_args_from_namespace
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.pooling_params import PoolerConfig, PoolingParams
 from tests.conftest import make_tiny_model
@@ -112,6 +114,18 @@ def test_pooling_engine_refuses_generation_and_bad_params(pool_llm):
 def test_bad_engine_settings(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineArgs(**kwargs).create_engine_config()
+
+
+def test_serve_flags():
+    ns = make_parser().parse_args(["serve", "--runner", "pooling", "--pooling-type", "MEAN"])
+    config = engine_args_from_namespace(ns).create_engine_config()
+    mc = config.model_config
+    assert mc.runner == "pooling" and mc.pooler_config == PoolerConfig("MEAN", True)
+    assert config.cache_config.enable_prefix_caching is False
+    ns = make_parser().parse_args(["serve", "--runner", "pooling", "--pooler-config",
+                                   '{"pooling_type": "LAST", "normalize": false}'])
+    mc = engine_args_from_namespace(ns).create_engine_config().model_config
+    assert mc.pooler_config == PoolerConfig("LAST", False)
 
 
 # ---- offline, a tiny random model: MEAN and LAST, chunked, matryoshka dimensions ----
