@@ -169,21 +169,32 @@ def test_tiny_model_pooling_chunked_equals_transformers(tiny_dir, tiny_hf, pooli
 
 
 def test_generating_engine_refuses_embed(tiny_dir):
+    """Offline, then the same engine behind a server."""
     with LLM(tiny_dir, max_num_seqs=4) as llm:
         with pytest.raises(ValueError, match="runner='pooling'"):
             llm.embed(SHORT, use_tqdm=False)
         with pytest.raises(ValueError, match="runner='pooling'"):
             llm.generate(SHORT, PoolingParams(), use_tqdm=False)
         assert_all_free(llm)
+        engine = AsyncLLMEngine(llm.llm_engine, log_stats=False)
+        try:
+            with serve_in_thread(engine) as running:
+                c = openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0)
+                with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+                    c.embeddings.create(model=tiny_dir, input="hello")
+                r = httpx.post(running.url + "/tokenize", json={"prompt": "hello"}).json()
+                assert r["tokens"] == engine.get_tokenizer().encode("hello")
+        finally:
+            engine.shutdown()
 
 
 # ---- the server, default model, --runner pooling ----
 
 @pytest.fixture(scope="module")
-def server():
-    engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(runner="pooling", max_model_len=512, max_num_batched_tokens=BUDGET,
-                   max_num_seqs=8), log_stats=False, model_name=MODEL)
+def server(pool_llm):
+    # The offline tests' engine (they ran before: tests run in file order), now behind the
+    # server: one model load for the module.
+    engine = AsyncLLMEngine(pool_llm.llm_engine, log_stats=False, model_name=MODEL)
     try:
         with serve_in_thread(engine, served_model_names=[MODEL]) as running:
             yield running
@@ -295,17 +306,3 @@ def test_tokenize_detokenize_round_trip(server):
 ])
 def test_bad_tokenizer_requests(server, path, body, status, param):
     _error(httpx.post(server.url + path, json=body), status, param)
-
-
-def test_embeddings_on_a_generating_server_is_400(tiny_dir):
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_dir, max_num_seqs=4),
-                                             log_stats=False)
-    try:
-        with serve_in_thread(engine) as running:
-            c = openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0)
-            with pytest.raises(openai.BadRequestError, match="--runner pooling"):
-                c.embeddings.create(model=tiny_dir, input="hello")
-            r = httpx.post(running.url + "/tokenize", json={"prompt": "hello"}).json()
-            assert r["tokens"] == engine.get_tokenizer().encode("hello")
-    finally:
-        engine.shutdown()
