@@ -19,11 +19,16 @@ _EXPORTS = {
     # Needs the `server` extra (prometheus_client).
     "AsyncLLMEngine": "pagedlm.engine.async_llm_engine",
     "LoRARequest": "pagedlm.lora.request",
+    "PoolingParams": "pagedlm.pooling_params",
+    "PoolerConfig": "pagedlm.pooling_params",
+    "EmbeddingRequestOutput": "pagedlm.outputs",
+    "EmbeddingOutput": "pagedlm.outputs",
 }
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "LoRARequest"]
+           "BeamSearchSequence", "LoRARequest", "PoolingParams", "PoolerConfig",
+           "EmbeddingRequestOutput", "EmbeddingOutput"]
 __version__ = "0.1.0"
 
 

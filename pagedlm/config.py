@@ -9,6 +9,7 @@ from transformers import PretrainedConfig
 
 from pagedlm.distributed.utils import get_pp_indices
 from pagedlm.model_executor.models.registry import resolve_architecture
+from pagedlm.pooling_params import PoolerConfig
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -29,6 +30,8 @@ class ModelConfig:
     seed: int = 0
     # None (float weights), or a name from layers/quantization's QUANTIZATION_METHODS.
     quantization: str | None = None
+    runner: str = "generate"  # or "pooling": prompts in, embeddings out (no sampling)
+    pooler_config: PoolerConfig | None = None  # set when runner is "pooling"
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_config, dict):  # tests and tools may pass plain keys
@@ -88,6 +91,20 @@ class ModelConfig:
             raise ValueError(f"layer_types in {self.model_dir}/config.json has "
                              f"{len(layer_types)} entries for {self.num_layers} layers.")
         return window if layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        return self.get_hf("matryoshka_dimensions")
+
+    @property
+    def is_matryoshka(self) -> bool:
+        """Trained so that a prefix of the embedding is an embedding (sentence-transformers'
+        config flags it): only then may a request ask for fewer dimensions."""
+        return bool(self.get_hf("is_matryoshka") or self.matryoshka_dimensions)
 
     @property
     def vocab_size(self) -> int:

@@ -61,3 +61,23 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best first
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # after the request's truncation (dimensions) and normalisation
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What a pooling engine returns per prompt (vLLM's name): `.outputs.embedding`."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import PositionLogprobs, RequestMetrics
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 
 
@@ -120,6 +121,10 @@ class SequenceGroup:
     arrival_order: int = 0  # set by the scheduler: breaks ties in arrival order
     beam_done: bool = False
     lora_request: LoRARequest | None = None
+    # Pooling runner: the request's settings (its sampling_params then only schedule the one
+    # pass over the prompt) and, once the prompt has run, its embedding.
+    pooling_params: PoolingParams | None = None
+    embedding: list[float] | None = None
 
     @property
     def lora_int_id(self) -> int:

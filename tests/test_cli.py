@@ -81,6 +81,8 @@ def test_every_engine_arg_has_a_flag():
         value, text = _sample_value(f.name, base)
         if f.name == "kv_cache_memory_bytes":
             value = 4096
+        if f.name == "pooler_config":  # a JSON object on the command line
+            value, text = {"pooling_type": "MEAN"}, '{"pooling_type": "MEAN"}'
         choices = next(a.choices for a in _serve_actions() if a.dest == f.name)
         if choices:  # a str field with fixed choices: one that is not the default
             value = text = [c for c in choices if c != f.default][-1]

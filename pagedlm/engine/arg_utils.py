@@ -11,6 +11,7 @@ from pagedlm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, LoRACo
 from pagedlm.model_executor.layers.quantization import (get_quantization_config,
                                                         verify_quantization)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
+from pagedlm.pooling_params import PoolerConfig
 
 
 # Tokens per step with chunked prefill: enough for GEMM efficiency on a prefill chunk, small
@@ -45,6 +46,32 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
     quantization: str | None = None  # None: float weights; "int8", "int4" or "gguf"
+    runner: str = "generate"  # or "pooling": embeddings (LLM.embed, /v1/embeddings)
+    pooling_type: str | None = None  # pooling runner: LAST (default) or MEAN
+    # pooling runner: a PoolerConfig or its fields as a dict (JSON on the command line)
+    pooler_config: PoolerConfig | dict | None = None
+
+    def _pooler_config(self) -> PoolerConfig | None:
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}.")
+        if self.runner == "generate":
+            if self.pooling_type is not None or self.pooler_config is not None:
+                raise ValueError("pooling_type and pooler_config need runner='pooling'.")
+            return None
+        pc = self.pooler_config
+        if isinstance(pc, dict):
+            try:
+                pc = PoolerConfig(**pc)
+            except TypeError as e:
+                raise ValueError(f"pooler_config: {e}") from None
+        elif pc is None:
+            pc = PoolerConfig()
+        elif not isinstance(pc, PoolerConfig):
+            raise ValueError(f"pooler_config must be a PoolerConfig or a dict, got "
+                             f"{type(pc).__name__}.")
+        if self.pooling_type is not None:
+            pc = PoolerConfig(self.pooling_type, pc.normalize)
+        return pc
 
     def _lora_config(self) -> LoRAConfig | None:
         if not isinstance(self.enable_lora, bool):
@@ -126,6 +153,12 @@ class EngineArgs:
         if quantization is not None and lora_config is not None:
             raise ValueError(f"quantization={quantization!r} cannot be combined with "
                              f"enable_lora: LoRA adapters need the float base weights.")
+        pooler_config = self._pooler_config()
+        prefix_caching = self.enable_prefix_caching
+        if pooler_config is not None and pooler_config.pooling_type == "MEAN":
+            # A prefix-cache hit skips computing the cached tokens, whose hidden states MEAN
+            # pooling averages; LAST only needs the last token, which is always computed.
+            prefix_caching = False
         model_dir = resolve_model(self.model)
         model_config = ModelConfig.from_dir(self.model, model_dir, self.dtype,
                                             self.max_model_len, self.seed)
@@ -133,6 +166,8 @@ class EngineArgs:
         # tensor type it cannot run.
         get_quantization_config(quantization, model_dir)
         model_config.quantization = quantization
+        if pooler_config is not None:
+            model_config.runner, model_config.pooler_config = "pooling", pooler_config
         model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size,
                                                  parallel_config.pipeline_parallel_size)
         max_len = model_config.max_model_len
@@ -156,7 +191,7 @@ class EngineArgs:
                                      kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                      num_gpu_blocks_override=self.num_gpu_blocks_override,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
-                                     enable_prefix_caching=self.enable_prefix_caching,
+                                     enable_prefix_caching=prefix_caching,
                                      prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                                      swap_space_bytes=swap_bytes),
             parallel_config=parallel_config,

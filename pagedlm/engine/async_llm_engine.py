@@ -352,7 +352,8 @@ class AsyncLLMEngine:
     def _observe(self, t: _Tracked, out: RequestOutput, now: float) -> None:
         m = self.metrics
         new = 0
-        for c in out.outputs:
+        completions = out.outputs if isinstance(out, RequestOutput) else []  # none: embeddings
+        for c in completions:
             before = t.tokens.get(c.index, 0)
             total = before + len(c.token_ids) if t.kind is RequestOutputKind.DELTA \
                 else len(c.token_ids)
@@ -371,7 +372,8 @@ class AsyncLLMEngine:
             num_tokens = max(t.tokens.values(), default=0)
             if first is not None and num_tokens > 1:
                 m.tpot.observe(max(0.0, now - first) / (num_tokens - 1))
-            reason = out.outputs[0].finish_reason if out.outputs else None
+            reason = (completions[0].finish_reason if completions
+                      else None if isinstance(out, RequestOutput) else "stop")
             m.record_finished(reason if reason in m.finished else "length")
 
     def _publish_stats(self) -> None:

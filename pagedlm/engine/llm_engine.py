@@ -19,12 +19,14 @@ from pagedlm.core.sched_output import ExecuteModelRequestBuilder
 from pagedlm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats, is_decode
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.beam_search import BeamSearch
-from pagedlm.engine.output_processor import OutputProcessor, make_request_output
+from pagedlm.engine.output_processor import (OutputProcessor, make_embedding_output,
+                                             make_request_output)
 from pagedlm.executor.abstract import Executor
 from pagedlm.inputs.preprocess import InputPreprocessor, ProcessedPrompt, PromptType
 from pagedlm.lora.request import LoRARequest
 from pagedlm.lora.worker_manager import LoRAStats
-from pagedlm.outputs import RequestOutput
+from pagedlm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
@@ -156,13 +158,38 @@ class LLMEngine:
         ids = {g.lora_int_id for g in self.scheduler.running} - {0}
         return sorted(self.loras[i].lora_name for i in ids if i in self.loras)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    @property
+    def is_pooling(self) -> bool:
+        """runner='pooling': requests take PoolingParams and return embeddings."""
+        return self.config.model_config.runner == "pooling"
+
+    def _check_params_kind(self, params) -> None:
+        if self.is_pooling and isinstance(params, SamplingParams):
+            raise ValueError("This engine runs runner='pooling': it computes embeddings "
+                             "(LLM.embed, /v1/embeddings) and cannot generate text. Start "
+                             "another with runner='generate' for that.")
+        if not self.is_pooling and isinstance(params, PoolingParams):
+            raise ValueError("Embeddings need an engine started with runner='pooling' "
+                             "(`pagedlm serve --runner pooling`); this one generates text.")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise ValueError(f"params must be a SamplingParams or PoolingParams, got "
+                             f"{type(params).__name__}.")
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> None:
+        """params: SamplingParams on a generating engine, PoolingParams on a pooling one."""
+        self._check_params_kind(params)
         if lora_request is not None:
             self.add_lora(lora_request)  # validates; no-op when registered
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        pooling = None
+        if isinstance(params, PoolingParams):
+            mc = self.config.model_config
+            params.verify(mc.hidden_size, mc.matryoshka_dimensions, mc.is_matryoshka)
+            # One pass over the prompt and no sampling: scheduled as a one-token request.
+            pooling, params = params.clone(), SamplingParams(max_tokens=1,
+                                                             output_kind=params.output_kind)
         if request_id in self.requests or request_id in self.beam_searches:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -201,11 +228,12 @@ class LLMEngine:
             self._add_beam_step(search, processed.cache_salt, priority, lora_request)
             return
         self._add_sequence_group(request_id, processed, params, arrival_time, priority,
-                                 lora_request)
+                                 lora_request, pooling)
 
     def _add_sequence_group(self, request_id: str, processed: ProcessedPrompt,
                             params: SamplingParams, arrival_time: float, priority: int,
-                            lora_request: LoRARequest | None = None) -> None:
+                            lora_request: LoRARequest | None = None,
+                            pooling_params: PoolingParams | None = None) -> None:
         ids = processed.prompt_token_ids
         lora_key = None
         if lora_request is not None:
@@ -215,7 +243,7 @@ class LLMEngine:
         seq.detok = self.output_processor.detokenizer.init_state(ids, params.skip_special_tokens)
         group = SequenceGroup(request_id, [seq], params, processed.prompt, list(ids),
                               arrival_time=arrival_time, priority=priority,
-                              lora_request=lora_request)
+                              lora_request=lora_request, pooling_params=pooling_params)
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -264,7 +292,7 @@ class LLMEngine:
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -283,6 +311,10 @@ class LLMEngine:
                 group.metrics.finished_time = group.metrics.finished_time or now
                 self.requests.pop(group.request_id, None)
                 self.request_builder.request_finished(group)
+            if group.pooling_params is not None:
+                if (embedded := make_embedding_output(group)) is not None:
+                    outputs.append(embedded)
+                continue
             report = make_request_output(group)
             if report is None:
                 continue
@@ -315,7 +347,11 @@ class LLMEngine:
                                     for s, n in zip(sg.seqs, sg.num_new_tokens)
                                     if not is_decode(s.num_computed_tokens, n))
         st.num_generation_tokens += len(result.sampler_output.sampled_token_ids)
-        updates = self.output_processor.process(sched, result)
+        if result.pooled is not None:
+            updates = self.output_processor.process_pooled(
+                sched, result, self.config.model_config.pooler_config.normalize)
+        else:
+            updates = self.output_processor.process(sched, result)
         self.scheduler.update_from_output(sched, updates)
         for seq, _ in updates.finished:
             self.request_builder.seq_finished(seq)

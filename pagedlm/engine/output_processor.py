@@ -13,7 +13,9 @@ from transformers import PreTrainedTokenizerBase
 from pagedlm.core.scheduler import SchedulerOutput
 from pagedlm.engine.detokenizer import IncrementalDetokenizer
 from pagedlm.engine.stop_checker import check_stop
-from pagedlm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedlm.model_executor.layers.pooler import finalize_embedding
+from pagedlm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+                             PositionLogprobs, RequestOutput)
 from pagedlm.sampling_params import RequestOutputKind
 from pagedlm.sequence import (OutputCursor, Sequence, SequenceGroup, SequenceStatus,
                               SequenceUpdates)
@@ -62,6 +64,27 @@ class OutputProcessor:
                 group.metrics.first_token_time = now
             if (p := result.prompt_logprobs.get(group.request_id)) is not None:
                 self._add_prompt_logprobs(group, p)
+        return updates
+
+    def process_pooled(self, sched_out: SchedulerOutput, result: ModelRunnerOutput,
+                       default_normalize: bool) -> SequenceUpdates:
+        """The pooling runner's step: a prompt that completed has its embedding and is done
+        (its KV blocks are freed by the scheduler like any finished sequence's)."""
+        now = time.time()
+        updates = SequenceUpdates()
+        for sg in sched_out.scheduled_groups:
+            group = sg.group
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+            for seq in sg.seqs:
+                vec = result.pooled.get(seq.seq_id)
+                if vec is None:
+                    continue  # mid-prompt
+                group.embedding = finalize_embedding(vec, group.pooling_params,
+                                                     default_normalize)
+                group.metrics.first_token_time = now
+                seq.stop_reason = None
+                updates.finished.append((seq, SequenceStatus.FINISHED_STOPPED))
         return updates
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token_id: int,
@@ -154,3 +177,13 @@ def make_request_output(group: SequenceGroup) -> tuple[RequestOutput, OutputCurs
                            outputs=completions, finished=finished, metrics=group.metrics,
                            num_cached_tokens=group.num_cached_tokens)
     return output, cursor
+
+
+def make_embedding_output(group: SequenceGroup) -> EmbeddingRequestOutput | None:
+    """A pooling request's output, once it finished (None before; an aborted one has no
+    embedding: an empty one is reported so its waiter is released)."""
+    if not group.is_finished():
+        return None
+    return EmbeddingRequestOutput(group.request_id, EmbeddingOutput(group.embedding or []),
+                                  group.prompt_token_ids, True, group.metrics,
+                                  group.num_cached_tokens)

@@ -68,7 +68,8 @@ _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcf
             "prefix_caching_hash_algo": list(HASH_ALGOS),
             "distributed_executor_backend": list(EXECUTOR_BACKENDS),
             "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"],
-            "quantization": ["int8", "int4", "gguf"]}
+            "quantization": ["int8", "int4", "gguf"],
+            "runner": ["generate", "pooling"], "pooling_type": ["LAST", "MEAN"]}
 # Extra spellings, as vLLM users know them.
 _ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"], "tensor_parallel_size": ["-tp"],
             "pipeline_parallel_size": ["-pp"]}
@@ -88,7 +89,18 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-_PARSERS = {"kv_cache_memory_bytes": parse_size}
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+_PARSERS = {"kv_cache_memory_bytes": parse_size, "pooler_config": _json_object}
+_PARSER_METAVARS = {"pooler_config": "JSON"}
 
 
 def _field_comments() -> dict[str, str]:
@@ -140,7 +152,7 @@ def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True)
             kwargs["metavar"] = "{" + ",".join(m.name.lower() for m in base) + "}"
         elif f.name in _PARSERS:
             kwargs["type"] = _PARSERS[f.name]
-            kwargs["metavar"] = "SIZE"
+            kwargs["metavar"] = _PARSER_METAVARS.get(f.name, "SIZE")
         elif f.name in _CHOICES:
             kwargs["choices"] = _CHOICES[f.name]
         elif base in (int, float, str):

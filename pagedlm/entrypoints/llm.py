@@ -10,7 +10,9 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.lora.request import LoRARequest
-from pagedlm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedlm.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput,
+                             RequestOutput)
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict]
@@ -57,7 +59,8 @@ class LLM:
                  use_tqdm: bool = True, priority: Seq[int] | None = None,
                  lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """priority: one per prompt (lower runs first), with scheduling_policy='priority'.
+        """On a pooling engine (runner='pooling') only embed() works: this raises ValueError.
+        priority: one per prompt (lower runs first), with scheduling_policy='priority'.
         lora_request: one adapter for every prompt, or one (or None) per prompt; needs
         enable_lora=True."""
         if isinstance(prompts, (str, dict)):
@@ -68,7 +71,7 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, PoolingParams)):
             params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
@@ -89,6 +92,21 @@ class LLM:
                                  f"{len(prompts)} prompts; pass one, or one per prompt.")
         self._add_requests(prompts, params, list(priority), loras)
         return self._run_engine(use_tqdm)
+
+    def embed(self, prompts: PromptType | Seq[PromptType],
+              pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+              use_tqdm: bool = True,
+              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), pooled from the model's final
+        hidden states as the engine's pooler_config says; needs runner='pooling'."""
+        if not self.llm_engine.is_pooling:
+            raise ValueError("LLM.embed needs an engine started with runner='pooling', e.g. "
+                             "LLM(model, runner='pooling'); this one generates text.")
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        return self.generate(prompts, pooling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -135,11 +153,12 @@ class LLM:
         loras = loras or [None] * len(prompts)
         try:
             for prompt, p, prio, lora in zip(prompts, params, priority, loras):
-                if not isinstance(p, SamplingParams):
+                if isinstance(p, SamplingParams):
+                    p = p.clone()
+                    p.output_kind = RequestOutputKind.FINAL_ONLY  # generate() returns finals
+                elif not isinstance(p, PoolingParams):
                     raise ValueError(f"sampling_params entries must be SamplingParams, got "
                                      f"{type(p).__name__}.")
-                p = p.clone()
-                p.output_kind = RequestOutputKind.FINAL_ONLY  # generate() returns finals only
                 request_id = str(next(self.request_counter))
                 self.llm_engine.add_request(request_id, prompt, p, priority=prio,
                                             lora_request=lora)
@@ -163,7 +182,8 @@ class LLM:
                     continue
                 outputs.append(out)
                 in_toks += len(out.prompt_token_ids)
-                out_toks += sum(len(c.token_ids) for c in out.outputs)
+                if isinstance(out, RequestOutput):
+                    out_toks += sum(len(c.token_ids) for c in out.outputs)
                 elapsed = bar.format_dict["elapsed"] or 1e-9
                 bar.postfix = (f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
                                f"output: {out_toks / elapsed:.2f} toks/s")

@@ -18,6 +18,7 @@ from pagedlm.core.sched_output import ExecuteModelRequest
 from pagedlm.core.scheduler import is_decode
 from pagedlm.distributed import IntermediateTensors
 from pagedlm.lora.request import LoRARequest
+from pagedlm.model_executor.layers.pooler import Pooler
 from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedlm.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ class ModelInput:
     sampling_metadata: SamplingMetadata
     prompt_logprobs: list[PromptLogprobsRequest]
     first_sample_row: dict[int, int]  # seq id -> its first row of sample_rows
+    last_row: dict[int, int] | None = None  # seq id -> its last row of the flat batch
 
 
 @dataclass
@@ -83,6 +85,9 @@ class ModelRunnerOutput:
     first_sample_row: dict[int, int]
     prompt_logprobs: dict[str, PromptLogprobs]  # req id -> this step's prompt positions
     timings: StepTimings
+    # Pooling runner: seq id -> its prompt's pooled final hidden state (float32, on the host),
+    # for the sequences whose prompt completed this step; nothing is sampled.
+    pooled: dict[int, torch.Tensor] | None = None
 
 
 def _num_logprobs(sp: SamplingParams) -> int:
@@ -120,11 +125,15 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.seqs: dict[int, CachedSequenceState] = {}
         self.lora_manager = lora_manager  # a WorkerLoRAManager, or None without LoRA
+        self.pooler = (Pooler(model_config.pooler_config)
+                       if model_config.runner == "pooling" else None)
 
     # -- state --------------------------------------------------------------------------------
     def update_states(self, req: ExecuteModelRequest) -> None:
         for rid in req.finished_req_ids:
             state = self.requests.pop(rid, None)
+            if self.pooler is not None:
+                self.pooler.drop(rid)
             for seq_id in state.seq_ids if state else ():
                 self.seqs.pop(seq_id, None)
         for seq_id in req.finished_seq_ids:
@@ -158,7 +167,7 @@ class ModelRunner:
         return ModelInput(torch.tensor(batch.input_ids, device=dev),
                           torch.tensor(batch.positions, device=dev),
                           self._build_attn_metadata(batch, dev), sample_rows.to(dev), sampling,
-                          self._prompt_logprobs_requests(req, batch), first_row)
+                          self._prompt_logprobs_requests(req, batch), first_row, batch.last_row)
 
     def _build_batch(self, req: ExecuteModelRequest) -> _FlatBatch:
         bs = self.block_size
@@ -268,12 +277,31 @@ class ModelRunner:
                             intermediate_tensors)
         if isinstance(hidden, IntermediateTensors):
             return hidden
+        if self.pooler is not None:
+            return self._pool(req, inp, hidden, t0, t1)
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         t2 = time.perf_counter()
         sampled = self.sampler(logits, inp.sampling_metadata)
         prompt_logprobs = {r.req_id: self._prompt_logprobs(hidden, r) for r in inp.prompt_logprobs}
         return ModelRunnerOutput(sampled, inp.first_sample_row, prompt_logprobs,
                                  StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2))
+
+    def _pool(self, req: ExecuteModelRequest, inp: ModelInput, hidden: torch.Tensor,
+              t0: float, t1: float) -> ModelRunnerOutput:
+        """The pooling runner's step: every scheduled sequence is a prompt (or a chunk of one);
+        those that complete it get their pooled vector."""
+        t2 = time.perf_counter()
+        pooled = {}
+        for seq_id, start, n, k in zip(req.seq_ids, req.num_computed_tokens,
+                                       req.num_scheduled_tokens, req.num_samples):
+            last = inp.last_row[seq_id]
+            vec = self.pooler.add_chunk(self.seqs[seq_id].req_id, hidden[last - n + 1:last + 1],
+                                        start, done=k > 0)
+            if vec is not None:
+                pooled[seq_id] = vec
+        return ModelRunnerOutput(SamplerOutput([], None, None, None, None), {}, {},
+                                 StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2),
+                                 pooled=pooled)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: PromptLogprobsRequest
                          ) -> PromptLogprobs:

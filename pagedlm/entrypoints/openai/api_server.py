@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over an AsyncLLMEngine, run by uvicorn.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (with --runner
+pooling), POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
 GET /metrics (Prometheus), GET /version; with runtime LoRA updating (--enable-runtime-lora-updating
 or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true), POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter. With an API key, /v1/* needs `Authorization: Bearer
@@ -31,10 +32,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedlm
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
-from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                 ModelCard, ModelList)
+from pagedlm.entrypoints.openai.openapi import SSE_CONTENT, install_openapi, json_body, responses
+from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                 CompletionRequest, CompletionResponse,
+                                                 DetokenizeRequest, DetokenizeResponse,
+                                                 EmbeddingRequest, EmbeddingResponse,
+                                                 LoadLoRAAdapterRequest, ModelCard, ModelList,
+                                                 TokenizeChatRequest, TokenizeCompletionRequest,
+                                                 TokenizeResponse, UnloadLoRAAdapterRequest,
+                                                 VersionResponse)
 from pagedlm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedlm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedlm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from pagedlm.entrypoints.openai.serving_engine import (error_body, error_response,
                                                        validation_error_response)
@@ -123,6 +133,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     app.state.models = models
     completion = OpenAIServingCompletion(engine, names, models)
     chat = OpenAIServingChat(engine, names, models)
+    embedding = OpenAIServingEmbedding(engine, names, models)
+    tokenization = OpenAIServingTokenization(engine, names, models)
+    body_models: list[type[BaseModel]] = []  # the request bodies the OpenAPI document shows
+
+    def body(*request_models: type[BaseModel]) -> dict:
+        body_models.extend(request_models)
+        return json_body(*request_models)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(_, exc: StarletteHTTPException):
@@ -133,22 +150,25 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         logger.exception("unhandled error: %r", exc)
         return error_response(f"Internal server error: {exc!r}", 500)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses=responses(None, 500, ok_description="The engine is running (no body)."))
     async def health() -> Response:
         if engine.is_running:
             return Response(status_code=200)
         return error_response(f"The engine is not running: {engine.dead_error!r}", 500)
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse, responses=responses(None, 500))
     async def version() -> dict:
         return {"version": pagedlm.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=responses(None, 500, ok_content={
+        CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+        ok_description="Prometheus metrics (text exposition format)."))
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=responses(None, 401, 500))
     async def list_models() -> dict:
         return ModelList(data=models.cards()).model_dump()
 
@@ -156,13 +176,16 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         async def _json_body(raw: Request) -> dict | Response:
             try:
                 body = json.loads(await raw.body() or b"{}")
-            except json.JSONDecodeError as e:
+            except ValueError as e:  # bad JSON, or bytes that are not UTF-8 at all
                 return error_response(f"Invalid JSON body: {e}", 400)
             if not isinstance(body, dict):
                 return error_response("The body must be a JSON object.", 400)
             return body
 
-        @app.post("/v1/load_lora_adapter")
+        lora_ok = {"text/plain": {"schema": {"type": "string"}}}
+
+        @app.post("/v1/load_lora_adapter", openapi_extra=body(LoadLoRAAdapterRequest),
+                  responses=responses(None, 400, 401, 500, ok_content=lora_ok))
         async def load_lora_adapter(raw: Request) -> Response:
             body = await _json_body(raw)
             if isinstance(body, Response):
@@ -172,7 +195,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             return err or PlainTextResponse(
                 f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
 
-        @app.post("/v1/unload_lora_adapter")
+        @app.post("/v1/unload_lora_adapter", openapi_extra=body(UnloadLoRAAdapterRequest),
+                  responses=responses(None, 400, 401, 404, 500, ok_content=lora_ok))
         async def unload_lora_adapter(raw: Request) -> Response:
             body = await _json_body(raw)
             if isinstance(body, Response):
@@ -181,20 +205,55 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             return err or PlainTextResponse(
                 f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body(CompletionRequest),
+              responses=responses(CompletionResponse, 400, 401, 404, 500,
+                                  ok_content=SSE_CONTENT))
     async def create_completion(raw: Request) -> Response:
         request = await _parse(raw, CompletionRequest)
         if isinstance(request, Response):
             return request
         return await with_cancellation(completion.create_completion(request), raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest),
+              responses=responses(ChatCompletionResponse, 400, 401, 404, 500,
+                                  ok_content=SSE_CONTENT))
     async def create_chat_completion(raw: Request) -> Response:
         request = await _parse(raw, ChatCompletionRequest)
         if isinstance(request, Response):
             return request
         return await with_cancellation(chat.create_chat_completion(request), raw)
 
+    @app.post("/v1/embeddings", openapi_extra=body(EmbeddingRequest),
+              responses=responses(EmbeddingResponse, 400, 401, 404, 500))
+    async def create_embedding(raw: Request) -> Response:
+        request = await _parse(raw, EmbeddingRequest)
+        if isinstance(request, Response):
+            return request
+        return await with_cancellation(embedding.create_embedding(request), raw)
+
+    @app.post("/tokenize", openapi_extra=body(TokenizeCompletionRequest, TokenizeChatRequest),
+              responses=responses(TokenizeResponse, 400, 404, 500))
+    async def tokenize(raw: Request) -> Response:
+        # A body with `messages` is a conversation (rendered by the chat template).
+        try:
+            is_chat = "messages" in json.loads(await raw.body())
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
+            is_chat = False  # the parse below reports the bad body
+        request = await _parse(raw, TokenizeChatRequest if is_chat
+                               else TokenizeCompletionRequest)
+        if isinstance(request, Response):
+            return request
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize", openapi_extra=body(DetokenizeRequest),
+              responses=responses(DetokenizeResponse, 400, 404, 500))
+    async def detokenize(raw: Request) -> Response:
+        request = await _parse(raw, DetokenizeRequest)
+        if isinstance(request, Response):
+            return request
+        return await tokenization.detokenize(request)
+
+    install_openapi(app, body_models)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # Added last, so outermost: error responses (a 401 too) carry the CORS headers.

@@ -310,3 +310,96 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---- /v1/embeddings (a server started with --runner pooling) ----
+
+class EmbeddingRequest(StrictRequest):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A text, a list of texts, a token array, or a list of token arrays.")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(
+        None, description="Only for models trained for matryoshka representations.")
+    user: str | None = None
+    # vLLM's extras
+    add_special_tokens: bool = True
+    normalize: bool | None = Field(None, description="None: the server's pooler setting.")
+    priority: int = 0
+
+
+class EmbeddingData(OpenAIBaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str = Field(
+        description="Floats, or with encoding_format 'base64' their little-endian float32 "
+                    "bytes in base64.")
+
+
+class EmbeddingUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----
+
+class TokenizeCompletionRequest(StrictRequest):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(StrictRequest):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the chat template already holds them
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictRequest):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+# ---- the other routes' bodies (for the OpenAPI document) ----
+
+class VersionResponse(OpenAIBaseModel):
+    version: str
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_path: str
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str

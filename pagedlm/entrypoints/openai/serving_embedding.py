@@ -1,0 +1,105 @@
+"""/v1/embeddings: texts or token arrays -> one pooled vector each (a --runner pooling server)."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from fastapi.responses import JSONResponse, Response
+
+from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, RequestStream
+from pagedlm.entrypoints.openai.protocol import (EmbeddingData, EmbeddingRequest,
+                                                 EmbeddingResponse, EmbeddingUsage, random_uuid)
+from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
+from pagedlm.inputs.preprocess import PromptType
+from pagedlm.outputs import EmbeddingRequestOutput
+from pagedlm.pooling_params import PoolingParams
+
+def encode_base64(embedding: list[float]) -> str:
+    """OpenAI's base64 format: the little-endian float32 bytes."""
+    return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode("ascii")
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+
+    async def create_embedding(self, request: EmbeddingRequest) -> Response:
+        if (err := self.check_model(request.model)) is not None:
+            return err
+        if self.engine.model_config.runner != "pooling":
+            return error_response("This server generates text: embeddings need a server "
+                                  "started with `--runner pooling`.", 400, "model")
+        try:
+            prompts = self._prompts(request)
+            params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)
+        except ValueError as e:
+            return error_response(str(e), 400, "dimensions" if str(e).startswith("dimensions")
+                                  else "input")
+        request_id = f"embd-{random_uuid()}"
+        streams = await self._submit(request_id, prompts, params, request)
+        if isinstance(streams, JSONResponse):
+            return streams
+        try:
+            finals: list[EmbeddingRequestOutput] = await self.collect(streams)
+        except Exception as e:  # noqa: BLE001 - the engine failed while we waited
+            return error_response(str(e) or repr(e), 500)
+        data = []
+        for i, out in enumerate(finals):
+            if out is None or not out.outputs.embedding:
+                return error_response("The request was aborted before its embedding was "
+                                      "computed.", 500)
+            vec = out.outputs.embedding
+            data.append(EmbeddingData(index=i, embedding=encode_base64(vec)
+                                      if request.encoding_format == "base64" else vec))
+        num_tokens = sum(len(out.prompt_token_ids) for out in finals)
+        return JSONResponse(EmbeddingResponse(
+            id=request_id, model=self.model_name(request.model), data=data,
+            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+        ).model_dump())
+
+    async def _submit(self, request_id: str, prompts: list[PromptType], params: PoolingParams,
+                      request: EmbeddingRequest) -> list[RequestStream] | JSONResponse:
+        """One engine request per input, all or nothing; the engine's errors name `input`
+        (the prompt) or `dimensions`."""
+        lora = self.models.lora_for(request.model) if self.models is not None else None
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(
+                    rid, prompt, params, priority=request.priority, lora_request=lora))
+        except ValueError as e:
+            self.abort(streams)
+            msg = str(e)
+            param = next((f for f in ("dimensions", "priority") if msg.startswith(f)), "input")
+            if len(prompts) > 1 and param == "input":
+                msg, param = f"input[{len(streams)}]: {msg}", f"input[{len(streams)}]"
+            return error_response(msg, 400, param)
+        except AsyncEngineDeadError as e:
+            self.abort(streams)
+            return error_response(str(e), 500)
+        except BaseException:
+            self.abort(streams)  # cancelled: the client went away while we waited
+            raise
+        return streams
+
+    def _prompts(self, request: EmbeddingRequest) -> list[PromptType]:
+        x = request.input
+        if isinstance(x, str):
+            texts, id_lists = [x], None
+        elif not x:
+            raise ValueError("input must not be empty.")
+        elif isinstance(x[0], str):
+            texts, id_lists = x, None
+        elif isinstance(x[0], int):
+            texts, id_lists = None, [x]
+        else:
+            texts, id_lists = None, x
+        if texts is not None:
+            prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(
+                t, add_special_tokens=request.add_special_tokens)} for t in texts]
+        else:
+            prompts = [{"prompt_token_ids": list(ids)} for ids in id_lists]
+        for i, p in enumerate(prompts):
+            if not p["prompt_token_ids"]:
+                raise ValueError(f"input[{i}] is empty: it must have at least one token."
+                                 if len(prompts) > 1 else "input must have at least one token.")
+        return prompts

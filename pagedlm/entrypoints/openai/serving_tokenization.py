@@ -1,0 +1,52 @@
+"""/tokenize and /detokenize in vLLM's shapes: a prompt or a chat conversation -> token ids
+(with the server's tokenizer and chat template), token ids -> text."""
+from __future__ import annotations
+
+import jinja2
+from fastapi.responses import JSONResponse, Response
+
+from pagedlm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse,
+                                                 TokenizeChatRequest, TokenizeCompletionRequest,
+                                                 TokenizeResponse)
+from pagedlm.entrypoints.openai.serving_chat import apply_chat_template
+from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
+
+
+class OpenAIServingTokenization(OpenAIServing):
+
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest
+                       ) -> Response:
+        if (err := self.check_model(request.model)) is not None:
+            return err
+        if isinstance(request, TokenizeChatRequest):
+            if request.add_generation_prompt and request.continue_final_message:
+                return error_response("add_generation_prompt and continue_final_message "
+                                      "cannot both be true.", 400, "continue_final_message")
+            try:
+                ids = apply_chat_template(
+                    self.tokenizer, [m.to_template_dict() for m in request.messages],
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    chat_template=request.chat_template,
+                    add_special_tokens=request.add_special_tokens,
+                    **(request.chat_template_kwargs or {}))["prompt_token_ids"]
+            except (ValueError, TypeError, jinja2.TemplateError) as e:
+                param = "messages" if str(e).startswith("messages") else "chat_template"
+                return error_response(f"Cannot apply the chat template: {e}", 400, param)
+        else:
+            ids = self.tokenizer.encode(request.prompt,
+                                        add_special_tokens=request.add_special_tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
+                                             tokens=ids, token_strs=strs).model_dump())
+
+    async def detokenize(self, request: DetokenizeRequest) -> Response:
+        if (err := self.check_model(request.model)) is not None:
+            return err
+        vocab = len(self.tokenizer)
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            return error_response(f"tokens contains ids outside the tokenizer's vocabulary "
+                                  f"[0, {vocab}): {bad[:5]}.", 400, "tokens")
+        return JSONResponse(DetokenizeResponse(
+            prompt=self.tokenizer.decode(request.tokens)).model_dump())
