@@ -42,6 +42,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # Record every step (Chrome trace JSON here, raw records beside it); see engine/tracer.py.
+    trace_file: str | None = None
 
     def _lora_config(self) -> LoRAConfig | None:
         if not isinstance(self.enable_lora, bool):
@@ -117,6 +119,13 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}.")
+        if self.trace_file is not None:
+            if not isinstance(self.trace_file, (str, os.PathLike)) or not str(self.trace_file):
+                raise ValueError(f"trace_file must be a file path, got {self.trace_file!r}.")
+            parent = os.path.dirname(os.path.abspath(self.trace_file))
+            if not os.path.isdir(parent):
+                raise ValueError(f"trace_file {str(self.trace_file)!r}: its directory "
+                                 f"{parent!r} does not exist.")
         parallel_config = self._parallel_config()
         lora_config = self._lora_config()
         model_dir = resolve_model(self.model)
@@ -157,4 +166,5 @@ class EngineArgs:
                                              preemption_mode=self.preemption_mode,
                                              max_loras=lora_config.max_loras if lora_config
                                              else 0),
-            lora_config=lora_config)
+            lora_config=lora_config,
+            trace_file=os.fspath(self.trace_file) if self.trace_file is not None else None)
