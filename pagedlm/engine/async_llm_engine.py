@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable
 
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.engine_view import EngineView, take_engine_view
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.metrics import EngineMetrics, EngineSnapshot
 from pagedlm.inputs.preprocess import PromptType
@@ -223,6 +224,10 @@ class AsyncLLMEngine:
         result = loop.create_future()
         self._submit(_Call(fn, args, loop, result))
         return await result
+
+    async def engine_view(self) -> EngineView:
+        """Queues, KV block map and counters, taken on the engine thread between steps."""
+        return await self._on_engine_thread(take_engine_view)
 
     async def add_lora(self, lora_request) -> bool:
         """Register and load an adapter (LLMEngine.add_lora: ValueError for a bad one)."""
