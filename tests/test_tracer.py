@@ -42,7 +42,7 @@ def traced_run(tmp_path_factory, default_model_dir):
     final_free = pool.num_free_blocks
     llm.shutdown()
     meta, steps = load_records(records_path(trace_file))
-    return dict(root=root, trace_file=trace_file, meta=meta, steps=steps, stats=stats,
+    return dict(root=root, model=path, trace_file=trace_file, meta=meta, steps=steps, stats=stats,
                 outs=outs, prompts=prompts, params=params, final_free=final_free,
                 num_blocks=pool.num_blocks)
 
@@ -160,3 +160,35 @@ def test_trace_file_errors(tmp_path, default_model_dir):
         LLM(default_model_dir, trace_file=str(tmp_path / "missing" / "t.json"))
     with pytest.raises(SystemExit, match="error: no step records at .*nope"):
         main(["trace", str(tmp_path / "nope.json"), "-o", str(tmp_path / "o")])
+
+
+def test_async_engine_writes_its_trace_on_shutdown(traced_run, tmp_path):
+    """The server's engine (`pagedlm serve --trace-file`) writes the trace when it stops."""
+    import asyncio
+
+    from pagedlm.engine.arg_utils import EngineArgs
+    from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+
+    trace_file = str(tmp_path / "serve.json")
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(traced_run["model"], num_gpu_blocks_override=32, trace_file=trace_file),
+        log_stats=False)
+
+    async def run():
+        async for out in engine.generate({"prompt_token_ids": [5, 6, 7, 8]},
+                                         SamplingParams(max_tokens=5, ignore_eos=True),
+                                         request_id="a"):
+            last = out
+        return last
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(out.outputs[0].token_ids) == 5
+    meta, steps = load_records(records_path(trace_file))
+    assert meta["num_blocks"] == 32
+    assert [x["kind"] for s in steps for x in s["scheduled"]] == ["prefill"] + ["decode"] * 4
+    assert steps[-1]["finished"] == ["a"] and "u" not in steps[-1]["block_map"]
+    with open(trace_file) as f:
+        assert json.load(f)["traceEvents"]

@@ -139,7 +139,7 @@ def test_engine_view_shows_queues_and_blocks_under_load(servers, page):
 
     def one(i: int) -> None:
         out = client.completions.create(model=MODEL, prompt=f"{secret} number {i}: " * 6,
-                                        max_tokens=32, temperature=0,
+                                        max_tokens=24, temperature=0,
                                         extra_body={"ignore_eos": True})
         ids.append(out.id)
 

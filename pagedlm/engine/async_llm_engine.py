@@ -417,6 +417,9 @@ class AsyncLLMEngine:
             if isinstance(command, _Add):
                 self._call(command.stream.loop, _resolve, command.ack,
                            AsyncEngineDeadError(f"the engine loop is not running: {error!r}"))
+            elif isinstance(command, _Call):  # e.g. an engine view: its caller must not hang
+                self._call(command.loop, _resolve, command.result,
+                           AsyncEngineDeadError(f"the engine loop is not running: {error!r}"))
         try:  # free the KV blocks of whatever was running, if the engine still can
             self.engine.abort_request(ids)
         except Exception:  # noqa: BLE001

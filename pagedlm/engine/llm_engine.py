@@ -293,8 +293,7 @@ class LLMEngine:
         rec = tracer.scheduled(t0, sched, self.scheduler, before,
                                self.block_manager.prefix_hits - hits)
         if sched.is_empty and not rec.preempted:
-            tracer.num_steps -= 1  # nothing happened: no record
-            return []
+            return []  # nothing happened: no record
         model = (st.prepare_time, st.forward_time, st.sample_time)
         outputs = self._step(sched, t0)
         t2 = time.perf_counter()

@@ -222,13 +222,13 @@ class StepTracer:
                           if id(g) in running]
                          + [Preemption(g.request_id, "swap") for g in scheduler.swapped
                             if id(g) in running])
-        self.num_steps += 1
         return rec
 
     def finish(self, rec: StepRecord, sched: "SchedulerOutput", block_manager: "BlockManager",
                t_end: float, times: StepTimes) -> None:
         rec.duration = t_end - self.t0 - rec.start
         rec.times = times
+        self.num_steps += 1
         rec.finished = [sg.group.request_id for sg in sched.scheduled_groups
                         if sg.group.is_finished()]
         self._emit(rec, block_manager)

@@ -35,7 +35,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedlm
-from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                  ModelCard, ModelList)
 from pagedlm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -172,7 +172,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def engine_events(raw: Request) -> Response:
         async def events():
             while True:
-                view = await engine.engine_view()
+                try:
+                    view = await engine.engine_view()
+                except AsyncEngineDeadError:  # the stream ends; /health says why
+                    return
                 yield f"data: {json.dumps(dataclasses.asdict(view), separators=(',', ':'))}\n\n"
                 await asyncio.sleep(1 / ENGINE_EVENTS_PER_S)
 
