@@ -42,8 +42,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
-    # Record every step (Chrome trace JSON here, raw records beside it); see engine/tracer.py.
-    trace_file: str | None = None
+    trace_file: str | None = None  # record each step: Chrome trace JSON, .steps.jsonl beside it
 
     def _lora_config(self) -> LoRAConfig | None:
         if not isinstance(self.enable_lora, bool):

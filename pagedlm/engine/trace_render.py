@@ -98,7 +98,7 @@ def plot_timeline(steps: list[dict]) -> bytes:
                        Patch(color=TIMELINE_COLORS[2], label="decode"),
                        plt.Line2D([], [], marker="x", color=PREEMPT_COLOR, ls="",
                                   label="preempted")],
-              loc="upper right", fontsize=8)
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     data = _png(fig)
     plt.close(fig)
     return data
@@ -121,7 +121,8 @@ def plot_blocks(steps: list[dict]) -> bytes:
     ax.set_ylabel("KV block")
     ax.set_title("KV block map over time")
     ax.legend(handles=[Patch(color=BLOCK_COLORS[c], label=name)
-                       for c, name in BLOCK_STATES.items()], loc="upper right", fontsize=8)
+                       for c, name in BLOCK_STATES.items()], loc="upper left",
+              bbox_to_anchor=(1.01, 1), fontsize=8)
     data = _png(fig)
     plt.close(fig)
     return data

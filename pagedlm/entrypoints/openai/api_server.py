@@ -50,6 +50,10 @@ STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # The engine view's refresh rate: each view is a scan of the queues and block reference counts
 # on the engine thread, taken only while a page is connected.
 ENGINE_EVENTS_PER_S = 4.0
+# Each events response ends after this long and the page reconnects at once: uvicorn's graceful
+# shutdown waits for open responses, so an endless stream would hold up Ctrl-C for as long as a
+# page stays open.
+ENGINE_EVENTS_MAX_S = 5.0
 
 
 class APIKeyMiddleware:
@@ -169,9 +173,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/engine/events")
-    async def engine_events(raw: Request) -> Response:
+    async def engine_events() -> Response:
         async def events():
-            while True:
+            end = loop.time() + ENGINE_EVENTS_MAX_S
+            while loop.time() < end:
                 try:
                     view = await engine.engine_view()
                 except AsyncEngineDeadError:  # the stream ends; /health says why
@@ -181,6 +186,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 
         if not engine.is_running:
             return error_response(f"The engine is not running: {engine.dead_error!r}", 500)
+        loop = asyncio.get_running_loop()
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 

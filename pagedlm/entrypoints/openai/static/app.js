@@ -291,6 +291,7 @@ async function watchEngine() {
       if (!resp.ok) throw new Error(await errorMessage(resp));
       $("engine-state").textContent = "live";
       for await (const data of sseData(resp, controller.signal)) renderView(JSON.parse(data));
+      continue;  // the server ends each stream after a few seconds: reconnect at once
     } catch (err) {
       if (controller.signal.aborted) return;
       $("engine-state").textContent = `disconnected (${err.message}); retrying`;
