@@ -16,6 +16,7 @@ reference counts (the block map).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -183,6 +184,9 @@ class StepTracer:
         self.t0 = time.perf_counter()
         self.meta: TraceMeta | None = None
         self.closed = False
+        # An engine nobody shut down is otherwise closed by LLM.__del__ during interpreter
+        # teardown, when builtins such as open() are already gone.
+        atexit.register(self.close)
 
     def block_pool(self, device: str, num_blocks: int, enable_caching: bool = False) -> BlockPool:
         return TracedBlockPool(self, device, num_blocks, enable_caching)
@@ -246,6 +250,7 @@ class StepTracer:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         if block_manager is not None and (self.pending["gpu"].any() or self.pending["cpu"].any()):
             now = time.perf_counter() - self.t0
             self._emit(StepRecord(step=self.num_steps, start=now, duration=0.0),
