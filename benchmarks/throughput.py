@@ -19,6 +19,11 @@ float32), with the bytes of weights a decode step reads and the bandwidth that i
 the measured memory bandwidth (a large tensor copy), e.g. single-stream decode:
     python benchmarks/throughput.py --num-prompts 1 --input-len 32 --output-len 256 \
         --temperature 0 --quantization none gguf int8 int4
+With ``--trace-file FILE`` pagedlm records every step (engine/tracer.py); ``--baseline no-trace``
+runs the same workload untraced, for the tracer's cost (the trace is written at shutdown, outside
+the timed part):
+    python benchmarks/throughput.py --num-prompts 64 --input-len 32:256 --output-len 16:128 \
+        --trace-file /tmp/run.json --baseline no-trace
 
 With ``--baseline no-chunked-prefill`` the baseline is pagedlm itself with chunked prefill off,
 so chunked prefill (the default) can be compared with one-step prefills:
@@ -69,9 +74,12 @@ def parse_args():
                    default=None, help="(default: the engine's default, on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="(default: the engine's default, on)")
-    p.add_argument("--baseline", choices=["none", "hf", "no-chunked-prefill", "tp1"],
+    p.add_argument("--baseline", choices=["none", "hf", "no-chunked-prefill", "tp1", "no-trace"],
                    default="none", help="hf: transformers generate; no-chunked-prefill: pagedlm "
-                   "without it; tp1: pagedlm on one worker (to compare with -tp / -pp)")
+                   "without it; tp1: pagedlm on one worker (to compare with -tp / -pp); "
+                   "no-trace: pagedlm without --trace-file")
+    p.add_argument("--trace-file", default=None, metavar="FILE",
+                   help="record every step: Chrome trace JSON here, step records beside it")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
     p.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None)
@@ -136,6 +144,7 @@ def run_pagedlm(requests, args, model_file, **overrides):
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend,
+        "trace_file": args.trace_file,
     }.items() if v is not None}
     engine_kwargs.update(overrides)
     start = time.perf_counter()
@@ -260,11 +269,14 @@ def main():
     for name in baselines:
         if name.startswith("commit "):
             argv = strip_option(strip_option(sys.argv[1:], "--baseline-commit"), "--output-json")
+            argv = strip_option(argv, "--trace-file")  # older commits have no tracer
             old = run_script_at_commit(args.baseline_commit, "benchmarks/throughput.py",
                                        strip_option(argv, "--baseline") + ["--baseline", "none"])
             results[name] = old["results"]["pagedlm"]
         elif name == "hf":
             results[name] = run_hf(requests, args, model_file, tokenizer)
+        elif name == "no-trace":
+            results[name] = run_pagedlm(requests, args, model_file, trace_file=None)
         elif name == "tp1":
             results[name] = run_pagedlm(requests, args, model_file, tensor_parallel_size=1,
                                         pipeline_parallel_size=1,

@@ -228,3 +228,4 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
+    trace_file: str | None = None  # the step tracer's Chrome JSON (engine/tracer.py); None: off

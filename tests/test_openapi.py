@@ -29,7 +29,7 @@ BODIES = {  # POST route -> the request models its body may be
     "/v1/load_lora_adapter": ["LoadLoRAAdapterRequest"],
     "/v1/unload_lora_adapter": ["UnloadLoRAAdapterRequest"],
 }
-GETS = ["/health", "/version", "/metrics", "/v1/models"]
+GETS = ["/health", "/version", "/metrics", "/v1/models", "/engine/events"]
 WITH_MODEL = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
               "/detokenize", "/v1/unload_lora_adapter"}
 ERROR_REF = "#/components/schemas/ErrorResponse"
@@ -111,7 +111,7 @@ def test_responses_and_error_statuses(doc):
             want = {"200", "500"}
             if method == "post":
                 want.add("400")
-            if path.startswith("/v1"):
+            if path.startswith(("/v1", "/engine")):
                 want.add("401")  # with an API key
             if path in WITH_MODEL:
                 want.add("404")

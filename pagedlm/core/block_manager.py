@@ -21,15 +21,20 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False,
-                 hash_algo: str = "sha256") -> None:
+                 hash_algo: str = "sha256", tracer=None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}.")
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Admissions keep a few blocks back so running sequences can still grow next step.
         self.watermark_blocks = int(watermark * num_blocks)
-        self.gpu = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.cpu = BlockPool(num_cpu_blocks)
+        # A StepTracer (engine/tracer.py) counts the pools' operations around the plain pool.
+        if tracer is None:
+            self.gpu = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+            self.cpu = BlockPool(num_cpu_blocks)
+        else:
+            self.gpu = tracer.block_pool("gpu", num_blocks, enable_caching=enable_prefix_caching)
+            self.cpu = tracer.block_pool("cpu", num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_block = get_block_hash_fn(hash_algo)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache

@@ -72,6 +72,7 @@ class EngineArgs:
         if self.pooling_type is not None:
             pc = PoolerConfig(self.pooling_type, pc.normalize)
         return pc
+    trace_file: str | None = None  # record each step: Chrome trace JSON, .steps.jsonl beside it
 
     def _lora_config(self) -> LoRAConfig | None:
         if not isinstance(self.enable_lora, bool):
@@ -147,6 +148,13 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}.")
+        if self.trace_file is not None:
+            if not isinstance(self.trace_file, (str, os.PathLike)) or not str(self.trace_file):
+                raise ValueError(f"trace_file must be a file path, got {self.trace_file!r}.")
+            parent = os.path.dirname(os.path.abspath(self.trace_file))
+            if not os.path.isdir(parent):
+                raise ValueError(f"trace_file {str(self.trace_file)!r}: its directory "
+                                 f"{parent!r} does not exist.")
         parallel_config = self._parallel_config()
         lora_config = self._lora_config()
         quantization = verify_quantization(self.quantization)
@@ -203,4 +211,5 @@ class EngineArgs:
                                              preemption_mode=self.preemption_mode,
                                              max_loras=lora_config.max_loras if lora_config
                                              else 0),
-            lora_config=lora_config)
+            lora_config=lora_config,
+            trace_file=os.fspath(self.trace_file) if self.trace_file is not None else None)

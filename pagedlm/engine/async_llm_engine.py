@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable
 
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.engine_view import EngineView, take_engine_view
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.metrics import EngineMetrics, EngineSnapshot
 from pagedlm.inputs.preprocess import PromptType
@@ -224,6 +225,10 @@ class AsyncLLMEngine:
         self._submit(_Call(fn, args, loop, result))
         return await result
 
+    async def engine_view(self) -> EngineView:
+        """Queues, KV block map and counters, taken on the engine thread between steps."""
+        return await self._on_engine_thread(take_engine_view)
+
     async def add_lora(self, lora_request) -> bool:
         """Register and load an adapter (LLMEngine.add_lora: ValueError for a bad one)."""
         return await self._on_engine_thread(LLMEngine.add_lora, lora_request)
@@ -413,6 +418,9 @@ class AsyncLLMEngine:
                 break
             if isinstance(command, _Add):
                 self._call(command.stream.loop, _resolve, command.ack,
+                           AsyncEngineDeadError(f"the engine loop is not running: {error!r}"))
+            elif isinstance(command, _Call):  # e.g. an engine view: its caller must not hang
+                self._call(command.loop, _resolve, command.result,
                            AsyncEngineDeadError(f"the engine loop is not running: {error!r}"))
         try:  # free the KV blocks of whatever was running, if the engine still can
             self.engine.abort_request(ids)

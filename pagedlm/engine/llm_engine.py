@@ -21,6 +21,7 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.beam_search import BeamSearch
 from pagedlm.engine.output_processor import (OutputProcessor, make_embedding_output,
                                              make_request_output)
+from pagedlm.engine.tracer import StepTimes, StepTracer, TraceMeta
 from pagedlm.executor.abstract import Executor
 from pagedlm.inputs.preprocess import InputPreprocessor, ProcessedPrompt, PromptType
 from pagedlm.lora.request import LoRARequest
@@ -87,10 +88,13 @@ class LLMEngine:
         self.input_preprocessor = InputPreprocessor(self.tokenizer, mc.vocab_size)
         self.executor = Executor.get_class(config)(config, self.eos_token_ids)
         cc = config.cache_config
+        # None unless trace_file is set: step() then costs one `is not None` check.
+        self.tracer = StepTracer(config.trace_file) if config.trace_file else None
         self.block_manager = BlockManager(self.executor.num_gpu_blocks, cc.block_size,
                                           num_cpu_blocks=self.executor.num_cpu_blocks,
                                           enable_prefix_caching=cc.enable_prefix_caching,
-                                          hash_algo=cc.prefix_caching_hash_algo)
+                                          hash_algo=cc.prefix_caching_hash_algo,
+                                          tracer=self.tracer)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.request_builder = ExecuteModelRequestBuilder()
         self.seq_counter = itertools.count()
@@ -100,6 +104,12 @@ class LLMEngine:
         self.beam_searches: dict[str, BeamSearch] = {}
         self._beam_of: dict[str, BeamSearch] = {}  # beam step request id -> its search
         self.stats = EngineStats(self.scheduler.stats)
+        if self.tracer is not None:
+            sc = config.scheduler_config
+            self.tracer.start(TraceMeta(self.block_manager.num_blocks,
+                                        self.executor.num_cpu_blocks, cc.block_size,
+                                        sc.max_num_batched_tokens, sc.max_num_seqs,
+                                        sc.preemption_mode, mc.model))
         # Registered adapters by id (the workers cache and may evict them; a request naming an
         # evicted one makes them load it again from its path).
         self.loras: dict[int, LoRARequest] = {}
@@ -280,7 +290,10 @@ class LLMEngine:
         return self.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (worker processes or actors); idempotent."""
+        """Stop the executor's workers (worker processes or actors) and write the trace, if
+        tracing; idempotent."""
+        if self.tracer is not None:
+            self.tracer.close(self.block_manager)
         self.executor.shutdown()
 
     @property
@@ -293,8 +306,33 @@ class LLMEngine:
         return self.block_manager.usage()
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        if self.tracer is not None:
+            return self._traced_step()
         t0 = time.perf_counter()
+        return self._step(self.scheduler.schedule(), t0)
+
+    def _traced_step(self) -> list[RequestOutput]:
+        tracer, st = self.tracer, self.stats
+        t0 = time.perf_counter()
+        before = tracer.queues_before(self.scheduler)
+        hits = self.block_manager.prefix_hits
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        rec = tracer.scheduled(t0, sched, self.scheduler, before,
+                               self.block_manager.prefix_hits - hits)
+        if sched.is_empty and not rec.preempted:
+            return []  # nothing happened: no record
+        model = (st.prepare_time, st.forward_time, st.sample_time)
+        outputs = self._step(sched, t0)
+        t2 = time.perf_counter()
+        p, f, s = (a - b for a, b in zip(
+            (st.prepare_time, st.forward_time, st.sample_time), model))
+        tracer.finish(rec, sched, self.block_manager, t2,
+                      StepTimes(schedule=t1 - t0, prepare=p, forward=f, sample=s,
+                                output=t2 - t1 - p - f - s))
+        return outputs
+
+    def _step(self, sched: SchedulerOutput, t0: float) -> list[RequestOutput]:
         if sched.is_empty:
             return []
         reported = list(sched.ignored_groups)  # finished without running: still reported

@@ -115,7 +115,28 @@ def make_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     _add_log_level(chat, "warning")
     chat.set_defaults(func=cmd_chat)
+
+    trace = sub.add_parser(
+        "trace", formatter_class=_Formatter, help="Render a step trace (--trace-file) as HTML "
+                                                   "and PNG.",
+        description="Render a step trace written by --trace-file: DIR/trace.html (a "
+                    "self-contained timeline: requests x steps, prefill and decode, "
+                    "preemptions; the KV block map over time), DIR/timeline.png and "
+                    "DIR/kv_blocks.png. Needs matplotlib.")
+    trace.add_argument("file", metavar="FILE",
+                       help="The trace JSON (its .steps.jsonl beside it is read) or the "
+                            ".steps.jsonl itself.")
+    trace.add_argument("-o", "--output-dir", default="trace", metavar="DIR",
+                       help="Where to write the files.")
+    _add_log_level(trace, "warning")
+    trace.set_defaults(func=cmd_trace)
     return parser
+
+
+def cmd_trace(args: argparse.Namespace) -> None:
+    from pagedlm.engine.trace_render import render
+    for path in render(args.file, args.output_dir):
+        print(path)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -186,15 +207,25 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise SystemExit("error: empty prompt (give --prompt or pipe one in)")
     params = _sampling_params(args)
     engine, lora = _build_engine(args)
-    _stream(engine, "generate-0", prompt, params, sys.stdout, lora)
-    sys.stdout.write("\n")
+    try:
+        _stream(engine, "generate-0", prompt, params, sys.stdout, lora)
+        sys.stdout.write("\n")
+    finally:
+        engine.shutdown()  # writes --trace-file
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    from pagedlm.entrypoints.openai.serving_chat import apply_chat_template
-
     params = _sampling_params(args)
     engine, lora = _build_engine(args)
+    try:
+        _chat_loop(args, params, engine, lora)
+    finally:
+        engine.shutdown()  # writes --trace-file
+
+
+def _chat_loop(args: argparse.Namespace, params, engine, lora) -> None:
+    from pagedlm.entrypoints.openai.serving_chat import apply_chat_template
+
     tokenizer = engine.get_tokenizer()
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)

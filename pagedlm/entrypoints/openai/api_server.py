@@ -6,6 +6,8 @@ GET /metrics (Prometheus), GET /version; with runtime LoRA updating (--enable-ru
 or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true), POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter. With an API key, /v1/* needs `Authorization: Bearer
 KEY`. Errors are OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
+GET / is a web page (static files in ./static): a chat with the served model and a live engine
+view fed by GET /engine/events (server-sent events; it needs the API key like /v1/*).
 
     pagedlm serve [MODEL] --port 8000      (see pagedlm/entrypoints/cli.py)
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -24,14 +27,16 @@ from typing import Awaitable
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import (FileResponse, JSONResponse, PlainTextResponse, Response,
+                               StreamingResponse)
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedlm
-from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from pagedlm.entrypoints.openai.openapi import SSE_CONTENT, install_openapi, json_body, responses
 from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                  CompletionRequest, CompletionResponse,
@@ -51,9 +56,21 @@ from pagedlm.entrypoints.openai.serving_engine import (error_body, error_respons
 
 logger = logging.getLogger(__name__)
 
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+# The engine view's refresh rate: each view is a scan of the queues and block reference counts
+# on the engine thread, taken only while a page is connected.
+ENGINE_EVENTS_PER_S = 4.0
+# Each events response ends after this long and the page reconnects at once: uvicorn's graceful
+# shutdown waits for open responses, so an endless stream would hold up Ctrl-C for as long as a
+# page stays open.
+ENGINE_EVENTS_MAX_S = 5.0
+
 
 class APIKeyMiddleware:
-    """Pure ASGI (streaming and disconnects pass through untouched): /v1/* needs the key."""
+    """Pure ASGI (streaming and disconnects pass through untouched): /v1/* and /engine/* need
+    the key. The page reads /engine/events with fetch() and this header rather than with
+    EventSource (which cannot send headers): a key in the query string would end up in access
+    logs and browser history."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
@@ -61,7 +78,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
-                or not scope.get("path", "").startswith("/v1")):
+                or not scope.get("path", "").startswith(("/v1", "/engine/"))):
             return await self.app(scope, receive, send)
         given = Headers(scope=scope).get("authorization", "").encode()
         if not hmac.compare_digest(given, self.expected):
@@ -167,6 +184,35 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"),
+                            headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/engine/events", responses=responses(None, 401, 500, ok_content={
+        "text/event-stream": {"schema": {"type": "string"}}},
+        ok_description="The engine view (queues, KV block map, tokens per step) as server-sent "
+                       "events, a few per second; the stream ends after a few seconds and the "
+                       "page reconnects."))
+    async def engine_events() -> Response:
+        async def events():
+            end = loop.time() + ENGINE_EVENTS_MAX_S
+            while loop.time() < end:
+                try:
+                    view = await engine.engine_view()
+                except AsyncEngineDeadError:  # the stream ends; /health says why
+                    return
+                yield f"data: {json.dumps(dataclasses.asdict(view), separators=(',', ':'))}\n\n"
+                await asyncio.sleep(1 / ENGINE_EVENTS_PER_S)
+
+        if not engine.is_running:
+            return error_response(f"The engine is not running: {engine.dead_error!r}", 500)
+        loop = asyncio.get_running_loop()
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/models", response_model=ModelList, responses=responses(None, 401, 500))
     async def list_models() -> dict:
