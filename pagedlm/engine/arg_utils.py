@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from pagedlm.core.block_hash import HASH_ALGOS
-from pagedlm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, LoRAConfig,
+from pagedlm.config import (EXECUTOR_BACKENDS, KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig,
                             ModelConfig, ParallelConfig, SchedulerConfig)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
 
@@ -24,6 +24,7 @@ class EngineArgs:
     seed: int = 0
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16, float16
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
@@ -117,6 +118,9 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}.")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}.")
         parallel_config = self._parallel_config()
         lora_config = self._lora_config()
         model_dir = resolve_model(self.model)
@@ -147,7 +151,8 @@ class EngineArgs:
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-                                     swap_space_bytes=swap_bytes),
+                                     swap_space_bytes=swap_bytes,
+                                     cache_dtype=KV_CACHE_DTYPES[self.kv_cache_dtype]),
             parallel_config=parallel_config,
             scheduler_config=SchedulerConfig(max_num_batched_tokens=batched,
                                              max_num_seqs=self.max_num_seqs,

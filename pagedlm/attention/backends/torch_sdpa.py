@@ -74,8 +74,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             mask = (cols <= rows) & (cols > rows - sliding_window)
     else:
         total = p.context_len + n
-        k = gather_blocks(k_cache, p.block_table[None])[:, :, :total]
-        v = gather_blocks(v_cache, p.block_table[None])[:, :, :total]
+        k = gather_blocks(k_cache, p.block_table[None])[:, :, :total].to(query.dtype)
+        v = gather_blocks(v_cache, p.block_table[None])[:, :, :total].to(query.dtype)
         # Query i sits at position context_len + i and sees keys up to there.
         rows = torch.arange(n).unsqueeze(1) + p.context_len
         cols = torch.arange(total).unsqueeze(0)
@@ -110,7 +110,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     # The cache is allocated uninitialised: zero the padding read here, or NaN bit patterns
     # would survive the mask as 0 * NaN.
     keep = mask.view(nd, 1, -1, 1)
-    k = gather_blocks(k_cache, meta.decode_block_tables).where(keep, 0.0)
-    v = gather_blocks(v_cache, meta.decode_block_tables).where(keep, 0.0)
+    k = gather_blocks(k_cache, meta.decode_block_tables).to(query.dtype).where(keep, 0.0)
+    v = gather_blocks(v_cache, meta.decode_block_tables).to(query.dtype).where(keep, 0.0)
     o = _attend(q, k, v, mask, scale, logits_soft_cap)
     out[:nd] = o.squeeze(2)
