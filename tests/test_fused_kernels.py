@@ -32,8 +32,7 @@ def _torch_rms(x, w, eps, residual=None):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)), x
 
 
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("hidden", [576, 64, 4096])
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (7, 576), (300, 576), (7, 64)])
 def test_rms_norm(tokens, hidden):
     g = torch.Generator().manual_seed(tokens * hidden)
     norm = RMSNorm(hidden, 1e-5)
@@ -51,8 +50,7 @@ def test_rms_norm(tokens, hidden):
     assert torch.equal(residual, residual.clone()) and x.data_ptr() == wide.data_ptr()
 
 
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("inter", [1536, 8])
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (7, 1536), (300, 1536), (3, 8)])
 def test_silu_and_mul(tokens, inter):
     g = torch.Generator().manual_seed(tokens + inter)
     # Wide range: both sigmoid branches, saturation, and exact zeros.
@@ -128,7 +126,8 @@ def _rounded_scenario(scenario, dtype):
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("backend", [NativeKernelBackend, TorchSDPABackend])
-@pytest.mark.parametrize("case", range(len(CASES)))
+# Decodes only, decodes with a context chunk, fresh prompts around one, long (SDPA) chunks.
+@pytest.mark.parametrize("case", [1, 4, 5, 6, 8])
 def test_attention_over_narrow_cache(cache_dtype, backend, case):
     decode_lens, chunks = CASES[case]
     scenario = _scenario(case, decode_lens, chunks, num_kv_heads=3, group=3, head_dim=64)

@@ -2,7 +2,7 @@
 
 float32 rows go through the native library's one-call kernel (attention/kernels.py) where it
 is available: the PyTorch form is eight dispatches (add, float, pow, mean, add, rsqrt, mul,
-mul), which at batch 1 cost ~10x the arithmetic; measured figures in the fast-decode notes.
+mul), which at batch 1 cost far more than the arithmetic (figures in attention/kernels.py).
 """
 from __future__ import annotations
 
