@@ -67,6 +67,11 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if p.context_len == 0:
         k = key[p.start:p.end].transpose(0, 1).unsqueeze(0)
         v = value[p.start:p.end].transpose(0, 1).unsqueeze(0)
+        if k_cache.dtype != key.dtype:
+            # Round as the cache does, so a prompt attends to the same K/V whether it is
+            # computed fresh or read back (prefix-cache hit, chunk, recompute): outputs must
+            # not depend on which of those happened.
+            k, v = k.to(k_cache.dtype).to(key.dtype), v.to(v_cache.dtype).to(value.dtype)
         mask = None  # causal
         if sliding_window is not None and sliding_window < n:
             rows = torch.arange(n).unsqueeze(1)
