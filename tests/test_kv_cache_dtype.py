@@ -55,17 +55,25 @@ def test_narrow_cache_close_to_float32(reference, narrow):
     assert worst < 0.1, (name, worst)
 
 
+def assert_same_run(got, want):
+    """The same greedy tokens; logprobs equal up to float rounding (a prefix read from the
+    cache goes through the paged kernel, a fresh one through SDPA: same values, other sums)."""
+    for (g_ids, g_lp), (w_ids, w_lp) in zip(got, want):
+        assert g_ids == w_ids
+        assert max(abs(a - b) for a, b in zip(g_lp, w_lp)) < 1e-3
+
+
 def test_narrow_cache_prefix_caching_and_swap(narrow):
     name, llm, got = narrow
     # Second pass over the same prompts: their blocks come from the prefix cache.
     bm = llm.llm_engine.block_manager
     hits = bm.prefix_hits
-    assert run(llm) == got
+    assert_same_run(run(llm), got)
     assert bm.prefix_hits > hits
     # A cache too small for the batch: swapped-out blocks come back as they were.
     small = LLM(num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.25,
                 kv_cache_dtype=name)
-    assert run(small) == got
+    assert_same_run(run(small), got)
     stats = small.llm_engine.stats
     assert stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out
 
