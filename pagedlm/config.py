@@ -181,6 +181,17 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # or "builtin" (see core/block_hash.py)
     swap_space_bytes: int = 0  # host memory for swapped-out blocks
+    # Element type of the KV cache; None: the model's dtype. A narrower one halves the bytes
+    # per block (more blocks in the same budget) at the cost of rounding K/V once.
+    cache_dtype: torch.dtype | None = None
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.cache_dtype or model_dtype
+
+
+# kv_cache_dtype values: "auto" is the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}
 
 
 @dataclass

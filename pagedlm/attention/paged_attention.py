@@ -7,7 +7,9 @@ own fresh K/V; one with earlier context (a recomputed or chunked prompt) reads t
 decode does.
 
 Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V (on a
-tensor-parallel rank, num_kv_heads is that rank's heads).
+tensor-parallel rank, num_kv_heads is that rank's heads). The cache's dtype (kv_cache_dtype) may
+be narrower than the model's: K/V are rounded to it when written and widened back when read,
+and attention itself runs in the model's dtype.
 
 How the attention itself is computed is an AttentionBackend's business (``backends/``): PyTorch
 SDPA everywhere, or the native C kernel for float32 on the CPU. The model picks one when it is
@@ -53,8 +55,9 @@ class AttentionMetadata:
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                         value.to(v_cache.dtype))
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 
 from pagedlm.core.block_hash import HASH_ALGOS
-from pagedlm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, LoRAConfig,
-                            ModelConfig, ParallelConfig, SchedulerConfig)
+from pagedlm.config import (EXECUTOR_BACKENDS, KV_CACHE_DTYPES, CacheConfig, EngineConfig,
+                            LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 from pagedlm.model_executor.layers.quantization import (get_quantization_config,
                                                         verify_quantization)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
@@ -27,6 +27,7 @@ class EngineArgs:
     seed: int = 0
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16, float16
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
@@ -155,6 +156,9 @@ class EngineArgs:
             if not os.path.isdir(parent):
                 raise ValueError(f"trace_file {str(self.trace_file)!r}: its directory "
                                  f"{parent!r} does not exist.")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}.")
         parallel_config = self._parallel_config()
         lora_config = self._lora_config()
         quantization = verify_quantization(self.quantization)
@@ -201,7 +205,8 @@ class EngineArgs:
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      enable_prefix_caching=prefix_caching,
                                      prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-                                     swap_space_bytes=swap_bytes),
+                                     swap_space_bytes=swap_bytes,
+                                     cache_dtype=KV_CACHE_DTYPES[self.kv_cache_dtype]),
             parallel_config=parallel_config,
             scheduler_config=SchedulerConfig(max_num_batched_tokens=batched,
                                              max_num_seqs=self.max_num_seqs,

@@ -31,6 +31,9 @@ _HELP = {
     "block_size": "Tokens per KV-cache block.",
     "kv_cache_memory_bytes": "KV-cache size: a byte count or a size such as 2GiB, 512MiB, 1.5GB. "
                              "Default: --gpu-memory-utilization of the memory available.",
+    "kv_cache_dtype": "KV-cache element type: auto (the model's dtype), float32, bfloat16, "
+                      "float16. A 2-byte type holds twice the tokens in the same memory; K/V "
+                      "are rounded to it once, attention still computes in the model's dtype.",
     "num_gpu_blocks_override": "Exact number of KV-cache blocks (overrides the memory "
                                "settings).",
     "gpu_memory_utilization": "Share of the memory available at start-up the KV cache may use, "
@@ -69,7 +72,8 @@ _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcf
             "distributed_executor_backend": list(EXECUTOR_BACKENDS),
             "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"],
             "quantization": ["int8", "int4", "gguf"],
-            "runner": ["generate", "pooling"], "pooling_type": ["LAST", "MEAN"]}
+            "runner": ["generate", "pooling"], "pooling_type": ["LAST", "MEAN"],
+            "kv_cache_dtype": ["auto", "float32", "bfloat16", "float16"]}
 # Extra spellings, as vLLM users know them.
 _ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"], "tensor_parallel_size": ["-tp"],
             "pipeline_parallel_size": ["-pp"]}

@@ -13,18 +13,20 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key, value) blo
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int,
-                       num_kv_heads: int | None = None, num_layers: int | None = None) -> int:
+                       num_kv_heads: int | None = None, num_layers: int | None = None,
+                       dtype: torch.dtype | None = None) -> int:
     """Bytes of one block over all layers. On a parallel rank pass its own KV heads
     (model_config.get_num_kv_heads(tp)) and layer count (model_config.get_num_layers(pp, rank));
-    the defaults are the whole model's."""
-    elem = torch.tensor([], dtype=model_config.dtype).element_size()
+    the defaults are the whole model's. dtype: the cache's (default the model's)."""
+    elem = torch.tensor([], dtype=dtype or model_config.dtype).element_size()
     num_kv_heads = num_kv_heads or model_config.num_kv_heads
     num_layers = num_layers or model_config.num_layers
     return 2 * num_layers * block_size * num_kv_heads * model_config.head_dim * elem
 
 
 def _allocate(num_blocks: int, model_config: ModelConfig, block_size: int,
-              num_kv_heads: int | None = None, num_layers: int | None = None) -> KVCache:
+              num_kv_heads: int | None = None, num_layers: int | None = None,
+              dtype: torch.dtype | None = None) -> KVCache:
     """Per layer (of this rank's stage: index i is its i-th layer) a (key, value) pair of
     [num_blocks, block_size, num_kv_heads, head_dim]; defaults as in kv_bytes_per_block."""
     num_kv_heads = num_kv_heads or model_config.num_kv_heads
@@ -32,8 +34,8 @@ def _allocate(num_blocks: int, model_config: ModelConfig, block_size: int,
     shape = (num_blocks, block_size, num_kv_heads, model_config.head_dim)
     # Empty, not zeroed: pages are only faulted in when a block is first written, so a large
     # cache costs nothing up front. Attention never uses unwritten slots unmasked.
-    return [(torch.empty(shape, dtype=model_config.dtype),
-             torch.empty(shape, dtype=model_config.dtype))
+    dtype = dtype or model_config.dtype
+    return [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
             for _ in range(num_layers)]
 
 
@@ -53,10 +55,11 @@ class CacheEngine:
                  num_gpu_blocks: int, num_cpu_blocks: int = 0,
                  num_kv_heads: int | None = None, num_layers: int | None = None) -> None:
         """num_kv_heads / num_layers: this rank's (see kv_bytes_per_block); default the model's."""
+        dtype = cache_config.kv_dtype(model_config.dtype)
         self.kv_caches = _allocate(num_gpu_blocks, model_config, cache_config.block_size,
-                                   num_kv_heads, num_layers)
+                                   num_kv_heads, num_layers, dtype)
         self.host_kv_caches = _allocate(num_cpu_blocks, model_config, cache_config.block_size,
-                                        num_kv_heads, num_layers)
+                                        num_kv_heads, num_layers, dtype)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         _copy(self.kv_caches, self.host_kv_caches, pairs)

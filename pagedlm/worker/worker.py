@@ -85,7 +85,8 @@ class Worker:
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, host blocks) this rank can hold; the executor takes the minimum."""
         cc, sc = self.cache_config, self.config.scheduler_config
-        per_block = kv_bytes_per_block(self.model_config, cc.block_size, *self._kv_shape())
+        per_block = kv_bytes_per_block(self.model_config, cc.block_size, *self._kv_shape(),
+                                       dtype=cc.kv_dtype(self.model_config.dtype))
         num_cpu_blocks = cc.swap_space_bytes // per_block
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override, num_cpu_blocks

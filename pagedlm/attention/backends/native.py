@@ -1,4 +1,5 @@
-"""Paged attention through the native C + OpenMP kernel (``attention/kernels.py``), float32 CPU.
+"""Paged attention through the native C + OpenMP kernel (``attention/kernels.py``), float32 CPU
+queries over a float32, bfloat16 or float16 cache.
 
 The rows that read the cache (decodes, and prefill chunks of at most KERNEL_MAX_CHUNK_TOKENS
 tokens with earlier context) go through the kernel in one call per layer: it reads each
@@ -35,7 +36,10 @@ class NativeKernelBackend(AttentionBackend):
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale, sliding_window=None,
                 logits_soft_cap=None) -> torch.Tensor:
-        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if _native_write(key, value, meta.slot_mapping):
+            kernels.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         _kernel_attention(query, k_cache, v_cache, meta, scale, out, sliding_window,
                           logits_soft_cap)
@@ -44,6 +48,16 @@ class NativeKernelBackend(AttentionBackend):
                 prefill_attention(query, key, value, k_cache, v_cache, p, scale, out,
                                   sliding_window, logits_soft_cap)
         return out
+
+
+def _native_write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether the C cache write takes these: float32 rows whose heads are contiguous (views of
+    the QKV projection are), int64 slots. One call replaces two index_copy_ and a cast per
+    layer."""
+    d = key.shape[-1]
+    return (slots.dtype == torch.int64 and key.dtype == value.dtype == torch.float32
+            and key.stride()[1:] == (d, 1) and value.stride()[1:] == (d, 1)
+            and slots.is_contiguous())
 
 
 @dataclass

@@ -67,6 +67,11 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if p.context_len == 0:
         k = key[p.start:p.end].transpose(0, 1).unsqueeze(0)
         v = value[p.start:p.end].transpose(0, 1).unsqueeze(0)
+        if k_cache.dtype != key.dtype:
+            # Round as the cache does, so a prompt attends to the same K/V whether it is
+            # computed fresh or read back (prefix-cache hit, chunk, recompute): outputs must
+            # not depend on which of those happened.
+            k, v = k.to(k_cache.dtype).to(key.dtype), v.to(v_cache.dtype).to(value.dtype)
         mask = None  # causal
         if sliding_window is not None and sliding_window < n:
             rows = torch.arange(n).unsqueeze(1)
@@ -74,8 +79,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             mask = (cols <= rows) & (cols > rows - sliding_window)
     else:
         total = p.context_len + n
-        k = gather_blocks(k_cache, p.block_table[None])[:, :, :total]
-        v = gather_blocks(v_cache, p.block_table[None])[:, :, :total]
+        k = gather_blocks(k_cache, p.block_table[None])[:, :, :total].to(query.dtype)
+        v = gather_blocks(v_cache, p.block_table[None])[:, :, :total].to(query.dtype)
         # Query i sits at position context_len + i and sees keys up to there.
         rows = torch.arange(n).unsqueeze(1) + p.context_len
         cols = torch.arange(total).unsqueeze(0)
@@ -110,7 +115,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     # The cache is allocated uninitialised: zero the padding read here, or NaN bit patterns
     # would survive the mask as 0 * NaN.
     keep = mask.view(nd, 1, -1, 1)
-    k = gather_blocks(k_cache, meta.decode_block_tables).where(keep, 0.0)
-    v = gather_blocks(v_cache, meta.decode_block_tables).where(keep, 0.0)
+    k = gather_blocks(k_cache, meta.decode_block_tables).to(query.dtype).where(keep, 0.0)
+    v = gather_blocks(v_cache, meta.decode_block_tables).to(query.dtype).where(keep, 0.0)
     o = _attend(q, k, v, mask, scale, logits_soft_cap)
     out[:nd] = o.squeeze(2)

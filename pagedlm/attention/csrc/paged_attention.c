@@ -1,4 +1,8 @@
-/* Paged attention over a block-structured KV cache, float32, CPU (OpenMP).
+/* Paged attention over a block-structured KV cache, float32 queries, CPU (OpenMP).
+ *
+ * The cache holds float32, bfloat16 or float16 elements (kv_type, see kv_types.h); rows of a
+ * lower-precision cache are widened to float32 as a tile is loaded, so all arithmetic is
+ * float32 whatever the storage.
  *
  * Cache layout (both K and V): [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
  * query/out: [num_tokens, num_q_heads, head_dim], contiguous.
@@ -17,6 +21,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "kv_types.h"
 
 #define TILE_KEYS 32 /* keys scored per online-softmax step (rounded to whole blocks) */
 #define ROWS_PER_THREAD 2048 /* K/V rows (x kv heads) below which another thread costs more */
@@ -68,11 +74,15 @@ __attribute__((noinline)) static void soft_cap_scores(float* s, int G, int n, in
 
 /* One (token, kv head): out[g] = softmax(scale * q[g] K^T) V for its G query heads.
  * Scratch: q, acc [G * D]; s [G * tile]; m, l [G]; rows [2 * tile]. */
-REASSOC static void attend_one(float* out, const float* query, const float* k_cache,
-                               const float* v_cache, const int32_t* blocks, int ctx_len,
-                               int kvh, int G, int D, int num_kv_heads, int block_size,
-                               int tile, float scale, int window, float soft_cap, float* q,
-                               float* acc, float* s, float* m, float* l, size_t* rows) {
+REASSOC static void attend_one(float* out, const float* query, const void* k_cache,
+                               const void* v_cache, int kv_type, const int32_t* blocks,
+                               int ctx_len, int kvh, int G, int D, int num_kv_heads,
+                               int block_size, int tile, float scale, int window,
+                               float soft_cap, float* q, float* acc, float* s, float* m,
+                               float* l, size_t* rows, float* kbuf, float* vbuf,
+                               const float** kp, const float** vp) {
+    const size_t elem = kv_elem_size(kv_type);
+    const char *kc = (const char*)k_cache, *vc = (const char*)v_cache;
     const size_t row_stride = (size_t)num_kv_heads * D, head_off = (size_t)kvh * D;
     for (int i = 0; i < G * D; i++) q[i] = query[i] * scale;
     for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
@@ -87,13 +97,25 @@ REASSOC static void attend_one(float* out, const float* query, const float* k_ca
         const int n_next = tile_rows(next, blocks, start + tile, ctx_len, tile, block_size,
                                      row_stride, head_off);
         for (int j = 0; j < n_next; j++) /* one per 64-byte line, into L2 (L1 is slower) */
-            for (int d = 0; d < D; d += 16) {
-                __builtin_prefetch(k_cache + next[j] + d, 0, 2);
-                __builtin_prefetch(v_cache + next[j] + d, 0, 2);
+            for (size_t b = 0; b < (size_t)D * elem; b += 64) {
+                __builtin_prefetch(kc + next[j] * elem + b, 0, 2);
+                __builtin_prefetch(vc + next[j] * elem + b, 0, 2);
             }
+        /* This tile's K/V rows as float32: in place for a float32 cache, else widened. */
+        for (int j = 0; j < n; j++) {
+            if (kv_type == KV_F32) {
+                kp[j] = (const float*)k_cache + cur[j];
+                vp[j] = (const float*)v_cache + cur[j];
+            } else {
+                kv_load_row(kbuf + (size_t)j * D, kc + cur[j] * elem, D, kv_type);
+                kv_load_row(vbuf + (size_t)j * D, vc + cur[j] * elem, D, kv_type);
+                kp[j] = kbuf + (size_t)j * D;
+                vp[j] = vbuf + (size_t)j * D;
+            }
+        }
         /* Scores s[g * tile + j] = q_g . k_j (scale already in q). */
         for (int j = 0; j < n; j++) {
-            const float* k = k_cache + cur[j];
+            const float* k = kp[j];
             for (int g = 0; g < G; g++) {
                 const float* qg = q + g * D;
                 float dot = 0.0f;
@@ -121,7 +143,7 @@ REASSOC static void attend_one(float* out, const float* query, const float* k_ca
         for (int j = 0; j < n; j += 4) {
             const int r = n - j < 4 ? n - j : 4;
             const float* v[4];
-            for (int i = 0; i < 4; i++) v[i] = v_cache + cur[j + (i < r ? i : 0)];
+            for (int i = 0; i < 4; i++) v[i] = vp[j + (i < r ? i : 0)];
             for (int g = 0; g < G; g++) {
                 float w[4], *ag = acc + g * D;
                 for (int i = 0; i < 4; i++) w[i] = i < r ? s[g * tile + j + i] : 0.0f;
@@ -140,8 +162,8 @@ REASSOC static void attend_one(float* out, const float* query, const float* k_ca
     }
 }
 
-void paged_attention_f32(float* out, const float* query, const float* k_cache,
-                         const float* v_cache, const int32_t* block_tables,
+void paged_attention_f32(float* out, const float* query, const void* k_cache,
+                         const void* v_cache, int kv_type, const int32_t* block_tables,
                          const int32_t* token_seq, const int32_t* token_ctx_len, int num_tokens,
                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                          int max_blocks_per_seq, float scale, int window, float soft_cap,
@@ -160,16 +182,20 @@ void paged_attention_f32(float* out, const float* query, const float* k_cache,
     {
         float buf[(size_t)G * (2 * head_dim + tile + 2)]; /* per-thread scratch */
         size_t rows[2 * tile];
+        const float *kp[tile], *vp[tile];
+        /* Widened K/V rows of one tile (lower-precision caches only). */
+        float kvbuf[kv_type == KV_F32 ? 1 : 2 * (size_t)tile * head_dim];
         float *q = buf, *acc = q + (size_t)G * head_dim, *s = acc + (size_t)G * head_dim;
         float *m = s + (size_t)G * tile, *l = m + G;
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < num_items; item++) {
             const int t = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
             const size_t off = ((size_t)t * num_q_heads + (size_t)kvh * G) * head_dim;
-            attend_one(out + off, query + off, k_cache, v_cache,
+            attend_one(out + off, query + off, k_cache, v_cache, kv_type,
                        block_tables + (size_t)token_seq[t] * max_blocks_per_seq,
                        token_ctx_len[t], kvh, G, head_dim, num_kv_heads, block_size, tile,
-                       scale, window, soft_cap, q, acc, s, m, l, rows);
+                       scale, window, soft_cap, q, acc, s, m, l, rows, kvbuf,
+                       kv_type == KV_F32 ? kvbuf : kvbuf + (size_t)tile * head_dim, kp, vp);
         }
     }
 }

@@ -8,11 +8,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.attention import kernels
+
 
 class SiluAndMul(nn.Module):
-    """x = [gate, up] along the last dim -> silu(gate) * up."""
+    """x = [gate, up] along the last dim -> silu(gate) * up; float32 [T, 2I] in one native call
+    (the PyTorch form is chunk, silu, mul: three dispatches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.native = kernels.fused_ops_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.native and x.dtype is torch.float32 and x.dim() == 2 and x.stride(1) == 1
+                and x.device.type == "cpu"):
+            return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

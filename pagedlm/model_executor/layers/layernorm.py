@@ -1,8 +1,15 @@
-"""RMSNorm, optionally fused with the residual add that precedes it; Gemma's (1 + w) variant."""
+"""RMSNorm, optionally fused with the residual add that precedes it; Gemma's (1 + w) variant.
+
+float32 rows go through the native library's one-call kernel (attention/kernels.py) where it
+is available: the PyTorch form is eight dispatches (add, float, pow, mean, add, rsqrt, mul,
+mul), which at batch 1 cost far more than the arithmetic (figures in attention/kernels.py).
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedlm.attention import kernels
 
 
 class RMSNorm(nn.Module):
@@ -11,6 +18,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        # Decided once: the library builds (or not) for the whole process.
+        self.native = kernels.fused_ops_enabled()
+
+    def _native_ok(self, x: torch.Tensor) -> bool:
+        return (self.native and x.dtype is torch.float32 and self.weight.dtype is torch.float32
+                and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu")
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as HF does, then cast back, so bf16 runs match it too.
@@ -20,6 +33,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self._native_ok(x) and (residual is None or self._native_ok(residual)):
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

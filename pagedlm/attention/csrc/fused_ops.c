@@ -1,0 +1,116 @@
+/* The small per-layer float32 ops of a decoder layer, each one call instead of several torch
+ * ops: at batch 1 a layer's elementwise work is a few microseconds of arithmetic but a dozen
+ * torch dispatches (about 5-10 us each), so the dispatches, not the arithmetic, cost the time.
+ *
+ * Rows are independent; large batches (prefill) are split over OpenMP threads, small ones run
+ * on the calling thread, where waking a team would cost more than the work.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kv_types.h"
+
+#define PAR_MIN_ELEMS 65536 /* elements below which one thread does the whole call */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define REASSOC __attribute__((optimize("associative-math", "no-signed-zeros", "no-trapping-math")))
+#else
+#define REASSOC
+#endif
+
+/* exp(x) for x <= 0 that vectorizes (Cephes polynomial, relative error < 1e-7). */
+REASSOC static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float pow2n;
+    memcpy(&pow2n, &bits, sizeof pow2n);
+    return p * pow2n;
+}
+
+/* residual_out = x + residual (when residual is given), then
+ * out = weight * (h / sqrt(mean(h^2) + eps)) with h = residual_out (or x). Row strides in
+ * elements; out and residual_out are contiguous [T, H]. */
+REASSOC void rms_norm_f32(float* out, float* residual_out, const float* x, int64_t x_stride,
+                          const float* residual, int64_t res_stride, const float* weight,
+                          int T, int H, float eps) {
+#pragma omp parallel for if ((int64_t)T * H >= PAR_MIN_ELEMS) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float* xr = x + (size_t)t * x_stride;
+        const float* h = xr;
+        if (residual) {
+            float* ro = residual_out + (size_t)t * H;
+            const float* rr = residual + (size_t)t * res_stride;
+            for (int i = 0; i < H; i++) ro[i] = xr[i] + rr[i];
+            h = ro;
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < H; i++) ss += h[i] * h[i];
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        float* o = out + (size_t)t * H;
+        for (int i = 0; i < H; i++) o[i] = weight[i] * (h[i] * inv);
+    }
+}
+
+/* out[t, i] = silu(x[t, i]) * x[t, I + i]; x row stride in elements, out contiguous [T, I]. */
+REASSOC void silu_and_mul_f32(float* out, const float* x, int64_t x_stride, int T, int I) {
+#pragma omp parallel for if ((int64_t)T * I >= PAR_MIN_ELEMS) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float* g = x + (size_t)t * x_stride;
+        const float* u = g + I;
+        float* o = out + (size_t)t * I;
+#pragma omp simd
+        for (int i = 0; i < I; i++) {
+            /* sigmoid through exp of a non-positive number only: no overflow either side. */
+            const float e = exp_nonpos(-fabsf(g[i]));
+            const float sig = (g[i] >= 0.0f ? 1.0f : e) / (1.0f + e);
+            o[i] = g[i] * sig * u[i];
+        }
+    }
+}
+
+/* Rotate-half rotary embedding, in place, on the first 2 * half features of each head of q
+ * [T, Hq, D] and k [T, Hk, D] (row strides q_stride / k_stride, heads contiguous at stride D).
+ * cos/sin: [max_position, half] tables, looked up by positions[t]. */
+void rotary_f32(float* q, int64_t q_stride, int Hq, float* k, int64_t k_stride, int Hk,
+                const int64_t* positions, const float* cos_table, const float* sin_table,
+                int T, int D, int half) {
+#pragma omp parallel for if ((int64_t)T * (Hq + Hk) * D >= PAR_MIN_ELEMS) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float* c = cos_table + (size_t)positions[t] * half;
+        const float* s = sin_table + (size_t)positions[t] * half;
+        for (int h = 0; h < Hq + Hk; h++) {
+            float* x = h < Hq ? q + (size_t)t * q_stride + (size_t)h * D
+                              : k + (size_t)t * k_stride + (size_t)(h - Hq) * D;
+            for (int i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[half + i];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[half + i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* Write each token's K and V rows ([T, Hk * D] at row strides k_stride / v_stride) into cache
+ * slot slots[t] ([num_slots, Hk * D] caches of kv_type), converting from float32. */
+void write_kv_f32(void* k_cache, void* v_cache, int kv_type, const float* k, int64_t k_stride,
+                  const float* v, int64_t v_stride, const int64_t* slots, int T, int row) {
+    const size_t bytes = (size_t)row * kv_elem_size(kv_type);
+    for (int t = 0; t < T; t++) {
+        kv_store_row((char*)k_cache + (size_t)slots[t] * bytes, k + (size_t)t * k_stride, row,
+                     kv_type);
+        kv_store_row((char*)v_cache + (size_t)slots[t] * bytes, v + (size_t)t * v_stride, row,
+                     kv_type);
+    }
+}

@@ -1,0 +1,151 @@
+"""The native fused per-layer ops and the narrow KV-cache dtypes, against plain PyTorch.
+
+Each fused op (RMSNorm with and without the residual add, SiLU-and-mul, rotary embedding, the
+KV-cache write) is compared with the PyTorch form it replaces, on random inputs of the default
+model's shapes (and GQA, partial rotary, views into a wider QKV output). Paged attention over a
+bfloat16 / float16 cache is compared, for both backends, with a dense float64 recomputation over
+the same K/V rounded to the cache dtype.
+"""
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedlm.attention import kernels
+from pagedlm.attention.backends import NativeKernelBackend, TorchSDPABackend, paged_attention
+from pagedlm.model_executor.layers.activation import SiluAndMul
+from pagedlm.model_executor.layers.layernorm import RMSNorm
+from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from tests.test_paged_attention import CASES, _dense_reference, _scenario
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
+
+# Token counts: a decode, a small ragged batch, and one large enough to take the threaded path.
+TOKENS = [1, 7, 300]
+
+
+def _torch_rms(x, w, eps, residual=None):
+    if residual is not None:
+        x = x + residual
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)), x
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (7, 576), (300, 576), (7, 64)])
+def test_rms_norm(tokens, hidden):
+    g = torch.Generator().manual_seed(tokens * hidden)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden, generator=g)
+    assert norm.native
+    wide = torch.randn(tokens, hidden + 32, generator=g) * 3
+    x = wide[:, :hidden]  # a view with a row stride, as a split of a wider output is
+    residual = torch.randn(tokens, hidden, generator=g)
+    ref, ref_res = _torch_rms(x, norm.weight.data, 1e-5)
+    torch.testing.assert_close(norm(x), ref, rtol=1e-5, atol=1e-5)
+    out, res = norm(x, residual)
+    ref, ref_res = _torch_rms(x, norm.weight.data, 1e-5, residual)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(res, ref_res)  # the add is exact
+    assert torch.equal(residual, residual.clone()) and x.data_ptr() == wide.data_ptr()
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (7, 1536), (300, 1536), (3, 8)])
+def test_silu_and_mul(tokens, inter):
+    g = torch.Generator().manual_seed(tokens + inter)
+    # Wide range: both sigmoid branches, saturation, and exact zeros.
+    x = torch.randn(tokens, 2 * inter, generator=g) * 8
+    x[0, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])
+    act = SiluAndMul()
+    assert act.native
+    ref = F.silu(x[:, :inter]) * x[:, inter:]
+    torch.testing.assert_close(act(x), ref, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [
+    (9, 3, 64, None),    # the default model (GQA 3:1)
+    (4, 4, 128, None),   # MHA, wider heads
+    (8, 2, 96, 48),      # partial rotary (Phi-style)
+])
+def test_rotary_in_place(tokens, heads, kv_heads, head_dim, rotary_dim):
+    g = torch.Generator().manual_seed(tokens * heads + head_dim)
+    rot = RotaryEmbedding(head_dim, 4096, 10000.0, rotary_dim=rotary_dim)
+    assert rot.native
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g)
+    q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    positions[0] = 4095
+    v_before = v.clone()
+    rot.native = False
+    ref_q, ref_k = rot(positions, q.clone(), k.clone())
+    rot.native = True
+    out_q, out_k = rot(positions, q, k)
+    assert out_q.data_ptr() == q.data_ptr()  # rotated in place
+    torch.testing.assert_close(out_q, ref_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out_k, ref_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("cache_dtype", kernels.KV_CACHE_DTYPES)
+def test_write_kv_rounds_like_torch(cache_dtype):
+    g = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kv_heads, head_dim, tokens = 9, 16, 3, 64, 21
+    qkv = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim, generator=g) * 50
+    # NaN, infinities, a float32 subnormal, a value that overflows float16.
+    qkv[0, 3 * head_dim:3 * head_dim + 5] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 1e-40, 7e4])
+    key = qkv[:, 3 * head_dim:][:, :kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = qkv[:, -kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
+              for _ in range(4)]
+    kernels.write_kv(key, value, caches[0], caches[1], slots)
+    flat = [c.view(-1, kv_heads, head_dim) for c in caches]
+    flat[2][slots] = key.to(cache_dtype)
+    flat[3][slots] = value.to(cache_dtype)
+    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
+
+
+def _rounded_scenario(scenario, dtype):
+    """The scenario with its cache in `dtype`, and the dense reference's K/V rounded the same
+    way for every row: fresh prompts too attend to K/V as the cache holds them, so results do
+    not depend on whether a prefix came from the cache."""
+    query, key, value, k_cache, v_cache, meta, dense = scenario
+    dense = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in dense]
+    return query, key, value, k_cache.to(dtype), v_cache.to(dtype), meta, dense
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", [NativeKernelBackend, TorchSDPABackend])
+# Decodes only, decodes with a context chunk, fresh prompts around one, long (SDPA) chunks.
+@pytest.mark.parametrize("case", [1, 4, 5, 6, 8])
+def test_attention_over_narrow_cache(cache_dtype, backend, case):
+    decode_lens, chunks = CASES[case]
+    scenario = _scenario(case, decode_lens, chunks, num_kv_heads=3, group=3, head_dim=64)
+    query, key, value, k_cache, v_cache, meta, dense = _rounded_scenario(scenario, cache_dtype)
+    scale = 1 / math.sqrt(query.shape[-1])
+    out = paged_attention(query, key, value, k_cache, v_cache, meta, scale,
+                          backend=backend())
+    assert k_cache.dtype == cache_dtype and out.dtype == torch.float32
+    torch.testing.assert_close(out, _dense_reference(query, dense, scale), rtol=2e-5,
+                               atol=2e-5)
+    # What this step wrote is the step's K/V rounded to the cache dtype.
+    kv_heads, head_dim = k_cache.shape[-2:]
+    written = k_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping]
+    assert torch.equal(written, key.to(cache_dtype))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_narrow_cache_window_and_soft_cap(cache_dtype):
+    """Sliding window and soft-capping read the narrow cache the same way in both backends."""
+    scenario = _scenario(11, [40, 3, 130], [(50, 6)], num_kv_heads=2, group=4, head_dim=128)
+    query, key, value, k_cache, v_cache, meta, _ = _rounded_scenario(scenario, cache_dtype)
+    scale = 128 ** -0.5
+    outs = [paged_attention(query, key, value, k_cache.clone(), v_cache.clone(), meta, scale,
+                            backend=b(), sliding_window=32, logits_soft_cap=20.0)
+            for b in (NativeKernelBackend, TorchSDPABackend)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-5, atol=2e-5)

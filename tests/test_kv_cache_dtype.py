@@ -1,0 +1,86 @@
+"""kv_cache_dtype end to end on the default model: a 2-byte cache holds twice the blocks in the
+same memory, greedy tokens and logprobs stay close to the float32 cache's, prefix caching and
+swap preemption reproduce the narrow cache's own outputs, and bad values are rejected."""
+from __future__ import annotations
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.engine.arg_utils import EngineArgs
+
+# A shared preamble longer than a block, so prompts have full blocks for the prefix cache.
+PREAMBLE = ("You are a helpful assistant. Answer briefly and precisely, in plain English, and "
+            "say so when you do not know the answer. ")
+PROMPTS = [PREAMBLE + p for p in [
+           "The history of the printing press", "List three prime numbers:",
+           "A short poem about rain:", "def add(a, b):", "Translate 'good morning' to French:",
+           "The largest planet is", "Steps to boil an egg:", "Once upon a time"]]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+BUDGET = 64 * 2**20
+
+
+def run(llm):
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(kv_cache_memory_bytes=BUDGET)
+    return llm.llm_engine.block_manager.num_blocks, run(llm)
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def narrow(request):
+    llm = LLM(kv_cache_memory_bytes=BUDGET, kv_cache_dtype=request.param)
+    return request.param, llm, run(llm)
+
+
+def test_narrow_cache_close_to_float32(reference, narrow):
+    ref_blocks, ref = reference
+    name, llm, got = narrow
+    # Half the bytes per element: twice the blocks in the same budget.
+    assert llm.llm_engine.block_manager.num_blocks == 2 * ref_blocks
+    identical = sum(g[0] == r[0] for g, r in zip(got, ref))
+    # Logprobs of the chosen tokens over each prompt's common prefix with the float32 run.
+    worst = 0.0
+    for (g_ids, g_lp), (r_ids, r_lp) in zip(got, ref):
+        n = next((i for i, (a, b) in enumerate(zip(g_ids, r_ids)) if a != b), len(r_ids))
+        worst = max([worst] + [abs(a - b) for a, b in zip(g_lp[:n], r_lp[:n])])
+    print(f"kv_cache_dtype={name}: {identical}/{len(PROMPTS)} prompts token-identical over "
+          f"{GREEDY.max_tokens} tokens; max |logprob diff| on common prefixes {worst:.4f}")
+    assert identical >= 6, (name, identical)
+    assert worst < 0.1, (name, worst)
+
+
+def assert_same_run(got, want):
+    """The same greedy tokens; logprobs equal up to float rounding (a prefix read from the
+    cache goes through the paged kernel, a fresh one through SDPA: same values, other sums)."""
+    for (g_ids, g_lp), (w_ids, w_lp) in zip(got, want):
+        assert g_ids == w_ids
+        assert max(abs(a - b) for a, b in zip(g_lp, w_lp)) < 1e-3
+
+
+def test_narrow_cache_prefix_caching_and_swap(narrow):
+    name, llm, got = narrow
+    # Second pass over the same prompts: their blocks come from the prefix cache.
+    bm = llm.llm_engine.block_manager
+    hits = bm.prefix_hits
+    assert_same_run(run(llm), got)
+    assert bm.prefix_hits > hits
+    # A cache too small for the batch: swapped-out blocks come back as they were.
+    small = LLM(num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.25,
+                kv_cache_dtype=name)
+    assert_same_run(run(small), got)
+    stats = small.llm_engine.stats
+    assert stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out
+
+
+@pytest.mark.parametrize("bad", ["int8", "fp8", "bf16", 16, None])
+def test_bad_kv_cache_dtype(bad):
+    with pytest.raises(ValueError, match="kv_cache_dtype") as exc:
+        EngineArgs(kv_cache_dtype=bad).create_engine_config()
+    for name in ("auto", "bfloat16", "float16"):
+        assert name in str(exc.value)
