@@ -37,7 +37,7 @@ DEQUANT_GEMM_MIN_ROWS = 16
 @functools.lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(_build(_SOURCE)))
+        lib = ctypes.CDLL(str(_build((_SOURCE,), name="pagedlm_quant")))
     except Exception as exc:  # noqa: BLE001 - any failure means "use the PyTorch path"
         logger.warning("pagedlm quantized matmul kernels unavailable, using the PyTorch "
                        "fallback: %s", exc)
