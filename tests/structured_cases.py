@@ -78,9 +78,9 @@ REGEX = r"[0-9]{3}-[0-9]{4}"
 REGEX_PROMPT = "Write a phone number like 555-0123:"
 CHOICES = ["positive", "negative", "neutral"]
 CHOICE_PROMPT = "The sentiment of 'I love this movie!' is"
-# Sums of small numbers, e.g. 12+7+3.
-GRAMMAR = 'root ::= num ("+" num)*\nnum ::= [1-9] [0-9]?'
-GRAMMAR_RE = re.compile(r"[1-9][0-9]?(\+[1-9][0-9]?)*")
+# A sum of three small numbers, e.g. 12+7+3 (bounded: the grammar itself ends the output).
+GRAMMAR = 'root ::= num "+" num "+" num\nnum ::= [1-9] [0-9]?'
+GRAMMAR_RE = re.compile(r"[1-9][0-9]?\+[1-9][0-9]?\+[1-9][0-9]?")
 GRAMMAR_PROMPT = "Write an addition of three small numbers:"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -26,8 +27,8 @@ def chat(content: str) -> list[dict]:
 
 def json_params(schema, **kw) -> SamplingParams:
     kw.setdefault("temperature", 0)
-    return SamplingParams(max_tokens=MAX_TOKENS,
-                          structured_outputs=StructuredOutputsParams(json=schema), **kw)
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +108,30 @@ def test_regex_choice_grammar_json_object(llm):
     assert_all_blocks_free(llm)
 
 
+def test_a_compiling_grammar_holds_up_only_its_own_request(llm, monkeypatch):
+    """Compilation runs on its own thread: while it is held back (as a slow schema would be),
+    its request waits and the others run; then it runs too."""
+    engine = llm.llm_engine
+    manager = engine.structured_output
+    gate = threading.Event()
+    compile_for_real = manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda p: gate.wait(60) and compile_for_real(p))
+    schema = {"type": "object", "properties": {"held": {"type": "boolean"}},
+              "required": ["held"], "additionalProperties": False}
+    engine.add_request("held", "Is it held? JSON:", json_params(schema))
+    engine.add_request("plain", "Hello", SamplingParams(temperature=0, max_tokens=3))
+    finished = {}
+    for _ in range(4):
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(finished) == {"plain"}
+    assert [g.request_id for g in engine.scheduler.waiting] == ["held"]
+    gate.set()
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    jsonschema.validate(json.loads(finished["held"].outputs[0].text), schema)
+    assert_all_blocks_free(llm)
+
+
 def test_grammar_ends_the_sequence_even_with_ignore_eos(llm):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                             structured_outputs=StructuredOutputsParams(choice=CHOICES))
@@ -116,13 +141,11 @@ def test_grammar_ends_the_sequence_even_with_ignore_eos(llm):
 
 def test_max_tokens_and_stop_strings_cut_structured_output(llm):
     prompt, schema = SCHEMAS[0]
-    full = llm.chat([chat(prompt)], json_params(schema), use_tqdm=False)[0].outputs[0]
-    cut = llm.chat([chat(prompt)], json_params(schema, max_tokens=4),
-                   use_tqdm=False)[0].outputs[0]
-    assert cut.finish_reason == "length" and cut.token_ids == full.token_ids[:4]
     key = next(iter(schema["properties"]))
-    stopped = llm.chat([chat(prompt)], json_params(schema, stop=[f'"{key}"']),
-                       use_tqdm=False)[0].outputs[0]
+    full, cut, stopped = (o.outputs[0] for o in llm.chat(
+        [chat(prompt)] * 3, [json_params(schema), json_params(schema, max_tokens=4),
+                             json_params(schema, stop=[f'"{key}"'])], use_tqdm=False))
+    assert cut.finish_reason == "length" and cut.token_ids == full.token_ids[:4]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == f'"{key}"'
     assert full.text.startswith(stopped.text) and f'"{key}"' in full.text[len(stopped.text):]
 
@@ -147,38 +170,32 @@ def test_preemption_keeps_structured_outputs_valid(llm, mode):
 
 def test_logit_bias_forces_and_bans(llm):
     prompt = "The capital of France is"
-    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
     forced_id = 1234
-    forced = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                   logit_bias={forced_id: 100}),
-                          use_tqdm=False)[0].outputs[0].token_ids
-    assert forced == [forced_id] * 6
-    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                   logit_bias={base[0]: -100}),
+
+    def greedy(**kw):
+        return SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **kw)
+
+    # One batch: the biased row does not touch its neighbour (string ids as OpenAI sends).
+    forced, base = (o.outputs[0].token_ids for o in llm.generate(
+        [prompt, prompt], [greedy(logit_bias={str(forced_id): 100}), greedy()],
+        use_tqdm=False))
+    assert forced == [forced_id] * 6 and base[0] != forced_id
+    banned = llm.generate([prompt], greedy(logit_bias={base[0]: -100}),
                           use_tqdm=False)[0].outputs[0].token_ids
     assert base[0] not in banned
-    # Other rows of the same batch are untouched.
-    both = llm.generate([prompt, prompt], [
-        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={"1234": 100}),
-        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)], use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in both] == [forced, base]
 
 
 def test_allowed_token_ids_and_bad_words(llm):
     tok = llm.get_tokenizer()
     prompt = "Count from one to ten: one, two,"
     allowed = tok.encode(" three four five six,", add_special_tokens=False)
-    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=0, max_tokens=12,
-                                                ignore_eos=True, allowed_token_ids=allowed),
-                       use_tqdm=False)[0].outputs[0]
+    out, base, banned = (o.outputs[0] for o in llm.generate([prompt] * 3, [
+        SamplingParams(temperature=1.0, seed=0, max_tokens=12, ignore_eos=True,
+                       allowed_token_ids=allowed),
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=12, bad_words=["three"])], use_tqdm=False))
     assert out.token_ids and set(out.token_ids) <= set(allowed)
-    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12),
-                        use_tqdm=False)[0].outputs[0]
     assert " three" in base.text
-    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
-                                                   bad_words=["three"]),
-                          use_tqdm=False)[0].outputs[0]
     for text in ("three", " three"):
         ids = tok.encode(text, add_special_tokens=False)
         assert not any(banned.token_ids[i:i + len(ids)] == ids
@@ -218,6 +235,25 @@ def test_bad_token_constraints_name_the_field(llm, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         llm.generate(["x"], SamplingParams(**kwargs), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_bitmask_kernel_and_torch_fallback_agree_with_the_definition(monkeypatch):
+    from pagedlm.structured_output import bitmask as bm
+    torch.manual_seed(0)
+    vocab, rows = 100, [1, 3]
+    words = torch.randint(-2**31, 2**31 - 1, (4, bm.bitmask_width(vocab)), dtype=torch.int32)
+    for width in (vocab, 128):  # the logits as wide as the vocabulary, and padded
+        logits = torch.randn(4, width)
+        expected = logits.clone()
+        for r in rows:
+            for t in range(width):
+                if t >= vocab or not (int(words[r, t // 32]) >> (t % 32)) & 1:
+                    expected[r, t] = float("-inf")
+        mask = bm.GrammarBitmask(rows, words, vocab)
+        assert torch.equal(bm.apply_grammar_bitmask(logits.clone(), mask), expected)
+        monkeypatch.setattr(bm, "_kernel", lambda: None)  # as without xgrammar
+        assert torch.equal(bm.apply_grammar_bitmask(logits.clone(), mask), expected)
+        monkeypatch.undo()
 
 
 def test_unknown_backend_is_refused():

@@ -39,8 +39,8 @@ class StructuredOutputRequest:
 
     @property
     def ready(self) -> bool:
-        """Compiled (or failed: the engine then aborts the request): it may be scheduled."""
-        return self._grammar.done()
+        """Compiled: it may be scheduled. (One that failed never is: the engine aborts it.)"""
+        return self._grammar.done() and self._grammar.exception() is None
 
     @property
     def error(self) -> BaseException | None:
@@ -125,7 +125,7 @@ class StructuredOutputManager:
         if not self._pending:
             return []
         failed = [(rid, r.error) for rid, r in self._pending if r.error is not None]
-        self._pending = [(rid, r) for rid, r in self._pending if not r.ready]
+        self._pending = [(rid, r) for rid, r in self._pending if not r._grammar.done()]
         return failed
 
     def wait_for_pending(self, timeout: float) -> None:
@@ -137,7 +137,7 @@ class StructuredOutputManager:
 
     @property
     def has_pending(self) -> bool:
-        return any(not r.ready for _, r in self._pending)
+        return any(not r._grammar.done() for _, r in self._pending)
 
     def grammar_bitmask(self, scheduled_groups) -> GrammarBitmask | None:
         """The step's bitmask: one row per sample of a sequence that has a grammar, in the order
