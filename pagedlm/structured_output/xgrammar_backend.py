@@ -17,13 +17,19 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# json_object means a JSON object (OpenAI's), not any JSON value as xgrammar's builtin grammar;
+# not strict, or only {} would match.
+_ANY_OBJECT = {"type": "object"}
+
+
 def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     kind = params.kind
     if kind == "json":
         return xgr.Grammar.from_json_schema(params.json,
                                             any_whitespace=not params.disable_any_whitespace)
     if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+        return xgr.Grammar.from_json_schema(_ANY_OBJECT, strict_mode=False,
+                                            any_whitespace=not params.disable_any_whitespace)
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
     if kind == "choice":
@@ -83,7 +89,8 @@ class XGrammarBackend(StructuredOutputBackend):
             compiled = self.compiler.compile_json_schema(
                 params.json, any_whitespace=not params.disable_any_whitespace)
         elif params.kind == "json_object":
-            compiled = self.compiler.compile_builtin_json_grammar()
+            compiled = self.compiler.compile_json_schema(
+                _ANY_OBJECT, strict_mode=False, any_whitespace=not params.disable_any_whitespace)
         else:
             compiled = self.compiler.compile_grammar(_grammar(params))
         return XGrammarCompiled(compiled)
