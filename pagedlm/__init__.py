@@ -12,6 +12,7 @@ _EXPORTS = {
     "SamplingParams": "pagedlm.sampling_params",
     "RequestOutputKind": "pagedlm.sampling_params",
     "BeamSearchParams": "pagedlm.sampling_params",
+    "StructuredOutputsParams": "pagedlm.sampling_params",
     "RequestOutput": "pagedlm.outputs",
     "CompletionOutput": "pagedlm.outputs",
     "BeamSearchOutput": "pagedlm.outputs",
@@ -28,7 +29,8 @@ _EXPORTS = {
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "LoRARequest", "PoolingParams", "PoolerConfig",
-           "EmbeddingRequestOutput", "EmbeddingOutput"]
+           "EmbeddingRequestOutput", "EmbeddingOutput",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

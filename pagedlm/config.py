@@ -240,3 +240,4 @@ class EngineConfig:
     device: str = "cpu"
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
     trace_file: str | None = None  # the step tracer's Chrome JSON (engine/tracer.py); None: off
+    structured_outputs_backend: str = "xgrammar"  # compiles requests' grammars

@@ -8,11 +8,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import PositionLogprobs, RequestMetrics
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedlm.structured_output.manager import StructuredOutputRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -125,6 +129,8 @@ class SequenceGroup:
     # pass over the prompt) and, once the prompt has run, its embedding.
     pooling_params: PoolingParams | None = None
     embedding: list[float] | None = None
+    # Its grammar and per-sequence matchers (structured_output/manager.py), if it has one.
+    structured_output: "StructuredOutputRequest | None" = None
 
     @property
     def lora_int_id(self) -> int:

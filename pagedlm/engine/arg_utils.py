@@ -12,6 +12,7 @@ from pagedlm.model_executor.layers.quantization import (get_quantization_config,
                                                         verify_quantization)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
 from pagedlm.pooling_params import PoolerConfig
+from pagedlm.structured_output.manager import SUPPORTED_BACKENDS
 
 
 # Tokens per step with chunked prefill: enough for GEMM efficiency on a prefill chunk, small
@@ -74,6 +75,7 @@ class EngineArgs:
             pc = PoolerConfig(self.pooling_type, pc.normalize)
         return pc
     trace_file: str | None = None  # record each step: Chrome trace JSON, .steps.jsonl beside it
+    structured_outputs_backend: str = "xgrammar"  # grammar library for structured outputs
 
     def _lora_config(self) -> LoRAConfig | None:
         if not isinstance(self.enable_lora, bool):
@@ -217,4 +219,12 @@ class EngineArgs:
                                              max_loras=lora_config.max_loras if lora_config
                                              else 0),
             lora_config=lora_config,
-            trace_file=os.fspath(self.trace_file) if self.trace_file is not None else None)
+            trace_file=os.fspath(self.trace_file) if self.trace_file is not None else None,
+            structured_outputs_backend=self._structured_outputs_backend())
+
+    def _structured_outputs_backend(self) -> str:
+        if self.structured_outputs_backend not in SUPPORTED_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of "
+                             f"{list(SUPPORTED_BACKENDS)}, got "
+                             f"{self.structured_outputs_backend!r}.")
+        return self.structured_outputs_backend

@@ -65,6 +65,8 @@ _HELP = {
     "quantization": "Quantized weights: int8 (per output channel), int4 (groups of 32 with "
                     "scale and zero), gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored). "
                     "Default: float weights.",
+    "structured_outputs_backend": "Library that compiles requests' structured-output grammars "
+                                  "(JSON schema, regex, choice, EBNF): xgrammar.",
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
