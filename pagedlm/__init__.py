@@ -12,6 +12,7 @@ _EXPORTS = {
     "SamplingParams": "pagedlm.sampling_params",
     "RequestOutputKind": "pagedlm.sampling_params",
     "BeamSearchParams": "pagedlm.sampling_params",
+    "StructuredOutputsParams": "pagedlm.sampling_params",
     "RequestOutput": "pagedlm.outputs",
     "CompletionOutput": "pagedlm.outputs",
     "BeamSearchOutput": "pagedlm.outputs",
@@ -23,7 +24,7 @@ _EXPORTS = {
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "LoRARequest"]
+           "BeamSearchSequence", "LoRARequest", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

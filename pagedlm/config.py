@@ -209,3 +209,4 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
+    structured_outputs_backend: str = "xgrammar"  # compiles requests' grammars

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
@@ -12,6 +13,78 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries everything so far
     DELTA = 1  # only what is new since the last output
     FINAL_ONLY = 2  # nothing until the request finishes
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, one of several strings, an EBNF (GBNF)
+    grammar or any JSON object: vLLM v1's names. Exactly one of the kinds is set."""
+
+    json: str | dict | None = None  # a JSON schema (dict or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF as xgrammar reads it (GBNF-like; root rule `root`)
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in self._KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar or json_object, got {set_kinds or 'none'}.")
+        name = "structured_outputs." + set_kinds[0]
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"{name} is not valid JSON: {e}.") from None
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError(f"{name} must be a JSON schema (an object), got "
+                                 f"{type(parsed).__name__}.")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"{name} must be a non-empty string, got {self.regex!r}.")
+        if self.grammar is not None and (not isinstance(self.grammar, str)
+                                         or not self.grammar.strip()):
+            raise ValueError(f"{name} must be a non-empty string, got {self.grammar!r}.")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"{name} must be a non-empty list of non-empty strings, got "
+                             f"{self.choice!r}.")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True or None, got "
+                             f"{self.json_object!r}.")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a bool, got "
+                             f"{self.disable_any_whitespace!r}.")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError("structured_outputs.whitespace_pattern must be a string, got "
+                             f"{self.whitespace_pattern!r}.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self._KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def field_name(self) -> str:
+        """The field a user set, for error messages: e.g. structured_outputs.json."""
+        return "structured_outputs." + self.kind
+
+    def cache_key(self) -> tuple:
+        """What identifies the compiled grammar: equal keys share one compilation."""
+        kind = self.kind
+        spec = getattr(self, kind)
+        if kind == "json" and not isinstance(spec, str):
+            spec = json.dumps(spec, sort_keys=True)
+        elif kind == "choice":
+            spec = tuple(spec)
+        return kind, spec, self.disable_any_whitespace, self.whitespace_pattern
 
 
 @dataclass
@@ -43,11 +116,17 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in transformers
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these can be sampled
+    bad_words: list[str] | None = None  # never generated (as token sequences)
 
     # Derived in __post_init__; not user settings.
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     max_stop_len: int = field(init=False, repr=False)
     all_stop_token_ids: frozenset[int] = field(init=False, repr=False)
+    # bad_words as token id sequences; set by the engine (it needs the tokenizer).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +140,14 @@ class SamplingParams:
             self.top_k = 0
         if self.best_of is None:
             self.best_of = self.n
+        if isinstance(self.logit_bias, dict):
+            # OpenAI clients send the ids as JSON object keys, i.e. strings.
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                pass  # left for _verify to reject by name
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
         self.stop_strings = tuple(self.stop)
         self.max_stop_len = max(map(len, self.stop_strings), default=0)
@@ -113,8 +200,27 @@ class SamplingParams:
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
         check(is_int(self.best_of) and self.best_of >= self.n, "best_of",
               f"must be an integer >= n ({self.n!r})")
+        self._verify_token_constraints(check, is_int, is_num)
         if self.use_beam_search:
             self._verify_beam_search(check, is_num)
+
+    def _verify_token_constraints(self, check, is_int, is_num) -> None:
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams or None")
+        check(self.logit_bias is None or (
+            isinstance(self.logit_bias, dict)
+            and all(is_int(k) and k >= 0 for k in self.logit_bias)
+            and all(is_num(v) and -100 <= v <= 100 for v in self.logit_bias.values())),
+            "logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+        check(self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+            and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        check(self.bad_words is None or (
+            isinstance(self.bad_words, list)
+            and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+            "bad_words", "must be a list of non-empty strings")
 
     def _verify_beam_search(self, check, is_num) -> None:
         check(self.greedy, "temperature", "must be 0 with use_beam_search")
@@ -129,6 +235,8 @@ class SamplingParams:
         check(is_num(self.length_penalty), "length_penalty", "must be a number")
         check(self.early_stopping in (True, False, "never"), "early_stopping",
               "must be True, False or 'never'")
+        check(self.structured_outputs is None, "structured_outputs",
+              "is not supported with use_beam_search")
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
@@ -148,6 +256,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """Some logits processing besides penalties: a bias, an allow list or bad words."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)

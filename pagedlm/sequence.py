@@ -8,10 +8,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import PositionLogprobs, RequestMetrics
 from pagedlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedlm.structured_output.manager import StructuredOutputRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -120,6 +124,8 @@ class SequenceGroup:
     arrival_order: int = 0  # set by the scheduler: breaks ties in arrival order
     beam_done: bool = False
     lora_request: LoRARequest | None = None
+    # Its grammar and per-sequence matchers (structured_output/manager.py), if it has one.
+    structured_output: "StructuredOutputRequest | None" = None
 
     @property
     def lora_int_id(self) -> int:

@@ -19,6 +19,7 @@ from pagedlm.core.scheduler import SchedulerOutput
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
+from pagedlm.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass
@@ -63,6 +64,8 @@ class ExecuteModelRequest:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on device
+    # Structured outputs: the allowed tokens of the samples that have a grammar (None: none do).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def has_work(self) -> bool:

@@ -199,6 +199,9 @@ class Scheduler:
                 self.stats.num_lora_waits += 1
                 i += 1
                 continue
+            if group.structured_output is not None and not group.structured_output.ready:
+                i += 1  # its grammar is still compiling: the others go ahead (no budget used)
+                continue
             if not self._can_ever_fit(all_seqs):
                 # Waiting would be forever (a sequence grew past the whole cache, say):
                 # finish it with what it has, as the seeds' ignored_seq_groups.

@@ -9,6 +9,7 @@ from pagedlm.core.block_hash import HASH_ALGOS
 from pagedlm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, LoRAConfig,
                             ModelConfig, ParallelConfig, SchedulerConfig)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
+from pagedlm.structured_output.manager import SUPPORTED_BACKENDS
 
 
 # Tokens per step with chunked prefill: enough for GEMM efficiency on a prefill chunk, small
@@ -42,6 +43,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    structured_outputs_backend: str = "xgrammar"  # grammar library for structured outputs
 
     def _lora_config(self) -> LoRAConfig | None:
         if not isinstance(self.enable_lora, bool):
@@ -157,4 +159,12 @@ class EngineArgs:
                                              preemption_mode=self.preemption_mode,
                                              max_loras=lora_config.max_loras if lora_config
                                              else 0),
-            lora_config=lora_config)
+            lora_config=lora_config,
+            structured_outputs_backend=self._structured_outputs_backend())
+
+    def _structured_outputs_backend(self) -> str:
+        if self.structured_outputs_backend not in SUPPORTED_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of "
+                             f"{list(SUPPORTED_BACKENDS)}, got "
+                             f"{self.structured_outputs_backend!r}.")
+        return self.structured_outputs_backend

@@ -27,6 +27,7 @@ from pagedlm.lora.worker_manager import LoRAStats
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
+from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,12 @@ class LLMEngine:
         # Registered adapters by id (the workers cache and may evict them; a request naming an
         # evicted one makes them load it again from its path).
         self.loras: dict[int, LoRARequest] = {}
+        self.structured_output = StructuredOutputManager(
+            config.structured_outputs_backend, self.tokenizer, mc.vocab_size,
+            self.eos_token_ids)
+        # Requests in the engine that have a grammar: while there are none, no step does any
+        # structured-output work.
+        self._structured_ids: set[str] = set()
         logger.info("engine ready in %.2fs: %d KV blocks of %d tokens",
                     time.perf_counter() - t, self.block_manager.num_blocks,
                     config.cache_config.block_size)
@@ -190,6 +197,7 @@ class LLMEngine:
             raise ValueError(f"{name} ({params.best_of}) is larger than max_num_seqs "
                              f"({self.config.scheduler_config.max_num_seqs}).")
         params = params.clone()
+        self._prepare_token_constraints(params)
         room = max_len - len(ids) + 1  # the last sampled token needs no cache slot
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
@@ -200,8 +208,33 @@ class LLMEngine:
             self.beam_searches[request_id] = search
             self._add_beam_step(search, processed.cache_salt, priority, lora_request)
             return
+        structured = None
+        if params.structured_outputs is not None:  # last: the request is otherwise valid
+            structured = self.structured_output.register(request_id, params.structured_outputs)
         self._add_sequence_group(request_id, processed, params, arrival_time, priority,
                                  lora_request)
+        if structured is not None:
+            self.requests[request_id].structured_output = structured
+            self._structured_ids.add(request_id)
+
+    def _prepare_token_constraints(self, params: SamplingParams) -> None:
+        """Check token ids against the vocabulary; turn bad_words into token sequences."""
+        vocab = self.config.model_config.vocab_size
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name)
+            bad = [t for t in ids or () if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab}): "
+                                 f"{bad[:5]}.")
+        if params.bad_words:
+            # As a word, with and without a leading space: its token ids differ.
+            seqs = []
+            for word in params.bad_words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    tokens = self.tokenizer.encode(text, add_special_tokens=False)
+                    if tokens and tokens not in seqs:
+                        seqs.append(tokens)
+            params.bad_words_token_ids = seqs
 
     def _add_sequence_group(self, request_id: str, processed: ProcessedPrompt,
                             params: SamplingParams, arrival_time: float, priority: int,
@@ -237,6 +270,7 @@ class LLMEngine:
             ids |= search.pending.keys()
             for step_id in search.pending:
                 self._beam_of.pop(step_id, None)
+        self._structured_ids -= ids
         for group in self.scheduler.abort(ids):
             self.requests.pop(group.request_id, None)
             self.request_builder.request_finished(group)
@@ -253,6 +287,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (worker processes or actors); idempotent."""
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
     @property
@@ -266,9 +301,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        aborted = self._abort_failed_grammars() if self._structured_ids else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if self._structured_ids and self.structured_output.has_pending:
+                # Only requests waiting for their grammars: wait for one, do not spin.
+                self.structured_output.wait_for_pending(timeout=0.05)
+            return aborted
         reported = list(sched.ignored_groups)  # finished without running: still reported
         if sched.scheduled_groups:
             self._execute(sched)
@@ -277,11 +316,12 @@ class LLMEngine:
         elif sched.has_cache_ops:  # everything was swapped out: the copies must still happen
             self.executor.execute_model(self.request_builder.build(sched))
         now = time.time()
-        outputs = []
+        outputs = aborted
         for group in reported:
             if group.is_finished():
                 group.metrics.finished_time = group.metrics.finished_time or now
                 self.requests.pop(group.request_id, None)
+                self._structured_ids.discard(group.request_id)
                 self.request_builder.request_finished(group)
             report = make_request_output(group)
             if report is None:
@@ -301,9 +341,28 @@ class LLMEngine:
         self.stats.step_time += time.perf_counter() - t0
         return outputs
 
+    def _abort_failed_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile (validation passed, so rarely): aborted,
+        with a final output so that their callers are not left waiting."""
+        outputs = []
+        for rid, error in self.structured_output.take_failed():
+            group = self.requests.get(rid)
+            if group is None:
+                continue
+            logger.error("request %s: its grammar failed to compile: %s", rid, error)
+            self.abort_request(rid)
+            report = make_request_output(group)
+            if report is not None:
+                outputs.append(report[0])
+        return outputs
+
     def _execute(self, sched: SchedulerOutput) -> None:
         t1 = time.perf_counter()
-        result = self.executor.execute_model(self.request_builder.build(sched))
+        request = self.request_builder.build(sched)
+        if self._structured_ids:
+            request.grammar_bitmask = self.structured_output.grammar_bitmask(
+                sched.scheduled_groups)
+        result = self.executor.execute_model(request)
         st = self.stats
         st.model_time += time.perf_counter() - t1
         st.prepare_time += result.timings.prepare_s

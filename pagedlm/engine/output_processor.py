@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedlm.core.scheduler import SchedulerOutput
 from pagedlm.engine.detokenizer import IncrementalDetokenizer
-from pagedlm.engine.stop_checker import check_stop
+from pagedlm.engine.stop_checker import StopDecision, check_stop
 from pagedlm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedlm.sampling_params import RequestOutputKind
 from pagedlm.sequence import (OutputCursor, Sequence, SequenceGroup, SequenceStatus,
@@ -68,6 +68,10 @@ class OutputProcessor:
                       lp) -> SequenceStatus | None:
         """Append the token, its logprobs and its text; returns the status if seq stopped."""
         params = group.sampling_params
+        # Advanced before the token is appended: a sequence new to its matcher replays the
+        # output it had so far.
+        grammar_done = (group.structured_output is not None
+                        and group.structured_output.accept_token(seq, token_id))
         seq.token_ids.append(token_id)
         if lp is not None:
             logprob, rank, top_ids, top_vals = lp
@@ -80,6 +84,8 @@ class OutputProcessor:
         seq.output_text += delta
         stop = check_stop(params, self.eos_token_ids, self.max_model_len, len(seq.token_ids),
                           seq.num_output_tokens, token_id, seq.output_text, len(delta))
+        if stop is None and grammar_done:  # the grammar allows nothing more (ignore_eos too)
+            stop = StopDecision(SequenceStatus.FINISHED_STOPPED)
         if stop is None:
             return None
         if stop.text_end is not None:

@@ -19,6 +19,7 @@ import typing
 from pagedlm.config import EXECUTOR_BACKENDS
 from pagedlm.core.block_hash import HASH_ALGOS
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.structured_output.manager import SUPPORTED_BACKENDS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -59,12 +60,15 @@ _HELP = {
                                     "this node), ray (a Ray cluster: RAY_ADDRESS or a local "
                                     "one). Default: uni for one worker, ray if RAY_ADDRESS is "
                                     "set, else mp.",
+    "structured_outputs_backend": "Library that compiles requests' structured-output grammars "
+                                  "(JSON schema, regex, choice, EBNF).",
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
             "prefix_caching_hash_algo": list(HASH_ALGOS),
             "distributed_executor_backend": list(EXECUTOR_BACKENDS),
-            "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"]}
+            "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"],
+            "structured_outputs_backend": list(SUPPORTED_BACKENDS)}
 # Extra spellings, as vLLM users know them.
 _ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"], "tensor_parallel_size": ["-tp"],
             "pipeline_parallel_size": ["-pp"]}

@@ -209,6 +209,7 @@ class ModelRunner:
                                  ) -> tuple[SamplingMetadata, torch.Tensor, dict[int, int]]:
         rows, params, gens, outs, prompts, stops = [], [], [], [], [], []
         first_row: dict[int, int] = {}
+        constrained = False
         for seq_id, k in zip(req.seq_ids, req.num_samples):
             if not k:
                 continue
@@ -219,7 +220,8 @@ class ModelRunner:
             # sequence's output each step would grow with its length.
             stop_ids = sp.stop_token_ids_with(self.eos_token_ids) if sp.min_tokens else frozenset()
             history = (seq.token_ids[seq.num_prompt_tokens:]
-                       if sp.has_penalties or sp.min_tokens else [])
+                       if sp.has_penalties or sp.min_tokens or sp.bad_words else [])
+            constrained = constrained or sp.has_token_constraints
             first_row[seq_id] = len(rows)
             rows += [last_row[seq_id]] * k
             params += [sp] * k
@@ -231,7 +233,9 @@ class ModelRunner:
         sampling = SamplingMetadata(params=params, generators=gens, output_token_ids=outs,
                                     prompt_token_ids=prompts, stop_ids=stops,
                                     all_greedy=all(p.greedy for p in params),
-                                    max_num_logprobs=max(want_lp, default=-1))
+                                    max_num_logprobs=max(want_lp, default=-1),
+                                    any_token_constraints=constrained,
+                                    grammar_bitmask=req.grammar_bitmask)
         return sampling, torch.tensor(rows, dtype=torch.long), first_row
 
     def _prompt_logprobs_requests(self, req: ExecuteModelRequest, batch: _FlatBatch
