@@ -270,6 +270,12 @@ BAD_REQUESTS = [
     (_bad(tools=_tool(name="f", parameters={"type": "string"})), "tools.0.function.parameters"),
     (_bad(tools=_tool(name="f", parameters=[1])), "tools.0.function.parameters"),
     (_bad(tools=TOOLS + TOOLS[:1]), "tools.2.function.name"),
+    # A schema the grammar compiler rejects, when the output is constrained by it.
+    (_bad(tools=TOOLS + _tool(name="f", parameters={"type": "object", "properties": {
+        "a": {"type": "strang"}}}), tool_choice={"type": "function", "function": {"name": "f"}}),
+     "tools.2.function.parameters"),
+    (_bad(tools=_tool(name="f", parameters={"type": "object", "properties": {
+        "a": {"type": "strang"}}}), tool_choice="required"), "tools"),
     (_bad(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools.0.type"),
     (_bad(messages=[{"role": "user", "content": "hi"},
                     {"role": "tool", "content": "18 degrees"}]), "messages.1.tool_call_id"),

@@ -76,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.submit(request_id, [prompt], params, request.priority,
                                     request.cache_salt, request.model)
         if isinstance(streams, JSONResponse):
-            return streams
+            return tools.blame_schema(streams)
         model = self.model_name(request.model)
         if request.stream:
             return self.streaming_response(

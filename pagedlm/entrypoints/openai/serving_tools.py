@@ -9,9 +9,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from fastapi.responses import JSONResponse
+
 from pagedlm.entrypoints.openai.protocol import (ChatCompletionNamedToolChoiceParam,
                                                  ChatCompletionRequest, ChatMessage)
 from pagedlm.entrypoints.openai.tool_parsers import ToolParser
+from pagedlm.entrypoints.openai.serving_engine import error_response
 from pagedlm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedlm.entrypoints.openai.tool_parsers.constrained import (NamedFunctionParser,
                                                                  RequiredToolsParser,
@@ -34,9 +37,23 @@ class ToolPlan:
     template_tools: list[dict] | None  # rendered by the chat template; None: no tools shown
     make_parser: Callable[[], ToolParser] | None  # None: the output is plain content
     schema: dict | None  # JSON schema the output must follow (required / named)
+    schema_param: str = "tools"  # the field whose schema it is, for errors
+
+    def blame_schema(self, error: JSONResponse) -> JSONResponse:
+        """The engine rejects a schema its grammar compiler cannot take as structured_outputs
+        (a field the client never sent): name the tool's parameters instead."""
+        if self.schema is None or error.status_code != 400:
+            return error
+        message = json.loads(error.body)["error"]["message"]
+        if not message.startswith(_ENGINE_SCHEMA_FIELD):
+            return error
+        detail = message.split(": ", 1)[-1].strip()
+        return error_response(f"{self.schema_param}: not a JSON schema the grammar compiler "
+                              f"accepts: {detail}", 400, self.schema_param)
 
 
 NO_TOOLS = ToolPlan(None, None, None)
+_ENGINE_SCHEMA_FIELD = "structured_outputs.json"
 
 
 def _check_tools(request: ChatCompletionRequest) -> None:
@@ -126,8 +143,9 @@ def plan_tools(request: ChatCompletionRequest, auto_parser: type[ToolParser] | N
         raise ToolRequestError(f"tool_choice: the function {name!r} is not among the given "
                                f"tools ({', '.join(t.function.name for t in request.tools)}).",
                                "tool_choice")
+    index = next(i for i, t in enumerate(request.tools) if t.function.name == name)
     return ToolPlan(tools, lambda: NamedFunctionParser(name),
-                    named_function_schema(fn.parameters))
+                    named_function_schema(fn.parameters), f"tools.{index}.function.parameters")
 
 
 def constrain_to_json_schema(params: SamplingParams, schema: dict) -> SamplingParams:
