@@ -27,15 +27,19 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    # Where the spec came from, named in its errors instead of structured_outputs.<kind> (the
+    # server's request field, e.g. response_format.json_schema.schema).
+    source_field: str | None = field(default=None, repr=False, compare=False)
 
     _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in self._KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
-            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
-                             f"grammar or json_object, got {set_kinds or 'none'}.")
-        name = "structured_outputs." + set_kinds[0]
+            raise ValueError(f"{self.source_field or 'structured_outputs'} must set exactly one "
+                             f"of json, regex, choice, grammar or json_object, got "
+                             f"{set_kinds or 'none'}.")
+        name = self.source_field or "structured_outputs." + set_kinds[0]
         if self.json is not None:
             if isinstance(self.json, str):
                 try:
@@ -58,8 +62,7 @@ class StructuredOutputsParams:
             raise ValueError(f"{name} must be a non-empty list of non-empty strings, got "
                              f"{self.choice!r}.")
         if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be True or None, got "
-                             f"{self.json_object!r}.")
+            raise ValueError(f"{name} must be True or None, got {self.json_object!r}.")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be a bool, got "
                              f"{self.disable_any_whitespace!r}.")
@@ -74,7 +77,7 @@ class StructuredOutputsParams:
     @property
     def field_name(self) -> str:
         """The field a user set, for error messages: e.g. structured_outputs.json."""
-        return "structured_outputs." + self.kind
+        return self.source_field or "structured_outputs." + self.kind
 
     def cache_key(self) -> tuple:
         """What identifies the compiled grammar: equal keys share one compilation."""

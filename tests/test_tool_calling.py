@@ -276,6 +276,8 @@ BAD_REQUESTS = [
      "tools.2.function.parameters"),
     (_bad(tools=_tool(name="f", parameters={"type": "object", "properties": {
         "a": {"type": "strang"}}}), tool_choice="required"), "tools"),
+    # required / named constrain the output themselves: no second constraint.
+    (_bad(tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
     (_bad(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools.0.type"),
     (_bad(messages=[{"role": "user", "content": "hi"},
                     {"role": "tool", "content": "18 degrees"}]), "messages.1.tool_call_id"),

@@ -56,5 +56,7 @@ class StructuredOutputBackend(ABC):
         """The token-level grammar: the costly part, run off the step loop."""
 
     @abstractmethod
-    def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
-        """Row i of bitmask (int32, bitmask.py's layout) := the tokens matchers[i] allows."""
+    def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
+                     rows: list[int]) -> None:
+        """Row rows[i] of bitmask (int32, bitmask.py's layout) := the tokens matchers[i]
+        allows."""

@@ -142,7 +142,7 @@ class StructuredOutputManager:
     def grammar_bitmask(self, scheduled_groups) -> GrammarBitmask | None:
         """The step's bitmask: one row per sample of a sequence that has a grammar, in the order
         the runner lays out samples (scheduled groups, their sequences, num_samples each)."""
-        rows, matchers, repeats = [], [], []
+        rows, matchers, first_rows, forks = [], [], [], []
         row = 0
         for sg in scheduled_groups:
             so = sg.group.structured_output
@@ -150,15 +150,17 @@ class StructuredOutputManager:
                 if k and so is not None:
                     rows.extend(range(row, row + k))
                     matchers.append(so.matcher(seq))
-                    repeats.append(k)
+                    first_rows.append(row)
+                    if k > 1:
+                        forks.append((row, k))
                 row += k
         if not matchers:
             return None
-        bitmask = torch.empty(len(matchers), bitmask_width(self.vocab_size), dtype=torch.int32)
-        self.backend.fill_bitmask(matchers, bitmask)
-        if len(rows) != len(matchers):  # a prompt forking into k samples: its row k times
-            bitmask = bitmask.repeat_interleave(torch.tensor(repeats), dim=0)
-        return GrammarBitmask(rows, bitmask)
+        bitmask = torch.full((row, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        self.backend.fill_bitmask(matchers, bitmask, first_rows)
+        for r, k in forks:  # a prompt forking into k samples: its row for each of them
+            bitmask[r + 1:r + k] = bitmask[r]
+        return GrammarBitmask(rows, bitmask, self.vocab_size)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -19,9 +19,6 @@ def _choice_ebnf(choices: list[str]) -> str:
 
 def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     kind = params.kind
-    if params.whitespace_pattern is not None:
-        raise ValueError("structured_outputs.whitespace_pattern is not supported by the "
-                         "xgrammar backend (use disable_any_whitespace).")
     if kind == "json":
         return xgr.Grammar.from_json_schema(params.json,
                                             any_whitespace=not params.disable_any_whitespace)
@@ -73,12 +70,11 @@ class XGrammarBackend(StructuredOutputBackend):
 
     @classmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
+        if params.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported by the "
+                             "xgrammar backend (use disable_any_whitespace).")
         try:
             _grammar(params)
-        except ValueError as e:
-            if str(e).startswith("structured_outputs."):
-                raise
-            raise ValueError(f"{params.field_name} is invalid: {e}") from None
         except Exception as e:  # noqa: BLE001 - xgrammar reports parse errors as RuntimeError
             raise ValueError(f"{params.field_name} is invalid: {e}") from None
 
@@ -92,5 +88,7 @@ class XGrammarBackend(StructuredOutputBackend):
             compiled = self.compiler.compile_grammar(_grammar(params))
         return XGrammarCompiled(compiled)
 
-    def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
-        self.batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask)
+    def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
+                     rows: list[int]) -> None:
+        self.batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask,
+                                                 indices=rows)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # The most logprobs a request may ask for per position (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -57,6 +57,25 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class JsonSchemaResponseFormat(StrictRequest):
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+# The older guided_* fields vLLM still accepts, and the StructuredOutputsParams kind of each.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
 class _SamplingFields(StrictRequest):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
     model: str | None = None
@@ -88,11 +107,57 @@ class _SamplingFields(StrictRequest):
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     # Prefix-cache isolation (vLLM's field): only requests with the same salt share blocks.
     cache_salt: str | None = None
+    # Structured outputs and token constraints (OpenAI's response_format, vLLM's extras).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def _unsupported(self) -> str | None:
-        if self.logit_bias:
-            return "logit_bias is not supported."
         return None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one structured-output spec among the fields that can carry one; errors name the
+        request's field."""
+        found: list[tuple[str, dict]] = []
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, kind in _GUIDED_FIELDS.items():
+            if (value := getattr(self, name)) is not None:
+                extra = {}
+                if self.guided_whitespace_pattern is not None:
+                    extra["whitespace_pattern"] = self.guided_whitespace_pattern
+                found.append((name, {kind: value, **extra}))
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format.json_schema.schema is required with type "
+                                 "'json_schema'.")
+            found.append(("response_format.json_schema.schema",
+                          {"json": fmt.json_schema.json_schema}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: only one structured output constraint may be "
+                             f"given, got {', '.join(name for name, _ in found)}.")
+        name, spec = found[0]
+        if name == "structured_outputs":
+            known = set(StructuredOutputsParams.__dataclass_fields__) - {"source_field"}
+            if unknown := sorted(set(spec) - known):
+                raise ValueError(f"structured_outputs has unknown fields {unknown}; known: "
+                                 f"{sorted(known)}.")
+            kinds = [k for k in StructuredOutputsParams._KINDS if spec.get(k) not in (None, False)]
+            source = f"structured_outputs.{kinds[0]}" if len(kinds) == 1 else name
+        else:
+            source = name
+        return StructuredOutputsParams(**spec, source_field=source)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None) -> SamplingParams:
@@ -109,6 +174,8 @@ class _SamplingFields(StrictRequest):
             prompt_logprobs=prompt_logprobs, best_of=self.best_of,
             use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
+            structured_outputs=self._structured_outputs(), logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
@@ -255,7 +322,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     # None: "auto" when tools are given (as vLLM), else "none"
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None \
@@ -268,8 +334,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # the chat template already holds them
 
     def _unsupported(self) -> str | None:
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format other than {'type': 'text'} is not supported."
         if self.add_generation_prompt and self.continue_final_message:
             return "add_generation_prompt and continue_final_message cannot both be true."
         return super()._unsupported()

@@ -58,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
             tools = plan_tools(request, self.tool_parser)
             params = request.to_sampling_params()
             if tools.schema is not None:
-                params = constrain_to_json_schema(params, tools.schema)
+                params = constrain_to_json_schema(params, tools)
             template_kwargs = dict(request.chat_template_kwargs or {})
             if tools.template_tools is not None:
                 template_kwargs["tools"] = tools.template_tools
@@ -76,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.submit(request_id, [prompt], params, request.priority,
                                     request.cache_salt, request.model)
         if isinstance(streams, JSONResponse):
-            return tools.blame_schema(streams)
+            return streams
         model = self.model_name(request.model)
         if request.stream:
             return self.streaming_response(

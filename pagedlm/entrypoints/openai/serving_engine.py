@@ -64,9 +64,10 @@ def validation_error_response(e: ValidationError) -> JSONResponse:
 
 
 def param_from_message(message: str, known: set[str]) -> str | None:
-    """SamplingParams' errors start with the field's name: report it as the error's param."""
+    """SamplingParams' errors start with the field's name: report it as the error's param
+    (a nested one as its dotted path, e.g. response_format.json_schema.schema)."""
     word = message.split(" ", 1)[0].strip(":,.()")
-    return word if word in known else None
+    return word if word.split(".", 1)[0] in known else None
 
 
 def clean_logprob(x: float | None) -> float | None:

@@ -9,12 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from fastapi.responses import JSONResponse
-
 from pagedlm.entrypoints.openai.protocol import (ChatCompletionNamedToolChoiceParam,
                                                  ChatCompletionRequest, ChatMessage)
 from pagedlm.entrypoints.openai.tool_parsers import ToolParser
-from pagedlm.entrypoints.openai.serving_engine import error_response
 from pagedlm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedlm.entrypoints.openai.tool_parsers.constrained import (NamedFunctionParser,
                                                                  RequiredToolsParser,
@@ -37,23 +34,12 @@ class ToolPlan:
     template_tools: list[dict] | None  # rendered by the chat template; None: no tools shown
     make_parser: Callable[[], ToolParser] | None  # None: the output is plain content
     schema: dict | None  # JSON schema the output must follow (required / named)
-    schema_param: str = "tools"  # the field whose schema it is, for errors
-
-    def blame_schema(self, error: JSONResponse) -> JSONResponse:
-        """The engine rejects a schema its grammar compiler cannot take as structured_outputs
-        (a field the client never sent): name the tool's parameters instead."""
-        if self.schema is None or error.status_code != 400:
-            return error
-        message = json.loads(error.body)["error"]["message"]
-        if not message.startswith(_ENGINE_SCHEMA_FIELD):
-            return error
-        detail = message.split(": ", 1)[-1].strip()
-        return error_response(f"{self.schema_param}: not a JSON schema the grammar compiler "
-                              f"accepts: {detail}", 400, self.schema_param)
+    # The field the schema came from: the engine's errors about it (a schema its grammar
+    # compiler rejects) name this field, not structured_outputs, which the client never sent.
+    schema_field: str = "tools"
 
 
 NO_TOOLS = ToolPlan(None, None, None)
-_ENGINE_SCHEMA_FIELD = "structured_outputs.json"
 
 
 def _check_tools(request: ChatCompletionRequest) -> None:
@@ -148,8 +134,8 @@ def plan_tools(request: ChatCompletionRequest, auto_parser: type[ToolParser] | N
                     named_function_schema(fn.parameters), f"tools.{index}.function.parameters")
 
 
-def constrain_to_json_schema(params: SamplingParams, schema: dict) -> SamplingParams:
-    """`params` whose output must follow `schema` (tool_choice required / named)."""
+def constrain_to_json_schema(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    """`params` whose output must follow the plan's schema (tool_choice required / named)."""
     if params.structured_outputs is not None:
         raise ToolRequestError("tool_choice 'required' or a named function constrains the "
                                "output itself: it cannot be combined with response_format or "
@@ -158,4 +144,4 @@ def constrain_to_json_schema(params: SamplingParams, schema: dict) -> SamplingPa
     # whitespace allowed wrote the call array in indented form and kept repeating its calls
     # until max_tokens (120); without it, one call and "]" in 27 tokens.
     return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
-        json=schema, disable_any_whitespace=True))
+        json=plan.schema, disable_any_whitespace=True, source_field=plan.schema_field))

@@ -1,0 +1,225 @@
+"""Structured outputs and token constraints offline (LLM.generate / LLM.chat on the default
+model): every output validates against its schema, regex, choices or grammar (greedy, n=3
+sampled, under preemption); greedy constrained decoding equals transformers' generate() with
+xgrammar's own logits processor; logit_bias, allowed_token_ids and bad_words do what they say;
+bad specs are ValueErrors naming the field."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from pagedlm import LLM, EngineArgs, SamplingParams
+from pagedlm.sampling_params import StructuredOutputsParams
+from tests.structured_cases import (CHOICE_PROMPT, CHOICES, GRAMMAR, GRAMMAR_PROMPT, GRAMMAR_RE,
+                                    REGEX, REGEX_PROMPT, SCHEMAS)
+
+MAX_TOKENS = 120  # enough for every schema's JSON to close
+
+
+def chat(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def json_params(schema, **kw) -> SamplingParams:
+    kw.setdefault("temperature", 0)
+    return SamplingParams(max_tokens=MAX_TOKENS,
+                          structured_outputs=StructuredOutputsParams(json=schema), **kw)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory_bytes=64 * 2**20)
+
+
+def assert_all_blocks_free(llm):
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    sched = llm.llm_engine.scheduler
+    assert not (sched.waiting or sched.running or sched.swapped)
+    assert not llm.llm_engine._structured_ids
+
+
+def assert_valid_json(outputs, schemas):
+    for out, schema in zip(outputs, schemas):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text  # the grammar closed it
+            jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_ten_schemas_greedy_and_n3(llm):
+    schemas = [s for _, s in SCHEMAS]
+    greedy = llm.chat([chat(p) for p, _ in SCHEMAS], [json_params(s) for s in schemas],
+                      use_tqdm=False)
+    assert_valid_json(greedy, schemas)
+    # Sampled, three sequences each: every one has its own matcher.
+    sampled = llm.chat([chat(p) for p, _ in SCHEMAS],
+                       [json_params(s, n=3, temperature=1.0, seed=i)
+                        for i, s in enumerate(schemas)], use_tqdm=False)
+    assert all(len(o.outputs) == 3 for o in sampled)
+    assert_valid_json(sampled, schemas)
+    assert len({c.text for o in sampled for c in o.outputs}) > len(SCHEMAS)  # they differ
+    assert_all_blocks_free(llm)
+
+
+def test_greedy_equals_transformers_with_xgrammar(llm, hf_default_model, default_model_dir):
+    """The reference: transformers' generate() masked by xgrammar's own HF logits processor."""
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+    from transformers import AutoTokenizer
+    prompt, schema = SCHEMAS[1]
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    ours = llm.chat([chat(prompt)], json_params(schema), use_tqdm=False)[0]
+    eos = sorted(llm.llm_engine.eos_token_ids)
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=hf_default_model.config.vocab_size, stop_token_ids=eos)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(schema)
+    ids = torch.tensor([ours.prompt_token_ids])
+    with torch.no_grad():
+        ref = hf_default_model.generate(ids, attention_mask=torch.ones_like(ids),
+                                        max_new_tokens=MAX_TOKENS, do_sample=False,
+                                        logits_processor=[LogitsProcessor(compiled)],
+                                        eos_token_id=eos, pad_token_id=eos[0])
+    assert ours.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+
+
+def test_regex_choice_grammar_json_object(llm):
+    tok = llm.get_tokenizer()
+    so = StructuredOutputsParams
+    cases = [(REGEX_PROMPT, so(regex=REGEX), lambda t: re.fullmatch(REGEX, t)),
+             (CHOICE_PROMPT, so(choice=CHOICES), lambda t: t in CHOICES),
+             (GRAMMAR_PROMPT, so(grammar=GRAMMAR), lambda t: GRAMMAR_RE.fullmatch(t)),
+             ("Describe a cat as JSON.", so(json_object=True),
+              lambda t: isinstance(json.loads(t), dict))]
+    for n, temp in ((1, 0.0), (3, 1.0)):
+        outs = llm.generate([p for p, _, _ in cases],
+                            [SamplingParams(n=n, temperature=temp, seed=3, max_tokens=60,
+                                            structured_outputs=s) for _, s, _ in cases],
+                            use_tqdm=False)
+        for (_, spec, ok), out in zip(cases, outs):
+            for c in out.outputs:
+                assert c.finish_reason == "stop" and ok(c.text), (spec.kind, c.text)
+                # What was generated is what the text says (no hidden special tokens).
+                assert tok.decode(c.token_ids, skip_special_tokens=True) == c.text
+    assert_all_blocks_free(llm)
+
+
+def test_grammar_ends_the_sequence_even_with_ignore_eos(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    out = llm.generate([CHOICE_PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in CHOICES
+
+
+def test_max_tokens_and_stop_strings_cut_structured_output(llm):
+    prompt, schema = SCHEMAS[0]
+    full = llm.chat([chat(prompt)], json_params(schema), use_tqdm=False)[0].outputs[0]
+    cut = llm.chat([chat(prompt)], json_params(schema, max_tokens=4),
+                   use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "length" and cut.token_ids == full.token_ids[:4]
+    key = next(iter(schema["properties"]))
+    stopped = llm.chat([chat(prompt)], json_params(schema, stop=[f'"{key}"']),
+                       use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == f'"{key}"'
+    assert full.text.startswith(stopped.text) and f'"{key}"' in full.text[len(stopped.text):]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_structured_outputs_valid(llm, mode):
+    """A cache too small for the batch: sequences are preempted mid-JSON and resumed; outputs
+    equal the roomy cache's and validate; every block comes back."""
+    prompts = [chat(p) for p, _ in SCHEMAS[:6]]
+    schemas = [s for _, s in SCHEMAS[:6]]
+    params = [json_params(s, n=2, temperature=1.0, seed=i) for i, s in enumerate(schemas)]
+    reference = llm.chat(prompts, params, use_tqdm=False)
+    small = LLM(num_gpu_blocks_override=24, preemption_mode=mode, swap_space=0.25)
+    outs = small.chat(prompts, params, use_tqdm=False)
+    assert small.llm_engine.stats.num_preemptions > 0
+    assert [[c.token_ids for c in o.outputs] for o in outs] == \
+        [[c.token_ids for c in o.outputs] for o in reference]
+    assert_valid_json(outs, schemas)
+    assert_all_blocks_free(small)
+    small.shutdown()
+
+
+def test_logit_bias_forces_and_bans(llm):
+    prompt = "The capital of France is"
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    forced_id = 1234
+    forced = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                   logit_bias={forced_id: 100}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert forced == [forced_id] * 6
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                   logit_bias={base[0]: -100}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert base[0] not in banned
+    # Other rows of the same batch are untouched.
+    both = llm.generate([prompt, prompt], [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={"1234": 100}),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in both] == [forced, base]
+
+
+def test_allowed_token_ids_and_bad_words(llm):
+    tok = llm.get_tokenizer()
+    prompt = "Count from one to ten: one, two,"
+    allowed = tok.encode(" three four five six,", add_special_tokens=False)
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=0, max_tokens=12,
+                                                ignore_eos=True, allowed_token_ids=allowed),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids and set(out.token_ids) <= set(allowed)
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)[0].outputs[0]
+    assert " three" in base.text
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                   bad_words=["three"]),
+                          use_tqdm=False)[0].outputs[0]
+    for text in ("three", " three"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert not any(banned.token_ids[i:i + len(ids)] == ids
+                       for i in range(len(banned.token_ids)))
+    assert banned.token_ids != base.token_ids
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(json={"type": "object", "properties": 5}), "structured_outputs.json"),
+    (dict(json="{not json"), "structured_outputs.json"),
+    (dict(json=[1, 2]), "structured_outputs.json"),
+    (dict(regex="([0-9]"), "structured_outputs.regex"),
+    (dict(grammar="root ::= missing_rule"), "structured_outputs.grammar"),
+    (dict(choice=[]), "structured_outputs.choice"),
+    (dict(regex="a", choice=["a"]), "structured_outputs"),
+    (dict(), "structured_outputs"),
+    (dict(regex="a+", whitespace_pattern=" *"), "structured_outputs.whitespace_pattern"),
+])
+def test_bad_specs_name_the_field(llm, kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}\b"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**kwargs)),
+                     use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias={10**6: 1}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
+    (dict(bad_words=[""]), "bad_words"),
+    (dict(use_beam_search=True, n=2, temperature=0,
+          structured_outputs=StructuredOutputsParams(regex="a")), "structured_outputs"),
+])
+def test_bad_token_constraints_name_the_field(llm, kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        llm.generate(["x"], SamplingParams(**kwargs), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match=r"structured_outputs_backend .*'xgrammar'"):
+        EngineArgs(structured_outputs_backend="outlines").create_engine_config()
