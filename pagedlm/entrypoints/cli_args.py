@@ -207,6 +207,28 @@ def _lora_module(text: str):
     return parse_lora_module(text)
 
 
+def _tool_parser_names() -> str:
+    from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    return ", ".join(sorted(TOOL_PARSERS))
+
+
+def _tool_call_parser(text: str) -> str:
+    if text not in _tool_parser_names().split(", "):
+        raise argparse.ArgumentTypeError(f"unknown tool-call parser {text!r}; the parsers are "
+                                         f"{_tool_parser_names()}")
+    return text
+
+
+def _chat_template(text: str) -> str:
+    """A file's contents, or the argument itself if it is a Jinja template."""
+    if os.path.isfile(text):
+        with open(text, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in text or "{%" in text:
+        return text
+    raise argparse.ArgumentTypeError(f"no such file, and not a Jinja template: {text!r}")
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
@@ -242,6 +264,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-runtime-lora-updating", action="store_true",
                        help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                             "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=true).")
+    group.add_argument("--chat-template", type=_chat_template, default=None,
+                       metavar="FILE|TEMPLATE",
+                       help="A Jinja chat template (a file, or the template itself) replacing "
+                            "the tokenizer's, e.g. examples/tool_chat_template_hermes_chatml"
+                            ".jinja for tool calling with ChatML models.")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='Allow tool_choice "auto": the model decides to call tools, and '
+                            "--tool-call-parser reads the calls from its output.")
+    group.add_argument("--tool-call-parser", type=_tool_call_parser, default=None,
+                       metavar="NAME",
+                       help="How the model writes tool calls: " + _tool_parser_names() + ".")
     group.add_argument("--disable-log-stats", action="store_true",
                        help="Do not log the periodic engine stats line.")
     group.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",

@@ -51,6 +51,7 @@ from pagedlm.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from pagedlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedlm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedlm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedlm.entrypoints.openai.serving_engine import (error_body, error_response,
                                                        validation_error_response)
 
@@ -128,10 +129,17 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               allowed_headers: list[str] | None = None,
               allow_credentials: bool = False,
               lora_modules: list[LoRAModulePath] | None = None,
-              enable_runtime_lora_updating: bool | None = None) -> FastAPI:
+              enable_runtime_lora_updating: bool | None = None,
+              chat_template: str | None = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine`. The caller owns the engine (and shuts it down).
     lora_modules are loaded at start-up (an invalid one stops it). Runtime LoRA updating:
-    None reads VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
+    None reads VLLM_ALLOW_RUNTIME_LORA_UPDATING. chat_template replaces the tokenizer's;
+    tool_choice "auto" needs enable_auto_tool_choice and a tool_call_parser name."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser (one of "
+                         f"{', '.join(sorted(TOOL_PARSERS))}).")
+    auto_parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     names = served_model_names or [engine.model_config.model or "default"]
     models = OpenAIServingModels(engine, names, lora_modules)
     if enable_runtime_lora_updating is None:
@@ -149,7 +157,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     app.state.served_model_names = names
     app.state.models = models
     completion = OpenAIServingCompletion(engine, names, models)
-    chat = OpenAIServingChat(engine, names, models)
+    chat = OpenAIServingChat(engine, names, models, chat_template=chat_template,
+                             tool_parser=auto_parser if enable_auto_tool_choice else None)
     embedding = OpenAIServingEmbedding(engine, names, models)
     tokenization = OpenAIServingTokenization(engine, names, models)
     body_models: list[type[BaseModel]] = []  # the request bodies the OpenAPI document shows
@@ -333,6 +342,8 @@ def run_server(args: argparse.Namespace) -> None:
     engine_args = engine_args_from_namespace(args)
     if args.lora_modules and not engine_args.enable_lora:
         raise SystemExit("error: --lora-modules needs --enable-lora")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
     names = args.served_model_name or [default_served_name(engine_args.model)]
     sock = _bind(args.host, args.port)  # before the model loads: a taken port fails at once
     try:
@@ -349,7 +360,10 @@ def run_server(args: argparse.Namespace) -> None:
                         allowed_headers=args.allowed_headers,
                         allow_credentials=args.allow_credentials,
                         lora_modules=args.lora_modules,
-                        enable_runtime_lora_updating=args.enable_runtime_lora_updating or None)
+                        enable_runtime_lora_updating=args.enable_runtime_lora_updating or None,
+                        chat_template=args.chat_template,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        tool_call_parser=args.tool_call_parser)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=args.timeout_keep_alive)

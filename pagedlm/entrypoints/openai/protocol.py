@@ -6,6 +6,7 @@ SamplingParams, whose own validation names the offending field.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -249,10 +250,24 @@ class ChatContentPart(StrictRequest):
     text: str | None = None
 
 
+class FunctionCallParam(StrictRequest):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ChatMessageToolCall(StrictRequest):
+    """A tool call of an earlier assistant turn, sent back in `messages`."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(StrictRequest):
     role: str
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ChatMessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
 
     def to_template_dict(self) -> dict:
         content = self.content
@@ -267,7 +282,38 @@ class ChatMessage(StrictRequest):
         msg = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                # Templates read the arguments as a mapping (transformers' chat-template
+                # convention), so the JSON text is parsed; checked by check_tool_messages.
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name,
+                              "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+class FunctionDefinition(StrictRequest):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(StrictRequest):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictRequest):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(StrictRequest):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -276,8 +322,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    # None: "auto" when tools are given (as vLLM), else "none"
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None \
+        = None
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -286,8 +334,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # the chat template already holds them
 
     def _unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported."
         if self.add_generation_prompt and self.continue_final_message:
             return "add_generation_prompt and continue_final_message cannot both be true."
         return super()._unsupported()
@@ -315,14 +361,41 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """One streamed piece of a call: the first has id, type and name; later ones add
+    argument text to the call at `index`."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):

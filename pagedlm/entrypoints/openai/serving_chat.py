@@ -12,11 +12,16 @@ from pagedlm.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCom
                                                  ChatCompletionStreamChoice,
                                                  ChatCompletionStreamResponse, ChatLogProb,
                                                  ChatLogProbsContent, ChatResponseMessage,
-                                                 DeltaMessage, UsageInfo, random_uuid)
+                                                 DeltaMessage, FunctionCall, ToolCall,
+                                                 UsageInfo, random_uuid)
 from pagedlm.entrypoints.openai.serving_engine import (OpenAIServing, clean_logprob,
                                                        error_response, merge_streams,
                                                        param_from_message, sse, token_text,
                                                        _PARAMS)
+from pagedlm.entrypoints.openai.serving_tools import (NO_TOOLS, ToolPlan, ToolRequestError,
+                                                      constrain_to_json_schema, plan_tools)
+from pagedlm.entrypoints.openai.tool_parsers import ToolParser
+from pagedlm.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, tool_call_id
 from pagedlm.outputs import PositionLogprobs
 
 
@@ -34,20 +39,37 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=add_special_tokens)}
 
 
+def _tool_finish_reason(finish_reason: str | None, tools_called: bool) -> str | None:
+    return "tool_calls" if tools_called and finish_reason == "stop" else finish_reason
+
+
 class OpenAIServingChat(OpenAIServing):
+
+    def __init__(self, *args, chat_template: str | None = None,
+                 tool_parser: type[ToolParser] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template  # --chat-template: overrides the tokenizer's
+        self.tool_parser = tool_parser  # set with --enable-auto-tool-choice
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         if (err := self.check_model(request.model)) is not None:
             return err
         try:
+            tools = plan_tools(request, self.tool_parser)
             params = request.to_sampling_params()
+            if tools.schema is not None:
+                params = constrain_to_json_schema(params, tools)
+            template_kwargs = dict(request.chat_template_kwargs or {})
+            if tools.template_tools is not None:
+                template_kwargs["tools"] = tools.template_tools
             prompt = apply_chat_template(
                 self.tokenizer, [m.to_template_dict() for m in request.messages],
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template=request.chat_template,
-                add_special_tokens=request.add_special_tokens,
-                **(request.chat_template_kwargs or {}))
+                chat_template=request.chat_template or self.chat_template,
+                add_special_tokens=request.add_special_tokens, **template_kwargs)
+        except ToolRequestError as e:
+            return error_response(str(e), 400, e.param)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
         request_id = f"chatcmpl-{random_uuid()}"
@@ -58,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.model_name(request.model)
         if request.stream:
             return self.streaming_response(
-                self._stream(request, request_id, model, streams), streams)
+                self._stream(request, request_id, model, streams, tools), streams)
         try:
             (final,) = await self.collect(streams)
         except Exception as e:  # noqa: BLE001 - the engine failed while we waited
@@ -66,10 +88,18 @@ class OpenAIServingChat(OpenAIServing):
         choices, completion_tokens = [], 0
         for c in final.outputs:
             completion_tokens += len(c.token_ids)
+            message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
+            if tools.make_parser is not None:
+                extracted = tools.make_parser().extract_tool_calls(c.text)
+                if extracted.tools_called:
+                    message = ChatResponseMessage(content=extracted.content, tool_calls=[
+                        ToolCall(id=tool_call_id(), function=FunctionCall(name=n, arguments=a))
+                        for n, a in extracted.calls])
+                finish_reason = _tool_finish_reason(finish_reason, extracted.tools_called)
             choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=ChatResponseMessage(content=c.text),
+                index=c.index, message=message,
                 logprobs=self._logprobs(request, c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                finish_reason=finish_reason, stop_reason=c.stop_reason))
         prompt_tokens = len(final.prompt_token_ids)
         response = ChatCompletionResponse(
             id=request_id, model=model, choices=choices,
@@ -95,8 +125,11 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
-                      streams):
+                      streams, tools: ToolPlan = NO_TOOLS):
         created = int(time.time())
+        # One streamer per choice turns its text deltas into content and tool-call deltas.
+        streamers = None if tools.make_parser is None else {
+            i: ToolCallStreamer(tools.make_parser()) for i in range(request.n)}
 
         def chunk(choices, usage=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
@@ -113,13 +146,23 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and not (
+                    delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                    if streamers is not None:
+                        streamer = streamers[c.index]
+                        delta = streamer.feed(c.text, final=finish_reason is not None)
+                        finish_reason = _tool_finish_reason(finish_reason,
+                                                            streamer.tools_called)
+                        if delta is None and finish_reason is None and not (
+                                request.logprobs and c.token_ids):
+                            continue
+                        delta = delta or DeltaMessage()
+                    elif not c.text and c.finish_reason is None and not (
                             request.logprobs and c.token_ids):
                         continue
                     yield chunk([ChatCompletionStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text),
+                        index=c.index, delta=delta,
                         logprobs=self._logprobs(request, c.token_ids, c.logprobs),
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                        finish_reason=finish_reason, stop_reason=c.stop_reason)])
             if request.include_usage:
                 yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
                                           completion_tokens=completion_tokens,
