@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
-from pagedlm.model_executor.layers.quantization import kernels
+import pagedlm.model_executor.layers.quantization.kernels as kernels
 
 
 class QuantizationConfig(ABC):

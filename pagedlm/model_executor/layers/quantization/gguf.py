@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
-from pagedlm.model_executor.layers.quantization import kernels
+import pagedlm.model_executor.layers.quantization.kernels as kernels
 from pagedlm.model_executor.layers.quantization.base import PackedLinearMethod, QuantizationConfig
 from pagedlm.model_executor.model_loader.model_path import CONVERSION_MARKER
 

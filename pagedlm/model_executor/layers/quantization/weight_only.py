@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagedlm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
-from pagedlm.model_executor.layers.quantization import kernels
+import pagedlm.model_executor.layers.quantization.kernels as kernels
 from pagedlm.model_executor.layers.quantization.base import PackedLinearMethod, QuantizationConfig
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 
