@@ -50,9 +50,13 @@ def check_against_peft(llm: LLM, ref, lora: LoRARequest | None, prompts=PROMPTS)
         with torch.inference_mode():
             logp = torch.log_softmax(ref(torch.tensor([ids + got])).logits[0].float(), -1)
         for i, position in enumerate(out.outputs[0].logprobs):
-            top = logp[len(ids) - 1 + i].topk(5)
-            for tid, val in zip(top.indices.tolist(), top.values.tolist()):
-                assert tid in position, (prompt, i)
+            top = logp[len(ids) - 1 + i].topk(6)
+            sixth = top.values[5].item()
+            for tid, val in zip(top.indices[:5].tolist(), top.values[:5].tolist()):
+                if tid not in position:
+                    # Only a near-tie with the reference's 6th token may swap places.
+                    assert val - sixth <= 2e-3, (prompt, i, tid, val, sixth)
+                    continue
                 assert position[tid].logprob == pytest.approx(val, abs=2e-3), (prompt, i)
     assert same >= len(prompts) - 1, f"only {same} of {len(prompts)} prompts identical"
 
