@@ -56,11 +56,13 @@ def test_narrow_cache_close_to_float32(reference, narrow):
 
 
 def assert_same_run(got, want):
-    """The same greedy tokens; logprobs equal up to float rounding (a prefix read from the
-    cache goes through the paged kernel, a fresh one through SDPA: same values, other sums)."""
+    """The same greedy tokens; logprobs close. A prefix read from the cache goes through the
+    paged kernel, a fresh one through SDPA: same values, other sums, and a float32 difference
+    in the last bit can flip the 2-byte rounding of a later token's K/V (one bf16 step is
+    0.4%), which is how a 6e-3 logprob difference was measured here."""
     for (g_ids, g_lp), (w_ids, w_lp) in zip(got, want):
         assert g_ids == w_ids
-        assert max(abs(a - b) for a, b in zip(g_lp, w_lp)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(g_lp, w_lp)) < 2e-2
 
 
 def test_narrow_cache_prefix_caching_and_swap(narrow):
