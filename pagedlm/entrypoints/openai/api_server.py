@@ -37,7 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedlm
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
-from pagedlm.entrypoints.openai.openapi import SSE_CONTENT, install_openapi, json_body, responses
+from pagedlm.entrypoints.openai.openapi import (SSE_CONTENT, install_openapi, json_body,
+                                                responses, sse_content)
 from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                  CompletionRequest, CompletionResponse,
                                                  DetokenizeRequest, DetokenizeResponse,
@@ -201,11 +202,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
-    @app.get("/engine/events", responses=responses(None, 401, 500, ok_content={
-        "text/event-stream": {"schema": {"type": "string"}}},
-        ok_description="The engine view (queues, KV block map, tokens per step) as server-sent "
-                       "events, a few per second; the stream ends after a few seconds and the "
-                       "page reconnects."))
+    @app.get("/engine/events", responses=responses(
+        None, 401, 500, ok_content=sse_content(
+            "One event per engine view: `data:` is the view as JSON (queues, KV block map, "
+            "tokens per step)."),
+        ok_description="The engine view as server-sent events, a few per second; the stream "
+                       "ends after a few seconds and the page reconnects."))
     async def engine_events() -> Response:
         async def events():
             end = loop.time() + ENGINE_EVENTS_MAX_S

@@ -53,9 +53,17 @@ def responses(ok: type[BaseModel] | None = None, *errors: int, ok_description: s
     return out
 
 
-SSE_CONTENT = {"text/event-stream": {"schema": {
-    "type": "string", "description": "With stream=true: server-sent events, one JSON chunk "
-                                     "per `data:` line, then `data: [DONE]`."}}}
+def sse_content(description: str) -> dict[str, Any]:
+    """A text/event-stream response. The schema describes one event (its `data` field), which
+    is how OpenAPI tools such as schemathesis read an event-stream schema."""
+    return {"text/event-stream": {"schema": {
+        "type": "object", "description": description,
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                       "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
+
+
+SSE_CONTENT = sse_content("With stream=true: server-sent events, one JSON chunk per `data:` "
+                          "line, then `data: [DONE]`.")
 
 
 def install_openapi(app: FastAPI, body_models: list[type[BaseModel]]) -> None:
