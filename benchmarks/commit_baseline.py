@@ -1,9 +1,14 @@
-"""Run a benchmark script as it was at another commit, for old-against-new figures in one
-invocation (`--baseline-commit REV` in throughput.py and prefix_cache.py).
+"""Run a benchmark script in a fresh process, as it is (`run_script_fresh`) or as it was at
+another commit (`run_script_at_commit`, for `--baseline-commit REV` in throughput.py and
+prefix_cache.py), and read its figures back through the script's --output-json.
 
-The commit is checked out into a temporary git worktree and its own copy of the script runs
-there in a subprocess with the same arguments; the script puts its tree first on sys.path, so
-it imports that commit's pagedlm. The figures come back through the script's --output-json.
+Why every compared run gets its own process: engines built one after another in one process
+ran the same requests in 37.0, 58.5, 45.5 and 61.9 s (forward time; last session's
+/tmp/order.py), far more than the differences being measured. In fresh processes that spread
+goes away, so a figure never depends on what ran before it in the same interpreter.
+
+For a commit, it is checked out into a temporary git worktree and its own copy of the script
+runs there; the script puts its tree first on sys.path, so it imports that commit's pagedlm.
 """
 import json
 import os
@@ -23,18 +28,28 @@ def run_script_at_commit(rev: str, script: str, argv: list[str]) -> dict:
         subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q", tree, sha],
                        check=True)
         try:
-            out = os.path.join(tmp, "figures.json")
             print(f"--- baseline: {script} at {rev} ({sha[:10]}) ---", flush=True)
-            subprocess.run([sys.executable, os.path.join(tree, script), *argv,
-                            "--output-json", out], check=True, cwd=tree)
+            figures = _run(tree, script, argv, tmp)
             print(f"--- end of baseline at {sha[:10]} ---", flush=True)
-            with open(out) as f:
-                figures = json.load(f)
             figures["commit"] = sha
             return figures
         finally:
             subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", tree],
                            check=False)
+
+
+def run_script_fresh(script: str, argv: list[str]) -> dict:
+    """script (relative to the repository root) from this tree, in a new interpreter."""
+    with tempfile.TemporaryDirectory(prefix="pagedlm-leg-") as tmp:
+        return _run(REPO, script, argv, tmp)
+
+
+def _run(tree: str, script: str, argv: list[str], tmp: str) -> dict:
+    out = os.path.join(tmp, "figures.json")
+    subprocess.run([sys.executable, os.path.join(tree, script), *argv, "--output-json", out],
+                   check=True, cwd=tree)
+    with open(out) as f:
+        return json.load(f)
 
 
 def strip_option(argv: list[str], name: str) -> list[str]:
@@ -48,3 +63,8 @@ def strip_option(argv: list[str], name: str) -> list[str]:
         elif not a.startswith(name + "="):
             out.append(a)
     return out
+
+
+def strip_flag(argv: list[str], name: str) -> list[str]:
+    """argv without the valueless flag `name`."""
+    return [a for a in argv if a != name]

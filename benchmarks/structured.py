@@ -5,8 +5,9 @@ Fairness: a schema lets a request finish early (its JSON closes; the grammar the
 with ignore_eos). So the constrained run goes first, with the schema `an array of strings` (no
 maxItems: its content can run to max_tokens) and ignore_eos; the unconstrained run then asks
 each request for exactly the tokens its constrained twin produced (ignore_eos). Both runs do the
-same prefill and decode work, token for token; each runs on a fresh engine (no prefix-cache hits
-from the other), after a warm-up request that compiles the schema (its time is reported).
+same prefill and decode work, token for token; each runs in a fresh process (engines built one
+after another in one process differ by up to 50% in forward time: commit_baseline.py), after
+a warm-up request that compiles the schema (its time is reported).
 
 Acceptance workload (issue 13; target: constrained >= 80% of unconstrained output tokens/s):
     python benchmarks/structured.py --num-prompts 128 --input-len 32:512 --output-len 16:256
@@ -26,6 +27,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from commit_baseline import run_script_fresh, strip_option  # noqa: E402
 from throughput import figures, make_requests, parse_len, report  # noqa: E402
 from pagedlm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedlm.model_executor.model_loader.model_path import resolve_model  # noqa: E402
@@ -45,6 +47,10 @@ def parse_args():
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-json", default=None)
     p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--leg", choices=["constrained", "unconstrained"], default=None,
+                   help="(internal) run one leg in this process and write it to --output-json")
+    p.add_argument("--lengths", default=None,
+                   help="(internal, unconstrained leg) comma-separated output lengths")
     return p.parse_args()
 
 
@@ -75,20 +81,8 @@ def run(name, model, prompts, params, args):
     return outs, elapsed, load_s, warmup_s
 
 
-def main():
-    args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model)
-    schema = json.loads(args.schema)
-    config = {k: (f"{v[0]}:{v[1]}" if isinstance(v, tuple) else v) for k, v in vars(args).items()}
-    config.update(model=model_dir, torch=torch.__version__, torch_threads=torch.get_num_threads(),
-                  cpus=os.cpu_count(), loadavg_1m=round(os.getloadavg()[0], 2))
-    print("command:", shlex.join(["python"] + sys.argv))
-    print("config:", json.dumps(config))
-    requests = make_requests(AutoTokenizer.from_pretrained(model_dir), args)
-    prompts = [{"prompt_token_ids": p} for p, _ in requests]
-    so = StructuredOutputsParams(json=schema)
+def constrained_leg(model_dir, prompts, requests, args):
+    so = StructuredOutputsParams(json=json.loads(args.schema))
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True,
                              structured_outputs=so) for _, n in requests]
     outs, elapsed, load_s, warmup_s = run("JSON schema", model_dir, prompts, params, args)
@@ -104,15 +98,47 @@ def main():
     print(f"  {closed} of {len(outs)} requests closed their JSON before max_tokens "
           f"({valid} of those parse); warm-up (vocabulary + compile) {warmup_s:.2f}s")
     actual = [(p, n) for (p, _), n in zip(requests, lengths)]
-    results = {"JSON schema": figures(actual, elapsed, load_s)}
-    results["JSON schema"].update(warmup_s=round(warmup_s, 3), closed_early=closed)
-    report("JSON schema", results["JSON schema"])
+    fig = figures(actual, elapsed, load_s)
+    fig.update(warmup_s=round(warmup_s, 3), closed_early=closed, lengths=lengths)
+    return fig
 
+
+def unconstrained_leg(model_dir, prompts, requests, args):
+    lengths = [int(n) for n in args.lengths.split(",")]
     plain = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True)
              for n in lengths]
     outs, elapsed, load_s, _ = run("unconstrained", model_dir, prompts, plain, args)
     assert [len(o.outputs[0].token_ids) for o in outs] == lengths
-    results["unconstrained"] = figures(actual, elapsed, load_s)
+    return figures([(p, n) for (p, _), n in zip(requests, lengths)], elapsed, load_s)
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    config = {k: (f"{v[0]}:{v[1]}" if isinstance(v, tuple) else v) for k, v in vars(args).items()
+              if k != "lengths"}
+    config.update(model=model_dir, torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                  cpus=os.cpu_count(), loadavg_1m=round(os.getloadavg()[0], 2))
+    if args.leg:
+        requests = make_requests(AutoTokenizer.from_pretrained(model_dir), args)
+        prompts = [{"prompt_token_ids": p} for p, _ in requests]
+        leg = constrained_leg if args.leg == "constrained" else unconstrained_leg
+        fig = leg(model_dir, prompts, requests, args)
+        with open(args.output_json, "w") as f:
+            json.dump(fig, f)
+        return
+    print("command:", shlex.join(["python"] + sys.argv))
+    print("config:", json.dumps(config))
+    argv = strip_option(sys.argv[1:], "--output-json")
+    results = {"JSON schema": run_script_fresh("benchmarks/structured.py",
+                                               argv + ["--leg", "constrained"])}
+    lengths = results["JSON schema"].pop("lengths")
+    report("JSON schema", results["JSON schema"])
+    results["unconstrained"] = run_script_fresh(
+        "benchmarks/structured.py",
+        argv + ["--leg", "unconstrained", "--lengths", ",".join(map(str, lengths))])
     report("unconstrained", results["unconstrained"])
 
     ratio = (results["JSON schema"]["output_tokens_per_s"]

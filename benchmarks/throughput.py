@@ -24,6 +24,11 @@ runs the same workload untraced, for the tracer's cost (the trace is written at 
 the timed part):
     python benchmarks/throughput.py --num-prompts 64 --input-len 32:256 --output-len 16:128 \
         --trace-file /tmp/run.json --baseline no-trace
+What tracing *off* costs is this tree against the commit before the tracer merged (ad1039b, the
+first parent of merge 09dd125); --repeats runs both legs twice each, ABBA, each in a fresh
+process, because differences of 1% are below a single run's noise here:
+    python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 \
+        --output-len 16:256 --baseline-commit ad1039b --repeats 2
 
 With ``--baseline no-chunked-prefill`` the baseline is pagedlm itself with chunked prefill off,
 so chunked prefill (the default) can be compared with one-step prefills:
@@ -45,7 +50,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 # Make `python benchmarks/throughput.py` work from a plain checkout (no pip install).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from commit_baseline import run_script_at_commit, strip_option  # noqa: E402
+from commit_baseline import run_script_at_commit, run_script_fresh, strip_flag, strip_option  # noqa: E402
 from pagedlm import LLM, SamplingParams  # noqa: E402
 from pagedlm.model_executor.model_loader.model_path import default_model_file  # noqa: E402
 from quality import linear_weight_bytes  # noqa: E402
@@ -85,6 +90,10 @@ def parse_args():
     p.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None)
     p.add_argument("--baseline-commit", default=None, metavar="REV",
                    help="also run this workload on pagedlm at git commit REV and compare")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with a pagedlm baseline: run both legs this many times each, every leg "
+                   "in a fresh process, in alternating order (AB BA AB...), and report each "
+                   "round's ratio and the ratio of the summed times")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for both runs (default: torch's choice)")
@@ -261,29 +270,26 @@ def main():
     if args.quantization:
         run_quantizations(requests, args, model_file)
         return
-    results = {"pagedlm": run_pagedlm(requests, args, model_file)}
-    report("pagedlm", results["pagedlm"])
     baselines = [args.baseline] if args.baseline != "none" else []
     if args.baseline_commit:
         baselines.append(f"commit {args.baseline_commit}")
-    for name in baselines:
-        if name.startswith("commit "):
-            argv = strip_option(strip_option(sys.argv[1:], "--baseline-commit"), "--output-json")
-            argv = strip_option(argv, "--trace-file")  # older commits have no tracer
-            old = run_script_at_commit(args.baseline_commit, "benchmarks/throughput.py",
-                                       strip_option(argv, "--baseline") + ["--baseline", "none"])
-            results[name] = old["results"]["pagedlm"]
-        elif name == "hf":
+    # Every pagedlm baseline runs in a fresh process (commit_baseline.py says why); the same
+    # script with its options changed, and "--baseline none" so it runs its one leg only.
+    argv = strip_option(strip_option(sys.argv[1:], "--baseline-commit"), "--output-json")
+    argv = strip_option(strip_option(argv, "--repeats"), "--baseline") + ["--baseline", "none"]
+    if args.repeats > 1:
+        if len(baselines) != 1 or baselines[0] == "hf":
+            raise SystemExit("--repeats needs exactly one pagedlm baseline (--baseline-commit, "
+                             "no-trace, tp1 or no-chunked-prefill)")
+        results = repeated_rounds(baselines[0], argv, args)
+    else:
+        results = {"pagedlm": run_pagedlm(requests, args, model_file)}
+        report("pagedlm", results["pagedlm"])
+    for name in baselines if args.repeats == 1 else []:
+        if name == "hf":
             results[name] = run_hf(requests, args, model_file, tokenizer)
-        elif name == "no-trace":
-            results[name] = run_pagedlm(requests, args, model_file, trace_file=None)
-        elif name == "tp1":
-            results[name] = run_pagedlm(requests, args, model_file, tensor_parallel_size=1,
-                                        pipeline_parallel_size=1,
-                                        distributed_executor_backend="uni")
         else:
-            results[name] = run_pagedlm(requests, args, model_file, enable_chunked_prefill=False,
-                                        max_num_batched_tokens=None)
+            results[name] = baseline_leg(name, argv, args)
         report("pagedlm", results["pagedlm"])  # repeated so both sit together at the end
         report(name, results[name])
         ratios = {}
@@ -300,6 +306,54 @@ def main():
             json.dump({"command": shlex.join(["python"] + sys.argv), "config": config,
                        "results": results}, f, indent=2)
         print("wrote", args.output_json)
+
+
+def baseline_leg(name, argv, args):
+    """One run of a pagedlm baseline in a fresh process: its figures."""
+    if name.startswith("commit "):
+        old = run_script_at_commit(args.baseline_commit, "benchmarks/throughput.py",
+                                   strip_option(argv, "--trace-file"))  # no tracer there
+        return old["results"]["pagedlm"]
+    if name == "no-trace":
+        leg = strip_option(argv, "--trace-file")
+    elif name == "tp1":
+        leg = argv
+        for opt in ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+                    "--distributed-executor-backend"):
+            leg = strip_option(leg, opt)
+        leg += ["--distributed-executor-backend", "uni"]
+    else:  # no-chunked-prefill
+        leg = strip_flag(strip_flag(strip_option(argv, "--max-num-batched-tokens"),
+                                    "--enable-chunked-prefill"),
+                         "--no-enable-chunked-prefill") + ["--no-enable-chunked-prefill"]
+    print(f"--- baseline {name}: a fresh process ---", flush=True)
+    return run_script_fresh("benchmarks/throughput.py", leg)["results"]["pagedlm"]
+
+
+def repeated_rounds(name, argv, args):
+    """Both legs args.repeats times, each in a fresh process, the order alternating so that a
+    machine drifting faster or slower over the run weighs on both alike."""
+    rounds = []
+    for i in range(args.repeats):
+        fig = {}
+        for leg in (["pagedlm", name] if i % 2 == 0 else [name, "pagedlm"]):
+            print(f"=== round {i + 1} of {args.repeats}: {leg} ===", flush=True)
+            fig[leg] = (run_script_fresh("benchmarks/throughput.py", argv)["results"]["pagedlm"]
+                        if leg == "pagedlm" else baseline_leg(name, argv, args))
+            report(leg, fig[leg])
+        fig["ratio"] = fig["pagedlm"]["output_tokens_per_s"] / fig[name]["output_tokens_per_s"]
+        rounds.append(fig)
+    print()
+    for i, fig in enumerate(rounds):
+        print(f"round {i + 1}: pagedlm {fig['pagedlm']['elapsed_s']:.1f}s, {name} "
+              f"{fig[name]['elapsed_s']:.1f}s: output tokens/s ratio {fig['ratio']:.3f}x")
+    ours = sum(f["pagedlm"]["elapsed_s"] for f in rounds)
+    theirs = sum(f[name]["elapsed_s"] for f in rounds)
+    ratios = sorted(f["ratio"] for f in rounds)
+    print(f"output tokens/s ratio (pagedlm / {name}) over all rounds (summed times): "
+          f"{theirs / ours:.3f}x; per round {ratios[0]:.3f}x to {ratios[-1]:.3f}x")
+    return {"pagedlm": rounds[0]["pagedlm"], name: rounds[0][name], "rounds": rounds,
+            f"ratio_summed_pagedlm_over_{name}": theirs / ours}
 
 
 def run_quantizations(requests, args, model_file):

@@ -8,7 +8,10 @@ import torch
 
 
 def pytest_configure(config):
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    # Under pytest-xdist the cores are shared by the workers: more torch threads than cores
+    # spin against each other (a decode step ran 100x slower at load 25 here).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,10 @@ import pytest
 
 from pagedlm import LLM, SamplingParams
 
+# About 200 tokens: 12 shared blocks of 16, enough to tell computed from cached (the 24-rule
+# version took 100 s of the suite for no extra coverage).
 SYSTEM = ("You are a careful assistant for a library. " + " ".join(
-    f"Rule {i}: shelve books of section {i % 9} by author, then by year." for i in range(24)))
+    f"Rule {i}: shelve books of section {i % 9} by author, then by year." for i in range(11)))
 QUESTIONS = ["Where do poetry books go?", "How are atlases sorted?", "What about magazines?",
              "Can I borrow two books?", "When does the library open?", "Who sorts returns?",
              "Is there a quiet room?", "How long is a loan?"]
@@ -56,7 +58,7 @@ def test_cache_survives_across_batches_and_eviction_keeps_outputs_right(referenc
     second = stats.num_prompt_tokens - before
     assert second < 0.3 * sum(len(llm.get_tokenizer()(p).input_ids) for p in PROMPTS[2:4])
     # Unrelated long prompts push the old prefix out, least recently used first.
-    other = [f"Unrelated text number {i}. " * 60 for i in range(3)]
+    other = [f"Unrelated text number {i}. " * 40 for i in range(3)]
     greedy(llm, other)
     assert bm.gpu.num_evictions > 0
     before = stats.num_prompt_tokens
@@ -95,8 +97,8 @@ def test_a_forged_hash_collision_never_reuses_another_prompts_blocks(reference, 
     victim = "A completely different opening about rivers, mountains and the sea. " * 8
     llm.generate(victim, PARAMS, use_tqdm=False)  # its first block owns the colliding hash
     assert len(bm.gpu.cached) == 1
-    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    outs = llm.generate(PROMPTS[:4], PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref[:4]
     assert all(o.num_cached_tokens == 0 for o in outs)
     assert bm.prefix_hits == 0
 

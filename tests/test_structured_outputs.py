@@ -51,18 +51,23 @@ def assert_valid_json(outputs, schemas):
             jsonschema.validate(json.loads(c.text), schema)
 
 
-def test_ten_schemas_greedy_and_n3(llm):
-    schemas = [s for _, s in SCHEMAS]
-    greedy = llm.chat([chat(p) for p, _ in SCHEMAS], [json_params(s) for s in schemas],
+# The server test runs all ten schemas (n=3, streamed and not); offline, four of them cover
+# the engine's own paths (greedy, n=3 forks, preemption) at a third of the suite time.
+OFFLINE = SCHEMAS[:4]
+
+
+def test_schemas_greedy_and_n3(llm):
+    schemas = [s for _, s in OFFLINE]
+    greedy = llm.chat([chat(p) for p, _ in OFFLINE], [json_params(s) for s in schemas],
                       use_tqdm=False)
     assert_valid_json(greedy, schemas)
     # Sampled, three sequences each: every one has its own matcher.
-    sampled = llm.chat([chat(p) for p, _ in SCHEMAS],
+    sampled = llm.chat([chat(p) for p, _ in OFFLINE],
                        [json_params(s, n=3, temperature=1.0, seed=i)
                         for i, s in enumerate(schemas)], use_tqdm=False)
     assert all(len(o.outputs) == 3 for o in sampled)
     assert_valid_json(sampled, schemas)
-    assert len({c.text for o in sampled for c in o.outputs}) > len(SCHEMAS)  # they differ
+    assert len({c.text for o in sampled for c in o.outputs}) > len(OFFLINE)  # they differ
     assert_all_blocks_free(llm)
 
 
@@ -150,20 +155,26 @@ def test_max_tokens_and_stop_strings_cut_structured_output(llm):
     assert full.text.startswith(stopped.text) and f'"{key}"' in full.text[len(stopped.text):]
 
 
+PREEMPT_SCHEMAS = [s for _, s in OFFLINE]
+PREEMPT_PARAMS = [json_params(s, n=2, temperature=1.0, seed=i)
+                  for i, s in enumerate(PREEMPT_SCHEMAS)]
+
+
+@pytest.fixture(scope="module")
+def roomy_reference(llm):
+    return llm.chat([chat(p) for p, _ in OFFLINE], PREEMPT_PARAMS, use_tqdm=False)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_structured_outputs_valid(llm, mode):
+def test_preemption_keeps_structured_outputs_valid(roomy_reference, mode):
     """A cache too small for the batch: sequences are preempted mid-JSON and resumed; outputs
     equal the roomy cache's and validate; every block comes back."""
-    prompts = [chat(p) for p, _ in SCHEMAS[:6]]
-    schemas = [s for _, s in SCHEMAS[:6]]
-    params = [json_params(s, n=2, temperature=1.0, seed=i) for i, s in enumerate(schemas)]
-    reference = llm.chat(prompts, params, use_tqdm=False)
-    small = LLM(num_gpu_blocks_override=24, preemption_mode=mode, swap_space=0.25)
-    outs = small.chat(prompts, params, use_tqdm=False)
+    small = LLM(num_gpu_blocks_override=14, preemption_mode=mode, swap_space=0.25)
+    outs = small.chat([chat(p) for p, _ in OFFLINE], PREEMPT_PARAMS, use_tqdm=False)
     assert small.llm_engine.stats.num_preemptions > 0
     assert [[c.token_ids for c in o.outputs] for o in outs] == \
-        [[c.token_ids for c in o.outputs] for o in reference]
-    assert_valid_json(outs, schemas)
+        [[c.token_ids for c in o.outputs] for o in roomy_reference]
+    assert_valid_json(outs, PREEMPT_SCHEMAS)
     assert_all_blocks_free(small)
     small.shutdown()
 

@@ -25,7 +25,7 @@ MAX_TOKENS = 120
 @pytest.fixture(scope="module")
 def server():
     engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(max_model_len=1024, num_gpu_blocks_override=400), log_stats=False,
+        EngineArgs(max_model_len=1024, num_gpu_blocks_override=640), log_stats=False,
         model_name=MODEL)
     try:
         with serve_in_thread(engine, served_model_names=[MODEL]) as running:
@@ -70,8 +70,11 @@ def test_ten_schemas_n3_streamed_and_not(server, client):
             temperature=1.0, seed=i, max_tokens=MAX_TOKENS,
             response_format=response_format(i, schema), stream=stream)
 
-    full = concurrently(lambda c: ask(c, False), list(enumerate(SCHEMAS)))
-    streamed = concurrently(lambda c: stream_texts(ask(c, True)), list(enumerate(SCHEMAS)))
+    # All twenty at once (one batch of 60 sequences: half the time of two batches of 30).
+    cases = list(enumerate(SCHEMAS))
+    both = concurrently(lambda c: stream_texts(ask(c[1], True)) if c[0] else ask(c[1], False),
+                        [(0, c) for c in cases] + [(1, c) for c in cases])
+    full, streamed = both[:len(cases)], both[len(cases):]
     for (_, schema), r, texts in zip(SCHEMAS, full, streamed):
         assert len(r.choices) == 3
         for c in r.choices:
