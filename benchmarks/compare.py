@@ -514,7 +514,11 @@ def plan_vllm(spec: SystemSpec, args, port: int) -> LaunchPlan:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     bytes_per_token = (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
                        * head_dim * 4)
-    kv_bytes = kv_blocks(args.max_concurrency, args.max_model_len) * 16 * bytes_per_token
+    # With exactly that room vLLM's CPU backend refuses the single stream (288 tokens: "0.02
+    # GiB needed, 0.01 available", its own block rounding), so it gets at least 64 MiB; more
+    # cache than the requests need changes nothing.
+    kv_bytes = max(kv_blocks(args.max_concurrency, args.max_model_len) * 16 * bytes_per_token,
+                   64 * 2**20)
     argv = [install.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", hf_dir, "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
