@@ -24,9 +24,10 @@ runs the same workload untraced, for the tracer's cost (the trace is written at 
 the timed part):
     python benchmarks/throughput.py --num-prompts 64 --input-len 32:256 --output-len 16:128 \
         --trace-file /tmp/run.json --baseline no-trace
-What tracing *off* costs is this tree against the commit before the tracer merged (ad1039b, the
-first parent of merge 09dd125); --repeats runs both legs twice each, ABBA, each in a fresh
-process, because differences of 1% are below a single run's noise here:
+What tracing *off* costs: the tracer's merge (09dd125) against its first parent (ad1039b), this
+script run from a worktree of 09dd125. --repeats runs both legs N times each, in ABBA order,
+each in a fresh process: here identical legs drifted by up to 50% within one invocation, so a
+single pair of runs says little:
     python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 \
         --output-len 16:256 --baseline-commit ad1039b --repeats 2
 
