@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from throughput import figures, make_requests, parse_len, report  # noqa: E402
+from throughput import figures, make_requests, parse_len, report, write_results  # noqa: E402
 from pagedlm import LLM, LoRARequest, SamplingParams  # noqa: E402
 from pagedlm.model_executor.model_loader.model_path import resolve_model  # noqa: E402
 
@@ -130,11 +130,8 @@ def main():
               f"output tokens/s {ratios[name]['output_tokens_per_s']:.2f}x")
     results["ratios_over_no_adapter"] = ratios
     if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump({"command": shlex.join(["python"] + sys.argv), "config": config,
-                       "results": results}, f, indent=2)
-        print("wrote", args.output_json)
+        write_results(args.output_json, {"command": shlex.join(["python"] + sys.argv),
+                                         "config": config, "results": results})
 
 
 if __name__ == "__main__":

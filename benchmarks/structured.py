@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from commit_baseline import run_script_fresh, strip_option  # noqa: E402
-from throughput import figures, make_requests, parse_len, report  # noqa: E402
+from throughput import figures, make_requests, parse_len, report, write_results  # noqa: E402
 from pagedlm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedlm.model_executor.model_loader.model_path import resolve_model  # noqa: E402
 
@@ -125,9 +125,7 @@ def main():
         requests = make_requests(AutoTokenizer.from_pretrained(model_dir), args)
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
         leg = constrained_leg if args.leg == "constrained" else unconstrained_leg
-        fig = leg(model_dir, prompts, requests, args)
-        with open(args.output_json, "w") as f:
-            json.dump(fig, f)
+        write_results(args.output_json, leg(model_dir, prompts, requests, args))
         return
     print("command:", shlex.join(["python"] + sys.argv))
     print("config:", json.dumps(config))
@@ -149,11 +147,8 @@ def main():
         report(name, results[name])
     print(f"JSON schema / unconstrained: output tokens/s {ratio:.2f}x (target >= 0.80)")
     if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump({"command": shlex.join(["python"] + sys.argv), "config": config,
-                       "results": results}, f, indent=2)
-        print("wrote", args.output_json)
+        write_results(args.output_json, {"command": shlex.join(["python"] + sys.argv),
+                                         "config": config, "results": results})
 
 
 if __name__ == "__main__":

@@ -238,6 +238,16 @@ def run_hf(requests, args, model_file, tokenizer):
     return figures(requests, elapsed, load_s)
 
 
+def write_results(path: str, payload: dict) -> None:
+    """The figures as JSON at `path`, written whole or not at all (temp file, then rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+    print("wrote", path)
+
+
 def report(name, fig):
     print(f"[{name}] load {fig['load_s']:.2f}s (not timed) | elapsed {fig['elapsed_s']:.2f}s | "
           f"{fig['num_requests']} reqs, {fig['prompt_tokens']} prompt + "
@@ -302,11 +312,8 @@ def main():
         results[f"ratios_pagedlm_over_{name}"] = ratios
 
     if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump({"command": shlex.join(["python"] + sys.argv), "config": config,
-                       "results": results}, f, indent=2)
-        print("wrote", args.output_json)
+        write_results(args.output_json, {"command": shlex.join(["python"] + sys.argv),
+                                         "config": config, "results": results})
 
 
 def baseline_leg(name, argv, args):
@@ -381,11 +388,9 @@ def run_quantizations(requests, args, model_file):
         print(f"output tok/s ratio ({q} / {first}): "
               f"{results[q]['output_tokens_per_s'] / results[first]['output_tokens_per_s']:.2f}x")
     if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump({"command": shlex.join(["python"] + sys.argv),
-                       "memory_bandwidth_gb_per_s": bandwidth, "results": results}, f, indent=2)
-        print("wrote", args.output_json)
+        write_results(args.output_json, {"command": shlex.join(["python"] + sys.argv),
+                                         "memory_bandwidth_gb_per_s": bandwidth,
+                                         "results": results})
 
 
 if __name__ == "__main__":
