@@ -15,6 +15,10 @@ fp32 GEMM (MKL) reaches 60-140 GFLOPS on the decode and prefill shapes of a smal
 oneDNN with a pre-packed weight reaches 160-190 (measured here; see the closing notes of the
 core-engine issue). The packed tensor is opaque, so the plain weight is kept for loading and
 inspection.
+
+At decode batch sizes (up to gemv.GEMV_MAX_ROWS rows) a float32 layer runs on pagedlm's own
+GEMV kernel instead, which streams the weight as fast as oneDNN or faster and which the fused
+decode stack can call from C (gemv.py).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.distributed.parallel_state import get_tp_group
+from pagedlm.model_executor.layers import gemv
 from pagedlm.model_executor.model_loader.weight_utils import check_shape, default_weight_loader
 from pagedlm.utils import env_flag
 
@@ -80,7 +85,8 @@ class LinearMethodBase(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """A dense weight [out, in]; the matmul runs on its oneDNN pre-packed copy when possible."""
+    """A dense weight [out, in]; the matmul runs on the GEMV kernel for a few rows, otherwise on
+    the weight's oneDNN pre-packed copy when possible."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader) -> None:
@@ -90,11 +96,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
         weight.weight_loader = weight_loader
         layer.register_parameter("weight", weight)
         layer.packed_weight = None
+        layer.use_gemv = False
 
     def process_weights_after_loading(self, layer) -> None:
         layer.packed_weight = pack_weight(layer.weight)
+        layer.use_gemv = gemv.runs(layer.weight)
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
+        if (getattr(layer, "use_gemv", False) and x.dim() == 2
+                and x.shape[0] <= gemv.GEMV_MAX_ROWS and x.dtype == torch.float32):
+            return gemv.gemv(x, layer.weight, bias)
         if layer.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none",
                                                       [], "")
