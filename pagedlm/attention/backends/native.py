@@ -80,10 +80,7 @@ def _kernel_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                       logits_soft_cap: float | None = None) -> None:
     """Decode rows and short prefill chunks with earlier context, through the native kernel.
     The plan does not depend on the window, so local and global layers share it."""
-    block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
-    plan = meta._kernel_plan
-    if plan is None or plan.key != (block_size, num_blocks):
-        plan = meta._kernel_plan = _build_kernel_plan(meta, block_size, num_blocks)
+    plan = kernel_plan(meta, k_cache)
     if plan.token_seq.numel() == 0:
         return
     if isinstance(plan.rows, slice):
@@ -97,6 +94,16 @@ def _kernel_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                     sliding_window=sliding_window,
                                     logits_soft_cap=logits_soft_cap)
         out.index_copy_(0, plan.rows, o)
+
+
+def kernel_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> _KernelPlan:
+    """The step's kernel inputs for caches shaped like k_cache: built and checked once, then
+    shared by every layer (and by fused decoder stacks such as llama.py's)."""
+    block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
+    plan = meta._kernel_plan
+    if plan is None or plan.key != (block_size, num_blocks):
+        plan = meta._kernel_plan = _build_kernel_plan(meta, block_size, num_blocks)
+    return plan
 
 
 def _build_kernel_plan(meta: AttentionMetadata, block_size: int, num_blocks: int) -> _KernelPlan:
