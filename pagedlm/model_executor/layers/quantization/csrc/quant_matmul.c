@@ -7,13 +7,16 @@
  *   q8_0: 32 weights per 34-byte block {fp16 d, 32 x int8}; w = d*q. ggml's Q8_0 block.
  *   i8:   one int8 row per output channel and one float scale per row; w = s*q. Any K.
  *
- * Decode (M of 1..few) is bound by reading W, so each weight row is unpacked once and used
- * for a tile of up to 4 input rows; rows of W are split across threads. For large M the
- * caller dequantizes into a float scratch buffer and runs a float GEMM instead.
+ * Decode (M of 1..few) is bound by reading W, so each weight block is unpacked once per tile
+ * of input rows (see qmm below for q4_1 and q8_0); rows of W are split across threads. For
+ * large M the caller dequantizes into a float scratch buffer and runs a float GEMM instead.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -63,79 +66,6 @@ static inline float hsum256(__m256 v) {
 
 /* ---------------------------------------------------------------- q4_1 */
 
-static void q4_1_row(float *y, const float *x, const float *xsum, const uint8_t *w,
-                     int mt, int N, int K, int n) {
-    const int nb = K / QK;
-    float acc_s[MTILE] = {0};
-#ifdef __AVX2__
-    __m256 acc[MTILE];
-    for (int r = 0; r < mt; r++) acc[r] = _mm256_setzero_ps();
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-#endif
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)b * Q4_1_BYTES;
-        const float d = fp16_to_f32(load_u16(blk)), m = fp16_to_f32(load_u16(blk + 2));
-        const uint8_t *qs = blk + 4;
-        for (int r = 0; r < mt; r++) acc_s[r] += m * xsum[(size_t)r * nb + b];
-#ifdef __AVX2__
-        const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-        const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        const __m256 vd = _mm256_set1_ps(d);
-        for (int r = 0; r < mt; r++) {
-            const float *xb = x + (size_t)r * K + (size_t)b * QK;
-            __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xb));
-            t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + 8), t);
-            t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb + 16), t);
-            t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), t);
-            acc[r] = _mm256_fmadd_ps(vd, t, acc[r]);
-        }
-#else
-        for (int r = 0; r < mt; r++) {
-            const float *xb = x + (size_t)r * K + (size_t)b * QK;
-            float t = 0.f;
-            for (int j = 0; j < 16; j++)
-                t += (float)(qs[j] & 0x0f) * xb[j] + (float)(qs[j] >> 4) * xb[j + 16];
-            acc_s[r] += d * t;
-        }
-#endif
-    }
-    for (int r = 0; r < mt; r++) {
-#ifdef __AVX2__
-        acc_s[r] += hsum256(acc[r]);
-#endif
-        y[(size_t)r * N + n] = acc_s[r];
-    }
-}
-
-void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
-    const int nb = K / QK;
-    const size_t row_bytes = (size_t)nb * Q4_1_BYTES;
-    /* Per-block sums of x carry the "+ m" term: sum(x * (d*q + m)) = d*sum(x*q) + m*sum(x). */
-    float *xsum = (float *)malloc(sizeof(float) * (size_t)M * nb + 1);
-    for (int r = 0; r < M; r++)
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (size_t)r * K + (size_t)b * QK;
-            float s = 0.f;
-            for (int j = 0; j < QK; j++) s += xb[j];
-            xsum[(size_t)r * nb + b] = s;
-        }
-    #pragma omp parallel for schedule(static) num_threads(nthreads) \
-        if ((long)N * K >= PAR_MIN_WEIGHTS && nthreads > 1)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wr = w + (size_t)n * row_bytes;
-        for (int r0 = 0; r0 < M; r0 += MTILE) {
-            const int mt = M - r0 < MTILE ? M - r0 : MTILE;
-            q4_1_row(y + (size_t)r0 * N, x + (size_t)r0 * K, xsum + (size_t)r0 * nb, wr, mt,
-                     N, K, n);
-        }
-    }
-    free(xsum);
-}
-
 void dequant_q4_1(float *out, const uint8_t *w, int N, int K, int nthreads) {
     const int nb = K / QK;
     #pragma omp parallel for schedule(static) num_threads(nthreads) \
@@ -155,60 +85,6 @@ void dequant_q4_1(float *out, const uint8_t *w, int N, int K, int nthreads) {
 
 /* ---------------------------------------------------------------- q8_0 */
 
-static void q8_0_row(float *y, const float *x, const uint8_t *w, int mt, int N, int K, int n) {
-    const int nb = K / QK;
-    float acc_s[MTILE] = {0};
-#ifdef __AVX2__
-    __m256 acc[MTILE];
-    for (int r = 0; r < mt; r++) acc[r] = _mm256_setzero_ps();
-#endif
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)b * Q8_0_BYTES;
-        const float d = fp16_to_f32(load_u16(blk));
-        const int8_t *qs = (const int8_t *)(blk + 2);
-#ifdef __AVX2__
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)qs)));
-        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8))));
-        const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16))));
-        const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 24))));
-        const __m256 vd = _mm256_set1_ps(d);
-        for (int r = 0; r < mt; r++) {
-            const float *xb = x + (size_t)r * K + (size_t)b * QK;
-            __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xb));
-            t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + 8), t);
-            t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb + 16), t);
-            t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), t);
-            acc[r] = _mm256_fmadd_ps(vd, t, acc[r]);
-        }
-#else
-        for (int r = 0; r < mt; r++) {
-            const float *xb = x + (size_t)r * K + (size_t)b * QK;
-            float t = 0.f;
-            for (int j = 0; j < QK; j++) t += (float)qs[j] * xb[j];
-            acc_s[r] += d * t;
-        }
-#endif
-    }
-    for (int r = 0; r < mt; r++) {
-#ifdef __AVX2__
-        acc_s[r] += hsum256(acc[r]);
-#endif
-        y[(size_t)r * N + n] = acc_s[r];
-    }
-}
-
-void qmm_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
-    const size_t row_bytes = (size_t)(K / QK) * Q8_0_BYTES;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) \
-        if ((long)N * K >= PAR_MIN_WEIGHTS && nthreads > 1)
-    for (int n = 0; n < N; n++)
-        for (int r0 = 0; r0 < M; r0 += MTILE) {
-            const int mt = M - r0 < MTILE ? M - r0 : MTILE;
-            q8_0_row(y + (size_t)r0 * N, x + (size_t)r0 * K, w + (size_t)n * row_bytes, mt, N, K,
-                     n);
-        }
-}
-
 void dequant_q8_0(float *out, const uint8_t *w, int N, int K, int nthreads) {
     const int nb = K / QK;
     #pragma omp parallel for schedule(static) num_threads(nthreads) \
@@ -221,6 +97,193 @@ void dequant_q8_0(float *out, const uint8_t *w, int N, int K, int nthreads) {
             float *o = out + (size_t)n * K + (size_t)b * QK;
             for (int j = 0; j < QK; j++) o[j] = d * (float)qs[j];
         }
+}
+
+/* ---------------------------------------------------------------- q4_1 and q8_0
+ *
+ * Each weight block is decoded to floats in registers (w = d*q + m, or d*q: the values
+ * dequantize_reference gives, up to one rounding of the fma) and used for every x row of a
+ * tile. The work is laid out as in layers/csrc/gemv_f32.c: groups of QROWS weight rows, one
+ * contiguous run of groups per thread (a group's blocks are adjacent in memory, so each thread
+ * reads one stream) and the next group prefetched explicitly. Against the earlier kernel (one
+ * row at a time, a static OpenMP loop over rows, x * q summed before scaling by d), on
+ * SmolLM2's Q4_1 layers and Q8_0 head, 2 threads, AVX-512 EPYC: 7.6 -> 4.9 ms at 1 row (12.6
+ * -> 19.6 GB/s), 12.3 -> 7.5 at 4, 24.3 -> 14.5 at 8. Built for AVX2 only (16 registers, so
+ * tiles of 2 x rows): 7.4 -> 5.5 ms at 1 row, 8.9 -> 6.6 at 2, about the same at 4 to 8.
+ */
+#define QROWS 4
+#ifdef __AVX512F__
+#define QXTILE 4
+#define QLANES 16
+typedef __m512 qvec;
+#define QLOAD _mm512_loadu_ps
+#define QFMA _mm512_fmadd_ps
+#define QZERO _mm512_setzero_ps
+#define QSET1 _mm512_set1_ps
+#define QSUM _mm512_reduce_add_ps
+#elif defined(__AVX2__)
+#define QXTILE 2
+#define QLANES 8
+typedef __m256 qvec;
+#define QLOAD _mm256_loadu_ps
+#define QFMA _mm256_fmadd_ps
+#define QZERO _mm256_setzero_ps
+#define QSET1 _mm256_set1_ps
+#define QSUM hsum256
+#else
+#define QXTILE 2
+#endif
+#define QV (QK / QLANES)  /* vectors per block */
+
+enum { FMT_Q4_1, FMT_Q8_0 };
+
+#ifdef __AVX2__
+/* Block `blk` of format fmt as QV float vectors, in weight order. */
+static inline __attribute__((always_inline)) void decode_block(qvec *w, const uint8_t *blk,
+                                                               const int fmt) {
+    const qvec d = QSET1(fp16_to_f32(load_u16(blk)));
+    if (fmt == FMT_Q4_1) {
+        const qvec m = QSET1(fp16_to_f32(load_u16(blk + 2)));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
+#ifdef __AVX512F__
+        const __m512i b = _mm512_cvtepu8_epi32(raw), f = _mm512_set1_epi32(0x0f);
+        w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, f)), d, m);
+        w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d, m);
+#else
+        const __m256i f = _mm256_set1_epi32(0x0f);
+        const __m256i b0 = _mm256_cvtepu8_epi32(raw), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, f)), d, m);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, f)), d, m);
+        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), d, m);
+        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), d, m);
+#endif
+    } else {
+        const int8_t *qs = (const int8_t *)(blk + 2);
+#ifdef __AVX512F__
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))), d);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))), d);
+#else
+        for (int v = 0; v < 4; v++)
+            w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(qs + 8 * v)))), d);
+#endif
+    }
+}
+#endif
+
+/* Scalar weight j of a block (the tail of no vector build, and the reference for it). */
+static inline float block_weight(const uint8_t *blk, int j, const int fmt) {
+    const float d = fp16_to_f32(load_u16(blk));
+    if (fmt == FMT_Q4_1) {
+        const uint8_t q = blk[4 + (j & 15)];
+        return d * (float)(j < 16 ? q & 0x0f : q >> 4) + fp16_to_f32(load_u16(blk + 2));
+    }
+    return d * (float)((const int8_t *)(blk + 2))[j];
+}
+
+/* mt x rows against weight rows n .. n+rows-1 (rows <= QROWS). */
+static inline __attribute__((always_inline)) void qgroup(
+        float *y, const float *x, const uint8_t *w, const int mt, const int rows, int N, int K,
+        int n, const int fmt, const uint8_t *prefetch) {
+    const int nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    const size_t row_bytes = (size_t)nb * bytes;
+    const uint8_t *wg = w + (size_t)n * row_bytes;
+    float acc_s[QXTILE][QROWS] = {{0}};
+#ifdef __AVX2__
+    qvec acc[QXTILE][QROWS];
+    for (int m = 0; m < mt; m++)
+        for (int r = 0; r < rows; r++) acc[m][r] = QZERO();
+    for (int b = 0; b < nb; b++) {
+        if (prefetch) {  /* the next group, spread over this group's blocks */
+            const uint8_t *p = prefetch + (size_t)b * QROWS * bytes;
+            _mm_prefetch((const char *)p, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + 64, _MM_HINT_T0);
+        }
+        for (int r = 0; r < rows; r++) {
+            qvec wv[QV];
+            decode_block(wv, wg + r * row_bytes + (size_t)b * bytes, fmt);
+            for (int m = 0; m < mt; m++) {
+                const float *xb = x + (size_t)m * K + (size_t)b * QK;
+                for (int v = 0; v < QV; v++)
+                    acc[m][r] = QFMA(wv[v], QLOAD(xb + v * QLANES), acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int r = 0; r < rows; r++) acc_s[m][r] = QSUM(acc[m][r]);
+#else
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < nb; b++)
+            for (int j = 0; j < QK; j++) {
+                const float wj = block_weight(wg + r * row_bytes + (size_t)b * bytes, j, fmt);
+                for (int m = 0; m < mt; m++) acc_s[m][r] += wj * x[(size_t)m * K + b * QK + j];
+            }
+#endif
+    for (int m = 0; m < mt; m++)
+        for (int r = 0; r < rows; r++) y[(size_t)m * N + n + r] = acc_s[m][r];
+}
+
+static inline __attribute__((always_inline)) void qtile(
+        float *y, const float *x, const uint8_t *w, int M, int N, int K, int n, const int rows,
+        const int fmt, const uint8_t *next) {
+    for (int m0 = 0; m0 < M; m0 += QXTILE) {
+        float *ym = y + (size_t)m0 * N;
+        const float *xm = x + (size_t)m0 * K;
+        const uint8_t *pf = m0 ? NULL : next;
+        /* Constant tile heights let the compiler keep every sum in a register. */
+        switch (M - m0 >= QXTILE ? QXTILE : M - m0) {
+            case 1: qgroup(ym, xm, w, 1, rows, N, K, n, fmt, pf); break;
+#if QXTILE > 2
+            case 2: qgroup(ym, xm, w, 2, rows, N, K, n, fmt, pf); break;
+            case 3: qgroup(ym, xm, w, 3, rows, N, K, n, fmt, pf); break;
+#endif
+            default: qgroup(ym, xm, w, QXTILE, rows, N, K, n, fmt, pf);
+        }
+    }
+}
+
+static void qrows_range(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                        int lo, int hi, const int fmt) {
+    const size_t group_bytes = (size_t)(K / QK) * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES)
+                               * QROWS;
+    int n = lo;
+    for (; n + QROWS <= hi; n += QROWS) {
+        const uint8_t *next = n + 2 * QROWS <= hi ? w + (size_t)(n / QROWS + 1) * group_bytes
+                                                  : NULL;
+        qtile(y, x, w, M, N, K, n, QROWS, fmt, next);
+    }
+    for (; n < hi; n++) qtile(y, x, w, M, N, K, n, 1, fmt, NULL);
+}
+
+static void qmm(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads,
+                const int fmt) {
+    if ((long)N * K < PAR_MIN_WEIGHTS || nthreads < 2) {
+        qrows_range(y, x, w, M, N, K, 0, N, fmt);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        /* Whole groups per thread, so only the last thread has a ragged end. */
+        const int groups = (N + QROWS - 1) / QROWS, per = (groups + nt - 1) / nt;
+        const int lo = t * per * QROWS < N ? t * per * QROWS : N;
+        const int hi = lo + per * QROWS < N ? lo + per * QROWS : N;
+        qrows_range(y, x, w, M, N, K, lo, hi, fmt);
+    }
+}
+
+void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
+    if (M == 1) qmm(y, x, w, 1, N, K, nthreads, FMT_Q4_1);
+    else qmm(y, x, w, M, N, K, nthreads, FMT_Q4_1);
+}
+
+void qmm_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
+    if (M == 1) qmm(y, x, w, 1, N, K, nthreads, FMT_Q8_0);
+    else qmm(y, x, w, M, N, K, nthreads, FMT_Q8_0);
 }
 
 /* ---------------------------------------------------------------- i8 (per output channel) */
