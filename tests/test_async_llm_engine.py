@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import pytest
 
 from pagedlm import EngineArgs, SamplingParams
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.sampling_params import RequestOutputKind
 from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
 
@@ -134,6 +136,40 @@ def test_engine_error_fails_in_flight_requests_instead_of_hanging():
         assert bm.num_free_blocks == bm.num_blocks  # the failed requests were released
     finally:
         eng.shutdown()
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread():
+    """from_engine_args loads the model on the engine thread (a second OpenMP team would make
+    every kernel wait for a sleeping worker: see AsyncLLMEngine.__init__)."""
+    threads = []
+
+    def build():
+        threads.append(threading.current_thread())
+        return LLMEngine.from_engine_args(EngineArgs(**ARGS))
+
+    eng = AsyncLLMEngine(build, log_stats=False)
+    try:
+        real_step = eng.engine.step
+
+        def step():
+            threads.append(threading.current_thread())
+            return real_step()
+
+        eng.engine.step = step
+        outs = asyncio.run(collect(eng, "Hello", params(RequestOutputKind.FINAL_ONLY), "one"))
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
+        assert len(threads) > 12 and {t.name for t in threads} == {"pagedlm-engine"}
+        assert len(set(threads)) == 1 and threads[0] is not threading.main_thread()
+    finally:
+        eng.shutdown()
+    assert not eng.is_running
+
+
+def test_a_failing_build_raises_from_the_constructor_and_leaves_no_thread():
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="max_model_len"):
+        AsyncLLMEngine.from_engine_args(EngineArgs(max_model_len=-5), log_stats=False)
+    assert threading.active_count() == before
 
 
 def test_shutdown_fails_waiting_requests():

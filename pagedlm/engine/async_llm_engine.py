@@ -25,7 +25,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable
+from typing import AsyncIterator, Callable, Iterable
 
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.engine_view import EngineView, take_engine_view
@@ -132,25 +132,47 @@ def _deliver(items: list[tuple[RequestStream, object]]) -> None:
 
 class AsyncLLMEngine:
 
-    def __init__(self, engine: LLMEngine, *, log_stats: bool = True,
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, log_stats: bool = True,
                  log_stats_interval: float = 5.0, model_name: str | None = None,
                  metrics: EngineMetrics | None = None) -> None:
-        self.engine = engine
+        """`engine`: an LLMEngine, or a function that builds one, called on the engine thread
+        (raising here whatever it raised). from_engine_args builds on that thread because
+        libgomp keeps a worker team per thread that has run a parallel region and, once it
+        manages more threads than there are CPUs, cuts its workers' spin-wait from about
+        300,000 iterations to 1,000: a model loaded on one thread and stepped on another leaves
+        two teams, and every kernel then waits for a sleeping worker to wake. Measured on 2
+        CPUs: one gguf stream at 70 tok/s stepped on a second thread, 130 on the loading one."""
         self.log_stats = log_stats
         self.log_stats_interval = log_stats_interval
-        name = model_name or engine.config.model_config.model or "default"
-        self.metrics = metrics if metrics is not None else EngineMetrics(name)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._lock = threading.Lock()  # orders "is it dead?" against queueing a command
         self._dead: BaseException | None = None
         self._tokenizer = None
-        self._thread = threading.Thread(target=self._run, name="pagedlm-engine", daemon=True)
+        build = None if isinstance(engine, LLMEngine) else engine
+        self.engine: LLMEngine = engine if build is None else None
+        self._built = threading.Event()  # set by the engine thread once self.engine is there
+        self._started = threading.Event()  # set here once the rest is: the loop may begin
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(build,), name="pagedlm-engine",
+                                        daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+        try:
+            name = model_name or self.engine.config.model_config.model or "default"
+            self.metrics = metrics if metrics is not None else EngineMetrics(name)
+        except BaseException:
+            self._started.set()
+            self.shutdown()  # no caller will ever get this engine to shut down
+            raise
+        self._started.set()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_engine_args(args), **kwargs)
+        return cls(lambda: LLMEngine.from_engine_args(args), **kwargs)
 
     # ---- caller side (any thread for abort/shutdown; an event loop for the rest) ----
 
@@ -259,7 +281,16 @@ class AsyncLLMEngine:
 
     # ---- engine thread ----
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], LLMEngine] | None) -> None:
+        if build is not None:
+            try:
+                self.engine = build()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the constructing thread
+                self._build_error = e
+        self._built.set()
+        if self._build_error is not None:
+            return
+        self._started.wait()
         try:
             while True:
                 if not self._process_commands(block=not self.engine.has_unfinished_requests()):
