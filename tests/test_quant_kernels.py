@@ -15,9 +15,13 @@ from pagedlm.model_executor.layers.quantization import kernels
 # N (a vocabulary slice); and a tiny test model's.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (256, 11008), (4099, 576),
           (64, 32)]
-# Ragged row counts: the 4-row tile and its remainders, and both sides of the switch to
-# dequantize + float GEMM.
-ROWS = [1, 2, 3, 5, 7, kernels.DEQUANT_GEMM_MIN_ROWS - 1, kernels.DEQUANT_GEMM_MIN_ROWS, 37]
+
+
+def _rows(fmt: str) -> list[int]:
+    """Ragged row counts: the 4-row tile and its remainders, and both sides of the switch to
+    dequantize + float GEMM."""
+    switch = kernels.dequant_gemm_min_rows(fmt)
+    return [1, 2, 3, 5, 7, 37, switch - 1, switch]
 
 
 def _pack(fmt: str, w: torch.Tensor):
@@ -44,7 +48,7 @@ def test_matmul_matches_reference(fmt, shape):
     ref_w = kernels.dequantize_reference(fmt, qweight, scale).double()
     assert torch.equal(kernels.dequantize(fmt, qweight, scale), ref_w.float())
     bias = torch.randn(n, generator=gen)
-    for m in ROWS:
+    for m in _rows(fmt):
         x = torch.randn(m, k, generator=gen)
         ref = x.double() @ ref_w.T + bias.double()
         got = kernels.quantized_matmul(fmt, x, qweight, scale, bias)

@@ -27,11 +27,18 @@ _SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
 QK = 32  # weights per q4_1 / q8_0 block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 FORMATS = ("q4_1", "q8_0", "i8")
-# From this many input rows on, unpacking each weight block once per 4-row tile costs more
-# than dequantizing the whole matrix once and running the float GEMM. Measured here on
-# SmolLM2's gate_up shape (N=3072, K=576), one thread, best of 5 on a busy machine: M=8 kernel
-# 2.0 ms vs dequantize+GEMM 25 ms; M=16 24 vs 18 ms; M=64 45 vs 32 ms; M=256 235 vs 90 ms.
-DEQUANT_GEMM_MIN_ROWS = 16
+# From how many input rows on dequantizing the whole matrix once and running the float GEMM
+# beats the kernels, by the kernels' vector width (qmm_vector_bits: 512, 256, 0 = scalar) and
+# format. The kernels decode each weight block once per tile of x rows (4 rows with AVX-512, 2
+# with AVX2), so their cost grows with the rows at a rate close to the GEMM's, while
+# dequantizing costs a pass writing N*K floats. Measured on SmolLM2's gate_up (N=3072, K=576)
+# and down (576, 1536) shapes, 2 threads, AVX-512 EPYC, kernel vs dequantize+GEMM in ms:
+# q4_1 at 128 rows 3.0 vs 3.6 and 1.5 vs 3.6, at 256 rows 6.0 vs 6.0 and 3.0 vs 4.8; q8_0 at 256
+# 5.7 vs 7.5; i8 at 128 5.2 vs 5.3, at 192 7.4 vs 6.5. The same source built for AVX2 only:
+# q4_1 at 32 rows 1.3 vs 1.7, at 64 2.6 vs 2.4; q8_0 and i8 even at 32 (1.1 vs 1.1).
+_DEQUANT_GEMM_MIN_ROWS = {512: {"q4_1": 256, "q8_0": 256, "i8": 160},
+                          256: {"q4_1": 48, "q8_0": 32, "i8": 32}}
+_SCALAR_DEQUANT_GEMM_MIN_ROWS = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,6 +56,7 @@ def load_library() -> ctypes.CDLL | None:
     for name in ("dequant_q4_1", "dequant_q8_0"):
         getattr(lib, name).argtypes = [p, p, i, i, i]
     lib.dequant_i8.argtypes = [p, p, p, i, i, i]
+    lib.qmm_vector_bits.argtypes, lib.qmm_vector_bits.restype = [], i
     for name in ("qmm_q4_1", "qmm_q8_0", "qmm_i8", "dequant_q4_1", "dequant_q8_0", "dequant_i8"):
         getattr(lib, name).restype = None
     return lib
@@ -56,6 +64,14 @@ def load_library() -> ctypes.CDLL | None:
 
 def native_available() -> bool:
     return not kernels_disabled() and load_library() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def dequant_gemm_min_rows(fmt: str) -> int:
+    """quantized_matmul runs x of this many rows or more as dequantize + float GEMM."""
+    lib = load_library()
+    bits = lib.qmm_vector_bits() if lib is not None else 0
+    return _DEQUANT_GEMM_MIN_ROWS.get(bits, {}).get(fmt, _SCALAR_DEQUANT_GEMM_MIN_ROWS)
 
 
 # ------------------------------------------------------------------ reference (plain PyTorch)
@@ -191,7 +207,7 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
     m = x2.shape[0]
-    if m >= DEQUANT_GEMM_MIN_ROWS or not native_available():
+    if not native_available() or m >= dequant_gemm_min_rows(fmt):
         y = F.linear(x2, dequantize(fmt, qweight, scale), bias)
         return y.reshape(*lead, n).to(x.dtype)
     y = torch.empty(m, n, dtype=torch.float32)

@@ -137,6 +137,18 @@ typedef __m256 qvec;
 
 enum { FMT_Q4_1, FMT_Q8_0 };
 
+/* Which build of the kernels this is: Python picks the row count from which dequantizing the
+ * matrix and a float GEMM is faster by it. */
+int qmm_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
 #ifdef __AVX2__
 /* Block `blk` of format fmt as QV float vectors, in weight order. */
 static inline __attribute__((always_inline)) void decode_block(qvec *w, const uint8_t *blk,
