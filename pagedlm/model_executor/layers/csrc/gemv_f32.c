@@ -2,17 +2,18 @@
  *
  * At one to a few rows a linear layer does 2 flops per weight it reads, so its speed is how
  * fast W streams from memory:
- *   - each thread reads one contiguous run of W's rows (the hardware prefetcher sees a single
- *     stream per thread) and the rows of the next group are prefetched explicitly;
- *   - four W rows are read together and each loaded vector is used for every x row of the
- *     tile, so x stays in L1 and W is read from memory once (more x rows than a tile re-read
- *     the same four W rows from L1).
- * Measured (every matrix of SmolLM2-135M once, 2 threads, benchmarks/gemv.py): on an AVX2-only
- * EPYC this kernel took 30 ms at 1 row and 63 at 8 where oneDNN's packed GEMM took 43 and 69;
- * on an AVX-512 EPYC both stream ~22 GB/s at 1 to 4 rows, and at 8 rows oneDNN (W packed so
- * that N runs along the lanes, no horizontal sums) is faster, 24 ms against 34.
- * The sum runs over K in 8 or 16 lanes per W row, added across lanes at the end, so results
- * differ from a sequential dot product only by float32 rounding.
+ *   - each thread reads one contiguous run of W's rows, each row front to back: its loads are
+ *     a single sequential stream, which the hardware prefetcher follows best;
+ *   - each loaded W vector is used for every x row of a tile, so x stays in L1 and W is read
+ *     from memory once (more x rows than a tile re-read the same W row from L1).
+ * Measured (every matrix of SmolLM2-135M once, 2 threads): on an AVX2-only EPYC this kernel's
+ * first version (four W rows at a time) took 30 ms at 1 row and 63 at 8 where oneDNN's packed
+ * GEMM took 43 and 69. On an AVX-512 EPYC (Zen 4) reading one row at a time instead of four
+ * interleaved ones went from 28 to 31-33 GB/s at 1 row, 25 to 28 at 4 and 17 to 19 at 8 (the
+ * same source built for AVX2 only: 28 -> 34, 22 -> 30, 16 -> 19); at 8 rows oneDNN (W packed so
+ * that N runs along the lanes, no horizontal sums) is still faster, 24 ms against 29.
+ * The sum runs over K in 8 or 16 lanes (and UNROLL partial sums) per W row, added at the end,
+ * so results differ from a sequential dot product only by float32 rounding.
  */
 #include <stddef.h>
 #ifdef _OPENMP
@@ -22,8 +23,7 @@
 #include <immintrin.h>
 #endif
 
-#define ROWS 4    /* W rows per group */
-/* x rows sharing one pass over a group: the sums (XTILE x ROWS) and ROWS loaded vectors must
+/* x rows sharing one pass over a W row: their XTILE x UNROLL sums and the loaded vectors must
  * stay in registers, 16 of them with AVX2, 32 with AVX-512. */
 #ifdef __AVX512F__
 #define XTILE 4
@@ -31,6 +31,7 @@
 typedef __m512 vec;
 #define VLOAD _mm512_loadu_ps
 #define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
 #define VZERO _mm512_setzero_ps
 #define VSUM _mm512_reduce_add_ps
 #elif defined(__AVX2__)
@@ -39,6 +40,7 @@ typedef __m512 vec;
 typedef __m256 vec;
 #define VLOAD _mm256_loadu_ps
 #define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
 #define VZERO _mm256_setzero_ps
 #define VSUM hsum256
 #else
@@ -56,70 +58,57 @@ static inline float hsum256(__m256 v) {
 }
 #endif
 
-/* mt x rows (1..XTILE) against W rows n .. n+ROWS-1; prefetch: the next group's first row. */
-static inline __attribute__((always_inline)) void group(
-        float *y, const float *x, const float *w, const int mt, int N, int K, int n,
-        const float *prefetch) {
-    const float *wr = w + (size_t)n * K;
+/* One W row against mt x rows (1..XTILE). UNROLL independent sums per x row over K hide the
+ * FMA latency; the row is read front to back, so a thread's loads form one sequential stream. */
+#define UNROLL 4
+static inline __attribute__((always_inline)) void wrow(
+        float *y, const float *x, const float *wr, const int mt, int N, int K, int n) {
     int k = 0;
-    float acc_s[XTILE][ROWS] = {{0}};
+    float acc_s[XTILE] = {0};
 #ifdef __AVX2__
-    vec acc[XTILE][ROWS];
+    vec acc[XTILE][UNROLL];
     for (int m = 0; m < mt; m++)
-        for (int r = 0; r < ROWS; r++) acc[m][r] = VZERO();
-    for (; k + LANES <= K; k += LANES) {
-        vec wv[ROWS];
-        /* One prefetch per 64-byte line of each next row. */
-        if (prefetch && (k & 15) == 0)
-            for (int r = 0; r < ROWS; r++)
-                _mm_prefetch((const char *)(prefetch + (size_t)r * K + k), _MM_HINT_T0);
-        for (int r = 0; r < ROWS; r++) wv[r] = VLOAD(wr + (size_t)r * K + k);
-        for (int m = 0; m < mt; m++) {
-            const vec xv = VLOAD(x + (size_t)m * K + k);
-            for (int r = 0; r < ROWS; r++) acc[m][r] = VFMA(wv[r], xv, acc[m][r]);
+        for (int u = 0; u < UNROLL; u++) acc[m][u] = VZERO();
+    for (; k + UNROLL * LANES <= K; k += UNROLL * LANES)
+        for (int u = 0; u < UNROLL; u++) {
+            const vec wv = VLOAD(wr + k + u * LANES);
+            for (int m = 0; m < mt; m++)
+                acc[m][u] = VFMA(wv, VLOAD(x + (size_t)m * K + k + u * LANES), acc[m][u]);
         }
+    for (; k + LANES <= K; k += LANES) {
+        const vec wv = VLOAD(wr + k);
+        for (int m = 0; m < mt; m++)
+            acc[m][0] = VFMA(wv, VLOAD(x + (size_t)m * K + k), acc[m][0]);
     }
-    for (int m = 0; m < mt; m++)
-        for (int r = 0; r < ROWS; r++) acc_s[m][r] = VSUM(acc[m][r]);
+    for (int m = 0; m < mt; m++) {
+        vec s = acc[m][0];
+        for (int u = 1; u < UNROLL; u++) s = VADD(s, acc[m][u]);
+        acc_s[m] = VSUM(s);
+    }
 #endif
     for (; k < K; k++)
-        for (int m = 0; m < mt; m++)
-            for (int r = 0; r < ROWS; r++) acc_s[m][r] += wr[(size_t)r * K + k] * x[(size_t)m * K + k];
-    for (int m = 0; m < mt; m++)
-        for (int r = 0; r < ROWS; r++) y[(size_t)m * N + n + r] = acc_s[m][r];
-}
-
-/* One W row (the N % ROWS left over), plain. */
-static void single_row(float *y, const float *x, const float *w, int M, int N, int K, int n) {
-    const float *wr = w + (size_t)n * K;
-    for (int m = 0; m < M; m++) {
-        float s = 0.f;
-        for (int k = 0; k < K; k++) s += wr[k] * x[(size_t)m * K + k];
-        y[(size_t)m * N + n] = s;
-    }
+        for (int m = 0; m < mt; m++) acc_s[m] += wr[k] * x[(size_t)m * K + k];
+    for (int m = 0; m < mt; m++) y[(size_t)m * N + n] = acc_s[m];
 }
 
 static void rows_range(float *y, const float *x, const float *w, int M, int N, int K,
                        int lo, int hi) {
-    int n = lo;
-    for (; n + ROWS <= hi; n += ROWS) {
-        const float *next = n + 2 * ROWS <= hi ? w + (size_t)(n + ROWS) * K : NULL;
+    for (int n = lo; n < hi; n++) {
+        const float *wr = w + (size_t)n * K;
         for (int m0 = 0; m0 < M; m0 += XTILE) {
             float *ym = y + (size_t)m0 * N;
             const float *xm = x + (size_t)m0 * K;
             /* Constant tile heights let the compiler keep every sum in a register. */
-            const float *pf = m0 ? NULL : next;
             switch (M - m0 >= XTILE ? XTILE : M - m0) {
-                case 1: group(ym, xm, w, 1, N, K, n, pf); break;
+                case 1: wrow(ym, xm, wr, 1, N, K, n); break;
 #if XTILE > 2
-                case 2: group(ym, xm, w, 2, N, K, n, pf); break;
-                case 3: group(ym, xm, w, 3, N, K, n, pf); break;
+                case 2: wrow(ym, xm, wr, 2, N, K, n); break;
+                case 3: wrow(ym, xm, wr, 3, N, K, n); break;
 #endif
-                default: group(ym, xm, w, XTILE, N, K, n, pf);
+                default: wrow(ym, xm, wr, XTILE, N, K, n);
             }
         }
     }
-    for (; n < hi; n++) single_row(y, x, w, M, N, K, n);
 }
 
 void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int nthreads) {
@@ -134,10 +123,8 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        /* Whole groups per thread, so only the last thread has a ragged end. */
-        const int groups = (N + ROWS - 1) / ROWS, per = (groups + nt - 1) / nt;
-        const int lo = t * per * ROWS < N ? t * per * ROWS : N;
-        const int hi = lo + per * ROWS < N ? lo + per * ROWS : N;
+        const int per = (N + nt - 1) / nt;
+        const int lo = t * per < N ? t * per : N, hi = lo + per < N ? lo + per : N;
         rows_range(y, x, w, M, N, K, lo, hi);
     }
 }
