@@ -84,7 +84,7 @@ REASSOC static void attend_one(float* out, const float* query, const void* k_cac
                                int block_size, int tile, float scale, int window,
                                float soft_cap, float* q, float* acc, float* s, float* m,
                                float* l, size_t* rows, float* kbuf, float* vbuf,
-                               const float** kp, const float** vp) {
+                               const float** kp, const float** vp, int prefetch_heads) {
     const size_t elem = kv_elem_size(kv_type);
     const char *kc = (const char*)k_cache, *vc = (const char*)v_cache;
     const size_t row_stride = (size_t)num_kv_heads * D, head_off = (size_t)kvh * D;
@@ -100,8 +100,11 @@ REASSOC static void attend_one(float* out, const float* query, const void* k_cac
         const int n = ctx_len - start < tile ? ctx_len - start : tile;
         const int n_next = tile_rows(next, blocks, start + tile, ctx_len, tile, block_size,
                                      row_stride, head_off);
-        for (int j = 0; j < n_next; j++) /* one per 64-byte line, into L2 (L1 is slower) */
-            for (size_t b = 0; b < (size_t)D * elem; b += 64) {
+        /* One prefetch per 64-byte line, into L2 (L1 is slower); with prefetch_heads, from
+         * this head's slice to the row's end, so the same thread's later heads find it there. */
+        const size_t pf_bytes = (size_t)D * elem * (prefetch_heads ? num_kv_heads - kvh : 1);
+        for (int j = 0; j < n_next; j++)
+            for (size_t b = 0; b < pf_bytes; b += 64) {
                 __builtin_prefetch(kc + next[j] * elem + b, 0, 2);
                 __builtin_prefetch(vc + next[j] * elem + b, 0, 2);
             }
@@ -181,6 +184,11 @@ void paged_attention_f32(float* out, const float* query, const void* k_cache,
     work *= num_kv_heads;
     if ((long)num_threads * ROWS_PER_THREAD > work) num_threads = (int)(work / ROWS_PER_THREAD);
     if (num_threads > num_items) num_threads = (int)num_items;
+    /* With tokens to spare, one thread takes every kv head of a token: the heads share each
+     * K/V row's cache lines, so the first head's pass brings the whole rows into that core's
+     * L2 and the rest read them from there instead of from memory. */
+    const int whole_rows = num_tokens >= 2 * (num_threads > 0 ? num_threads : 1);
+    const int chunk = whole_rows ? num_kv_heads : 1;
 
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
@@ -191,7 +199,7 @@ void paged_attention_f32(float* out, const float* query, const void* k_cache,
         float kvbuf[kv_type == KV_F32 ? 1 : 2 * (size_t)tile * head_dim];
         float *q = buf, *acc = q + (size_t)G * head_dim, *s = acc + (size_t)G * head_dim;
         float *m = s + (size_t)G * tile, *l = m + G;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
         for (long item = 0; item < num_items; item++) {
             const int t = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
             const size_t off = ((size_t)t * num_q_heads + (size_t)kvh * G) * head_dim;
@@ -199,7 +207,8 @@ void paged_attention_f32(float* out, const float* query, const void* k_cache,
                        block_tables + (size_t)token_seq[t] * max_blocks_per_seq,
                        token_ctx_len[t], kvh, G, head_dim, num_kv_heads, block_size, tile,
                        scale, window, soft_cap, q, acc, s, m, l, rows, kvbuf,
-                       kv_type == KV_F32 ? kvbuf : kvbuf + (size_t)tile * head_dim, kp, vp);
+                       kv_type == KV_F32 ? kvbuf : kvbuf + (size_t)tile * head_dim, kp, vp,
+                       whole_rows && kvh == 0);
         }
     }
 }
