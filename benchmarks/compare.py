@@ -389,6 +389,7 @@ class LaunchPlan:
     env: dict[str, str]            # set on top of this process's environment
     version: str
     notes: dict = field(default_factory=dict)
+    crash_hint: str = ""           # added to the error when the server dies from a signal
 
 
 class Server:
@@ -427,8 +428,9 @@ class Server:
         with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=5) as client:
             while True:
                 if self.proc.poll() is not None:
+                    hint = self.plan.crash_hint if self.proc.returncode < 0 else ""
                     raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while "
-                                       f"starting; last lines of {self.log_path}:\n"
+                                       f"starting{hint}; last lines of {self.log_path}:\n"
                                        f"{self.tail()}")
                 try:
                     # llama-server answers /health with 503 while it loads the model.
@@ -549,7 +551,12 @@ def plan_llamacpp(spec: SystemSpec, args, port: int) -> LaunchPlan:
             # tokens (--no-kv-unified: measured faster here than one shared cache).
             "-np", str(args.max_concurrency), "--no-kv-unified",
             "-c", str(args.max_concurrency * args.max_model_len)]
-    return LaunchPlan(argv + list(spec.extra_args), {}, install.version, {"gguf": model})
+    # Seen on a 2-vCPU Sapphire Rapids-class VM: the shipped Q4_1 file segfaults while loading
+    # into llama.cpp's AMX buffers (SIGSEGV, exit -11); --no-repack keeps the plain CPU path.
+    hint = ("" if "--no-repack" in spec.extra_args else
+            f" (a crash while loading: try its plain CPU path, "
+            f"'llamacpp-{spec.gguf_type.lower()}:no-repack=--no-repack')")
+    return LaunchPlan(argv + list(spec.extra_args), {}, install.version, {"gguf": model}, hint)
 
 
 def default_gguf() -> str:
