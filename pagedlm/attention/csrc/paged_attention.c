@@ -23,6 +23,9 @@
 #include <string.h>
 
 #include "kv_types.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define TILE_KEYS 32 /* keys scored per online-softmax step (rounded to whole blocks) */
 /* K/V rows (x kv heads) below which another thread costs more than it saves. With the
@@ -37,6 +40,14 @@
 #define REASSOC __attribute__((optimize("associative-math", "no-signed-zeros", "no-trapping-math")))
 #else
 #define REASSOC
+#endif
+/* gcc's -march=native tuning keeps auto-vectorised loops to 256 bits on Intel cores; here the
+ * 512-bit V accumulation measured faster (128 decode tokens, 48-768 keys: 3.75 -> 3.38 ms with a
+ * float32 cache on a Sapphire Rapids-class Xeon). */
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDE __attribute__((target("prefer-vector-width=512")))
+#else
+#define WIDE
 #endif
 
 /* exp(x) for x <= 0 that vectorizes (Cephes polynomial, relative error < 1e-7); inputs below
@@ -76,9 +87,48 @@ __attribute__((noinline)) static void soft_cap_scores(float* s, int G, int n, in
         for (int j = 0; j < n; j++) s[g * tile + j] = cap * tanhf(s[g * tile + j] / cap);
 }
 
+#ifdef __AVX512F__
+/* The four horizontal sums of a0..a3 as one 4-lane vector: pairs are folded together before
+ * the last cross-lane adds, about a third of the work of four separate reductions. */
+static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(
+                                       _mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+
+/* s[g * tile + j] = q_g . k_j for n keys, four keys at a time (D a multiple of 16): one
+ * reduction per four dot products instead of one each, which dominated the scoring. */
+static void scores_avx512(float* s, const float* q, const float** kp, int n, int G, int D,
+                          int tile) {
+    for (int j = 0; j < n; j += 4) {
+        const int r = n - j < 4 ? n - j : 4;
+        const float *k0 = kp[j], *k1 = kp[j + (r > 1)], *k2 = kp[j + (r > 2 ? 2 : 0)],
+                    *k3 = kp[j + (r > 3 ? 3 : 0)];
+        for (int g = 0; g < G; g++) {
+            const float* qg = q + (size_t)g * D;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int d = 0; d < D; d += 16) {
+                const __m512 qv = _mm512_loadu_ps(qg + d);
+                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), a0);
+                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + d), a1);
+                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + d), a2);
+                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + d), a3);
+            }
+            float out[4];
+            _mm_storeu_ps(out, sum4(a0, a1, a2, a3));
+            for (int i = 0; i < r; i++) s[g * tile + j + i] = out[i];
+        }
+    }
+}
+#endif
+
 /* One (token, kv head): out[g] = softmax(scale * q[g] K^T) V for its G query heads.
  * Scratch: q, acc [G * D]; s [G * tile]; m, l [G]; rows [2 * tile]. */
-REASSOC static void attend_one(float* out, const float* query, const void* k_cache,
+REASSOC WIDE static void attend_one(float* out, const float* query, const void* k_cache,
                                const void* v_cache, int kv_type, const int32_t* blocks,
                                int ctx_len, int kvh, int G, int D, int num_kv_heads,
                                int block_size, int tile, float scale, int window,
@@ -121,6 +171,10 @@ REASSOC static void attend_one(float* out, const float* query, const void* k_cac
             }
         }
         /* Scores s[g * tile + j] = q_g . k_j (scale already in q). */
+#ifdef __AVX512F__
+        if (D % 16 == 0) scores_avx512(s, q, kp, n, G, D, tile);
+        else
+#endif
         for (int j = 0; j < n; j++) {
             const float* k = kp[j];
             for (int g = 0; g < G; g++) {
