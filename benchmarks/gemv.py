@@ -60,7 +60,12 @@ def paths(layer: torch.nn.Module):
 
 
 def in_features(layer: torch.nn.Module) -> int:
-    return getattr(layer, "input_size_per_partition", None) or layer.weight.shape[1]
+    # Quantized layers keep no float weight: column-parallel ones (whole input) have
+    # input_size, row-parallel ones their slice, the LM head the embedding width.
+    for name in ("input_size_per_partition", "input_size", "embedding_dim"):
+        if getattr(layer, name, None):
+            return getattr(layer, name)
+    return layer.weight.shape[1]
 
 
 def bench(layers, rows: int, repeats: int) -> dict[str, float]:
