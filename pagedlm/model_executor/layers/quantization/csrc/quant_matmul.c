@@ -153,9 +153,21 @@ int qmm_vector_bits(void) {
 /* Block `blk` of format fmt as QV float vectors, in weight order. */
 static inline __attribute__((always_inline)) void decode_block(qvec *w, const uint8_t *blk,
                                                                const int fmt) {
-    const qvec d = QSET1(fp16_to_f32(load_u16(blk)));
+    /* The block's fp16 scale (and q4_1 minimum) widened by one vcvtph2ps from memory and
+     * broadcast from a stack slot, i.e. on the load ports: the scalar route (movzx, vmovd,
+     * vcvtph2ps, vbroadcastss per value) put about six uops a block on the one shuffle port
+     * that the nibble unpacking also needs. */
+    float dm[4] __attribute__((aligned(16)));
+#ifdef __F16C__
+    _mm_store_ps(dm, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
+    __asm__("" : "+m"(dm));  /* so the broadcasts read the slot rather than the register */
+#else
+    dm[0] = fp16_to_f32(load_u16(blk));
+    dm[1] = fp16_to_f32(load_u16(blk + 2));
+#endif
+    const qvec d = QSET1(dm[0]);
     if (fmt == FMT_Q4_1) {
-        const qvec m = QSET1(fp16_to_f32(load_u16(blk + 2)));
+        const qvec m = QSET1(dm[1]);
         const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
 #ifdef __AVX512F__
         const __m512i b = _mm512_cvtepu8_epi32(raw), f = _mm512_set1_epi32(0x0f);
