@@ -31,12 +31,17 @@ single pair of runs says little:
     python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 \
         --output-len 16:256 --baseline-commit ad1039b --repeats 2
 
+With ``--op-times`` the pagedlm run also reports where its time went: every float32 linear
+layer call (by the rows it multiplied, with its GFLOP/s) and every paged-attention kernel call,
+timed around the call. This is how the README's bound for the 128-request workload was measured.
+
 With ``--baseline no-chunked-prefill`` the baseline is pagedlm itself with chunked prefill off,
 so chunked prefill (the default) can be compared with one-step prefills:
     python benchmarks/throughput.py --num-prompts 64 --input-len 1024 --output-len 128 \
         --baseline no-chunked-prefill
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -104,6 +109,8 @@ def parse_args():
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--output-json", default=None, help="write config and all figures here")
     p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--op-times", action="store_true",
+                   help="time the float32 linear layers (by row count) and paged attention")
     return p.parse_args()
 
 
@@ -166,9 +173,13 @@ def run_pagedlm(requests, args, model_file, **overrides):
     params = [SamplingParams(temperature=args.temperature, top_p=1.0, max_tokens=n,
                              ignore_eos=True)
               for _, n in requests]
+    timer = OpTimes() if getattr(args, "op_times", False) else contextlib.nullcontext()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    with timer:
+        outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - start
+    if isinstance(timer, OpTimes):
+        timer.report(elapsed)
 
     assert len(outs) == len(requests), (len(outs), len(requests))
     for out, (prompt, n) in zip(outs, requests):
@@ -188,6 +199,60 @@ def run_pagedlm(requests, args, model_file, **overrides):
     if weight_bytes is not None:
         fig["linear_weight_bytes"] = weight_bytes
     return fig
+
+
+class OpTimes:
+    """Wall time of the float32 linear layers (binned by rows) and of the paged-attention kernel,
+    measured by wrapping them for the duration of a `with` block (this process's worker only)."""
+
+    BINS = ((8, "1-8"), (64, "9-64"), (128, "65-128"), (1 << 62, ">128"))
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.flops: dict[str, float] = {}
+
+    def _add(self, key: str, dt: float, flops: float = 0.0) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + dt
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.flops[key] = self.flops.get(key, 0.0) + flops
+
+    def __enter__(self) -> "OpTimes":
+        from pagedlm.attention import kernels
+        from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+        self._saved = (UnquantizedLinearMethod.apply, kernels.paged_attention)
+        apply, attention = self._saved
+
+        def timed_apply(method, layer, x, bias=None):
+            t = time.perf_counter()
+            y = apply(method, layer, x, bias)
+            rows = x.shape[0]
+            label = next(name for top, name in self.BINS if rows <= top)
+            self._add(f"linear, {label} rows", time.perf_counter() - t,
+                      2.0 * rows * x.shape[-1] * y.shape[-1])
+            return y
+
+        def timed_attention(*a, **k):
+            t = time.perf_counter()
+            out = attention(*a, **k)
+            self._add("paged attention", time.perf_counter() - t)
+            return out
+
+        UnquantizedLinearMethod.apply, kernels.paged_attention = timed_apply, timed_attention
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from pagedlm.attention import kernels
+        from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+        UnquantizedLinearMethod.apply, kernels.paged_attention = self._saved
+
+    def report(self, elapsed: float) -> None:
+        print(f"op times over {elapsed:.1f} s (the fused decode stack of 1-8 sequences is not "
+              "split up):")
+        for key in sorted(self.seconds):
+            rate = (f", {self.flops[key] / self.seconds[key] / 1e9:.0f} GFLOP/s"
+                    if self.flops[key] else "")
+            print(f"  {key:24s} {self.seconds[key]:8.2f} s  {self.calls[key]:7d} calls{rate}")
 
 
 def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
