@@ -153,10 +153,10 @@ int qmm_vector_bits(void) {
 /* Block `blk` of format fmt as QV float vectors, in weight order. */
 static inline __attribute__((always_inline)) void decode_block(qvec *w, const uint8_t *blk,
                                                                const int fmt) {
-    /* The block's fp16 scale (and q4_1 minimum) widened by one vcvtph2ps from memory and
-     * broadcast from a stack slot, i.e. on the load ports: the scalar route (movzx, vmovd,
-     * vcvtph2ps, vbroadcastss per value) put about six uops a block on the one shuffle port
-     * that the nibble unpacking also needs. */
+    /* The block's fp16 scale (and q4_1 minimum) widened together by one vcvtph2ps and
+     * broadcast from a stack slot (a load) rather than from a register (a shuffle, on the port
+     * the nibble unpacking also needs): SmolLM2's Q4_1 layers and Q8_0 head at 1 row, 2
+     * threads, 7.87 -> 7.36 ms against one scalar conversion and register broadcast each. */
     float dm[4] __attribute__((aligned(16)));
 #ifdef __F16C__
     _mm_store_ps(dm, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
