@@ -1,5 +1,6 @@
 """benchmarks/compare.py's own parts, without the peers (vLLM, llama.cpp) it compares against:
-requests, count checks, ratios, and the server lifecycle (a stand-in HTTP server)."""
+requests, count checks, ratios, and the server lifecycle of compare_servers.py (a stand-in HTTP
+server)."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +23,13 @@ def compare():
         yield importlib.import_module("compare")
     finally:
         sys.path.remove(str(BENCHMARKS))
-        for name in ("compare", "peers", "serving"):
+        for name in ("compare", "compare_servers", "peers", "serving"):
             sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def servers(compare):
+    return sys.modules["compare_servers"]
 
 
 def test_system_specs(compare):
@@ -107,31 +113,39 @@ STAND_IN = textwrap.dedent("""
 """)
 
 
-def test_server_lifecycle_leaves_nothing_behind(compare, tmp_path):
+def test_server_lifecycle_leaves_nothing_behind(servers, tmp_path):
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    port = compare.free_port()
-    plan = compare.LaunchPlan([sys.executable, str(script), str(port), "slow"], {}, "stand-in")
+    port = servers.free_port()
+    plan = servers.LaunchPlan([sys.executable, str(script), str(port), "slow"], {}, "stand-in")
     log = tmp_path / "server.log"
-    with compare.Server("stand-in", plan, port, log, startup_timeout=60) as server:
-        assert compare.port_in_use(port)
+    with servers.Server("stand-in", plan, port, log, startup_timeout=60) as server:
+        assert servers.port_in_use(port)
         leader = psutil.Process(server.proc.pid)
         processes = [leader] + leader.children(recursive=True)
         assert len(processes) == 2
         # A second server cannot take a port in use.
         with pytest.raises(RuntimeError, match="already in use"):
-            with compare.Server("again", plan, port, tmp_path / "again.log", 60):
+            with servers.Server("again", plan, port, tmp_path / "again.log", 60):
                 pass
     gone, alive = psutil.wait_procs(processes, timeout=5)
     assert not alive, f"left behind: {alive}"
-    assert not compare.port_in_use(port)
+    assert not servers.port_in_use(port)
     assert log.read_text().startswith("$ ") and "child" in log.read_text()
 
     # A server that dies while starting fails at once, with its log's last lines.
-    dying = compare.LaunchPlan([sys.executable, "-c", "print('no model here'); exit(3)"], {},
+    dying = servers.LaunchPlan([sys.executable, "-c", "print('no model here'); exit(3)"], {},
                                "dying")
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="exited with 3(.|\n)*no model here"):
-        with compare.Server("dying", dying, compare.free_port(), tmp_path / "dying.log", 60):
+        with servers.Server("dying", dying, servers.free_port(), tmp_path / "dying.log", 60):
             pass
     assert time.monotonic() - start < 30
+
+    # One killed by a signal while starting (llama.cpp's AMX crash) gets the plan's hint.
+    crashing = servers.LaunchPlan(
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"], {},
+        "crashing", crash_hint=" (try --no-repack)")
+    with pytest.raises(RuntimeError, match=r"exited with -11 while starting \(try --no-repack\)"):
+        with servers.Server("crashing", crashing, servers.free_port(), tmp_path / "c.log", 60):
+            pass
