@@ -173,7 +173,7 @@ def run_pagedlm(requests, args, model_file, **overrides):
     params = [SamplingParams(temperature=args.temperature, top_p=1.0, max_tokens=n,
                              ignore_eos=True)
               for _, n in requests]
-    timer = OpTimes() if getattr(args, "op_times", False) else contextlib.nullcontext()
+    timer = OpTimes() if args.op_times else contextlib.nullcontext()
     start = time.perf_counter()
     with timer:
         outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
@@ -220,8 +220,9 @@ class OpTimes:
     def __enter__(self) -> "OpTimes":
         from pagedlm.attention import kernels
         from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
-        self._saved = (UnquantizedLinearMethod.apply, kernels.paged_attention)
-        apply, attention = self._saved
+        self._patched = (UnquantizedLinearMethod, kernels)
+        apply, attention = UnquantizedLinearMethod.apply, kernels.paged_attention
+        self._saved = (apply, attention)
 
         def timed_apply(method, layer, x, bias=None):
             t = time.perf_counter()
@@ -242,9 +243,8 @@ class OpTimes:
         return self
 
     def __exit__(self, *exc) -> None:
-        from pagedlm.attention import kernels
-        from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
-        UnquantizedLinearMethod.apply, kernels.paged_attention = self._saved
+        method, kernels = self._patched
+        method.apply, kernels.paged_attention = self._saved
 
     def report(self, elapsed: float) -> None:
         print(f"op times over {elapsed:.1f} s (the fused decode stack of 1-8 sequences is not "
