@@ -13,9 +13,16 @@
  * keys before them are never read, so their blocks need not even be valid. soft_cap > 0 maps
  * each scaled score s to soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2).
  *
- * One work item = one (token, kv head) pair. Its G = num_q_heads / num_kv_heads query heads
- * are processed together so every K/V row is read from memory once. Softmax is computed
- * online (streaming), one tile of whole blocks at a time, while the next tile is prefetched.
+ * One work item = a token with all its kv heads (or, with fewer tokens than 2 per thread, one
+ * kv head of a token). The G = num_q_heads / num_kv_heads query heads of a kv head are
+ * processed together so every K/V row is read from memory once. Softmax is computed online
+ * (streaming), one tile of whole blocks at a time, while the next tile is prefetched.
+ *
+ * Measured on a 2-vCPU Sapphire Rapids-class Xeon (128 decode tokens, 300-700 keys, 3 kv heads
+ * of 3 query heads, 30 layers' float32 caches in interleaved blocks): with the heads of a token
+ * advancing tile by tile together and an AVX-512 softmax (its exp ran scalar before), 176 ->
+ * 154 ms a step; the same data held in L2 takes 42-48 ms, so the rest is waiting on memory
+ * (plain reads of scattered 12 KiB blocks peak at about 21 GB/s here, against 30 sequential).
  */
 #include <math.h>
 #include <stddef.h>
@@ -41,9 +48,9 @@
 #else
 #define REASSOC
 #endif
-/* gcc's -march=native tuning keeps auto-vectorised loops to 256 bits on Intel cores; here the
- * 512-bit V accumulation measured faster (128 decode tokens, 48-768 keys: 3.75 -> 3.38 ms with a
- * float32 cache on a Sapphire Rapids-class Xeon). */
+/* gcc's -march=native tuning keeps auto-vectorised loops to 256 bits on Intel cores; 512-bit
+ * ones measured faster for the portable V accumulation (128 decode tokens, 48-768 keys: 3.75 ->
+ * 3.38 ms with a float32 cache on a Sapphire Rapids-class Xeon). */
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 #define WIDE __attribute__((target("prefer-vector-width=512")))
 #else
@@ -69,13 +76,16 @@ REASSOC static inline float exp_neg(float x) {
     return p * pow2n;
 }
 
-/* Offsets of the K/V rows of the tile starting at position `start`; returns how many. */
+/* Element offsets of the rows (all kv heads) of positions start .. start+n-1; returns n, the
+ * tile's length. One division per tile, not one per key. */
 static int tile_rows(size_t* rows, const int32_t* blocks, int start, int ctx_len, int tile,
-                     int block_size, size_t row_stride, size_t head_off) {
+                     int block_size, size_t row_stride) {
     const int n = ctx_len - start < tile ? ctx_len - start : tile;
-    for (int j = 0; j < n; j++)
-        rows[j] = ((size_t)blocks[(start + j) / block_size] * block_size +
-                   (start + j) % block_size) * row_stride + head_off;
+    int b = start / block_size, o = start % block_size;
+    for (int j = 0; j < n; j++) {
+        rows[j] = ((size_t)blocks[b] * block_size + o) * row_stride;
+        if (++o == block_size) o = 0, b++;
+    }
     return n > 0 ? n : 0;
 }
 
@@ -88,6 +98,28 @@ __attribute__((noinline)) static void soft_cap_scores(float* s, int G, int n, in
 }
 
 #ifdef __AVX512F__
+/* exp_neg on 16 lanes (the same polynomial; scalef supplies the 2^n). */
+static inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(int left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
 /* The four horizontal sums of a0..a3 as one 4-lane vector: pairs are folded together before
  * the last cross-lane adds, about a third of the work of four separate reductions. */
 static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -124,102 +156,202 @@ static void scores_avx512(float* s, const float* q, const float** kp, int n, int
         }
     }
 }
+
+/* Online softmax over one tile for G query heads: rescale the running sums to the new max and
+ * turn the scores into weights. */
+static void softmax_avx512(float* s, float* m, float* l, float* acc, int n, int G, int D,
+                           int tile) {
+    for (int g = 0; g < G; g++) {
+        float* sg = s + (size_t)g * tile;
+        __m512 vmx = _mm512_set1_ps(m[g]);
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, sg + j));
+        }
+        const float mx = _mm512_reduce_max_ps(vmx);
+        const __m512 vm = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            const __m512 w = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), vm));
+            _mm512_mask_storeu_ps(sg + j, k, w);
+            sum = _mm512_mask_add_ps(sum, k, sum, w);
+        }
+        const float alpha = exp_neg(m[g] - mx); /* ~0 on the first tile */
+        l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);
+        m[g] = mx;
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(acc + (size_t)g * D + d,
+                             _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * D + d), va));
+    }
+}
+
+/* acc_g += sum_j w_gj v_j: 64 columns of acc stay in registers over the tile's keys. */
+static void accumulate_avx512(float* acc, const float* s, const float** vp, int n, int G,
+                              int D, int tile) {
+    for (int g = 0; g < G; g++) {
+        const float* sg = s + (size_t)g * tile;
+        float* ag = acc + (size_t)g * D;
+        int d = 0;
+        for (; d + 64 <= D; d += 64) {
+            __m512 a0 = _mm512_loadu_ps(ag + d), a1 = _mm512_loadu_ps(ag + d + 16),
+                   a2 = _mm512_loadu_ps(ag + d + 32), a3 = _mm512_loadu_ps(ag + d + 48);
+            for (int j = 0; j < n; j++) {
+                const __m512 w = _mm512_set1_ps(sg[j]);
+                const float* v = vp[j] + d;
+                a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
+                a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
+                a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), a2);
+                a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), a3);
+            }
+            _mm512_storeu_ps(ag + d, a0);
+            _mm512_storeu_ps(ag + d + 16, a1);
+            _mm512_storeu_ps(ag + d + 32, a2);
+            _mm512_storeu_ps(ag + d + 48, a3);
+        }
+        for (; d < D; d += 16) {
+            __m512 a = _mm512_loadu_ps(ag + d);
+            for (int j = 0; j < n; j++)
+                a = _mm512_fmadd_ps(_mm512_set1_ps(sg[j]), _mm512_loadu_ps(vp[j] + d), a);
+            _mm512_storeu_ps(ag + d, a);
+        }
+    }
+}
 #endif
 
-/* One (token, kv head): out[g] = softmax(scale * q[g] K^T) V for its G query heads.
- * Scratch: q, acc [G * D]; s [G * tile]; m, l [G]; rows [2 * tile]. */
-REASSOC WIDE static void attend_one(float* out, const float* query, const void* k_cache,
-                               const void* v_cache, int kv_type, const int32_t* blocks,
-                               int ctx_len, int kvh, int G, int D, int num_kv_heads,
-                               int block_size, int tile, float scale, int window,
-                               float soft_cap, float* q, float* acc, float* s, float* m,
-                               float* l, size_t* rows, float* kbuf, float* vbuf,
-                               const float** kp, const float** vp, int prefetch_heads) {
+/* The portable versions of the three steps above (any D; no AVX-512). */
+REASSOC static void scores_portable(float* s, const float* q, const float** kp, int n, int G,
+                                    int D, int tile) {
+    for (int j = 0; j < n; j++) {
+        const float* k = kp[j];
+        for (int g = 0; g < G; g++) {
+            const float* qg = q + g * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < D; d++) dot += qg[d] * k[d];
+            s[g * tile + j] = dot;
+        }
+    }
+}
+
+REASSOC static void softmax_portable(float* s, float* m, float* l, float* acc, int n, int G,
+                                     int D, int tile) {
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * tile, mx = m[g], sum = 0.0f;
+        for (int j = 0; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
+        const float alpha = exp_neg(m[g] - mx); /* ~0 on the first tile */
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < n; j++) {
+            sg[j] = exp_neg(sg[j] - mx);
+            sum += sg[j];
+        }
+        l[g] = l[g] * alpha + sum;
+        m[g] = mx;
+        for (int d = 0; d < D; d++) acc[g * D + d] *= alpha;
+    }
+}
+
+REASSOC static void accumulate_portable(float* acc, const float* s, const float** vp, int n,
+                                        int G, int D, int tile) {
+    for (int j = 0; j < n; j += 4) { /* four V rows per pass over the accumulators */
+        const int r = n - j < 4 ? n - j : 4;
+        const float* v[4];
+        for (int i = 0; i < 4; i++) v[i] = vp[j + (i < r ? i : 0)];
+        for (int g = 0; g < G; g++) {
+            float w[4], *ag = acc + g * D;
+            for (int i = 0; i < 4; i++) w[i] = i < r ? s[g * tile + j + i] : 0.0f;
+#pragma omp simd
+            for (int d = 0; d < D; d++)
+                ag[d] += (w[0] * v[0][d] + w[1] * v[1][d]) + (w[2] * v[2][d] + w[3] * v[3][d]);
+        }
+    }
+}
+
+/* Per-thread scratch of attend(), for nh kv heads of G query heads each. */
+typedef struct {
+    float *q, *acc, *m, *l; /* [nh * G * D], [nh * G * D], [nh * G], [nh * G] */
+    float* s;               /* [G * tile] */
+    size_t* rows;           /* [2 * tile] */
+    float *kbuf, *vbuf;     /* [tile * D] each, lower-precision caches only */
+    const float **kp, **vp; /* [tile] */
+} Scratch;
+
+/* kv heads h0 .. h0+nh-1 of one token: out[h][g] = softmax(scale * q[h][g] K_h^T) V_h.
+ * query/out point at head h0's first query head. The heads advance together, one tile at a
+ * time: they share each K/V row's cache lines, and the next tile's prefetches are spread over
+ * all of their work, so the memory stays busy while they compute. */
+WIDE static void attend(float* out, const float* query, const void* k_cache,
+                        const void* v_cache, int kv_type, const int32_t* blocks, int ctx_len,
+                        int h0, int nh, int G, int D, int num_kv_heads, int block_size, int tile,
+                        float scale, int window, float soft_cap, const Scratch* w) {
     const size_t elem = kv_elem_size(kv_type);
     const char *kc = (const char*)k_cache, *vc = (const char*)v_cache;
-    const size_t row_stride = (size_t)num_kv_heads * D, head_off = (size_t)kvh * D;
-    for (int i = 0; i < G * D; i++) q[i] = query[i] * scale;
-    for (int i = 0; i < G * D; i++) acc[i] = 0.0f;
-    for (int g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    const size_t row_stride = (size_t)num_kv_heads * D;
+    const int HG = nh * G;
+    for (int i = 0; i < HG * D; i++) w->q[i] = query[i] * scale, w->acc[i] = 0.0f;
+    for (int g = 0; g < HG; g++) w->m[g] = -INFINITY, w->l[g] = 0.0f;
+#ifdef __AVX512F__
+    const int fast = D % 16 == 0;
+#endif
 
     /* Keys outside the window are skipped, not masked: the first tile starts at the window. */
     const int first = window > 0 && ctx_len > window ? ctx_len - window : 0;
-    size_t *cur = rows, *next = rows + tile; /* row offsets of this tile and the next */
-    tile_rows(cur, blocks, first, ctx_len, tile, block_size, row_stride, head_off);
+    size_t *cur = w->rows, *next = w->rows + tile; /* row offsets of this tile and the next */
+    tile_rows(cur, blocks, first, ctx_len, tile, block_size, row_stride);
+    const size_t pf_bytes = (size_t)nh * D * elem, head0 = (size_t)h0 * D;
     for (int start = first; start < ctx_len; start += tile) {
         const int n = ctx_len - start < tile ? ctx_len - start : tile;
         const int n_next = tile_rows(next, blocks, start + tile, ctx_len, tile, block_size,
-                                     row_stride, head_off);
-        /* One prefetch per 64-byte line, into L2 (L1 is slower); with prefetch_heads, from
-         * this head's slice to the row's end, so the same thread's later heads find it there. */
-        const size_t pf_bytes = (size_t)D * elem * (prefetch_heads ? num_kv_heads - kvh : 1);
-        for (int j = 0; j < n_next; j++)
-            for (size_t b = 0; b < pf_bytes; b += 64) {
-                __builtin_prefetch(kc + next[j] * elem + b, 0, 2);
-                __builtin_prefetch(vc + next[j] * elem + b, 0, 2);
-            }
-        /* This tile's K/V rows as float32: in place for a float32 cache, else widened. */
-        for (int j = 0; j < n; j++) {
-            if (kv_type == KV_F32) {
-                kp[j] = (const float*)k_cache + cur[j];
-                vp[j] = (const float*)v_cache + cur[j];
-            } else {
-                kv_load_row(kbuf + (size_t)j * D, kc + cur[j] * elem, D, kv_type);
-                kv_load_row(vbuf + (size_t)j * D, vc + cur[j] * elem, D, kv_type);
-                kp[j] = kbuf + (size_t)j * D;
-                vp[j] = vbuf + (size_t)j * D;
-            }
-        }
-        /* Scores s[g * tile + j] = q_g . k_j (scale already in q). */
-#ifdef __AVX512F__
-        if (D % 16 == 0) scores_avx512(s, q, kp, n, G, D, tile);
-        else
-#endif
-        for (int j = 0; j < n; j++) {
-            const float* k = kp[j];
-            for (int g = 0; g < G; g++) {
-                const float* qg = q + g * D;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < D; d++) dot += qg[d] * k[d];
-                s[g * tile + j] = dot;
-            }
-        }
-        if (soft_cap > 0.0f) soft_cap_scores(s, G, n, tile, soft_cap);
-        /* Online softmax: rescale the running sums to the new max, turn scores into weights. */
-        for (int g = 0; g < G; g++) {
-            float *sg = s + g * tile, mx = m[g], sum = 0.0f;
-            for (int j = 0; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
-            const float alpha = exp_neg(m[g] - mx); /* ~0 on the first tile */
-#pragma omp simd reduction(+ : sum)
+                                     row_stride);
+        for (int hh = 0; hh < nh; hh++) {
+            /* This head's share of the next tile's rows (all nh heads' slices of them), one
+             * prefetch per 64-byte line into L2 (L1 is slower): spread over the heads' work,
+             * the loads stay in flight while they compute. */
+            for (int j = n_next * hh / nh; j < n_next * (hh + 1) / nh; j++)
+                for (size_t b = 0; b < pf_bytes; b += 64) {
+                    __builtin_prefetch(kc + (next[j] + head0) * elem + b, 0, 2);
+                    __builtin_prefetch(vc + (next[j] + head0) * elem + b, 0, 2);
+                }
+            const size_t head_off = (size_t)(h0 + hh) * D;
+            /* This tile's K/V rows of head h as float32: in place for a float32 cache, else
+             * widened. */
             for (int j = 0; j < n; j++) {
-                sg[j] = exp_neg(sg[j] - mx);
-                sum += sg[j];
+                if (kv_type == KV_F32) {
+                    w->kp[j] = (const float*)k_cache + cur[j] + head_off;
+                    w->vp[j] = (const float*)v_cache + cur[j] + head_off;
+                } else {
+                    kv_load_row(w->kbuf + (size_t)j * D, kc + (cur[j] + head_off) * elem, D,
+                                kv_type);
+                    kv_load_row(w->vbuf + (size_t)j * D, vc + (cur[j] + head_off) * elem, D,
+                                kv_type);
+                    w->kp[j] = w->kbuf + (size_t)j * D;
+                    w->vp[j] = w->vbuf + (size_t)j * D;
+                }
             }
-            l[g] = l[g] * alpha + sum;
-            m[g] = mx;
-            for (int d = 0; d < D; d++) acc[g * D + d] *= alpha;
-        }
-        /* acc_g += sum_j w_gj v_j, four V rows per pass over the accumulators. */
-        for (int j = 0; j < n; j += 4) {
-            const int r = n - j < 4 ? n - j : 4;
-            const float* v[4];
-            for (int i = 0; i < 4; i++) v[i] = vp[j + (i < r ? i : 0)];
-            for (int g = 0; g < G; g++) {
-                float w[4], *ag = acc + g * D;
-                for (int i = 0; i < 4; i++) w[i] = i < r ? s[g * tile + j + i] : 0.0f;
-#pragma omp simd
-                for (int d = 0; d < D; d++)
-                    ag[d] += (w[0] * v[0][d] + w[1] * v[1][d]) + (w[2] * v[2][d] + w[3] * v[3][d]);
+            float *q = w->q + (size_t)hh * G * D, *acc = w->acc + (size_t)hh * G * D;
+            float *m = w->m + hh * G, *l = w->l + hh * G;
+#ifdef __AVX512F__
+            if (fast) {
+                scores_avx512(w->s, q, w->kp, n, G, D, tile);
+                if (soft_cap > 0.0f) soft_cap_scores(w->s, G, n, tile, soft_cap);
+                softmax_avx512(w->s, m, l, acc, n, G, D, tile);
+                accumulate_avx512(acc, w->s, w->vp, n, G, D, tile);
+                continue;
             }
+#endif
+            scores_portable(w->s, q, w->kp, n, G, D, tile);
+            if (soft_cap > 0.0f) soft_cap_scores(w->s, G, n, tile, soft_cap);
+            softmax_portable(w->s, m, l, acc, n, G, D, tile);
+            accumulate_portable(acc, w->s, w->vp, n, G, D, tile);
         }
         size_t* t = cur; /* the next tile's offsets become current */
         cur = next;
         next = t;
     }
-    for (int g = 0; g < G; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* ctx_len == 0 -> zeros */
-        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+    for (int g = 0; g < HG; g++) {
+        const float inv = w->l[g] > 0.0f ? 1.0f / w->l[g] : 0.0f; /* ctx_len == 0 -> zeros */
+        for (int d = 0; d < D; d++) out[g * D + d] = w->acc[g * D + d] * inv;
     }
 }
 
@@ -229,40 +361,39 @@ void paged_attention_f32(float* out, const float* query, const void* k_cache,
                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                          int max_blocks_per_seq, float scale, int window, float soft_cap,
                          int num_threads) {
-    const int G = num_q_heads / num_kv_heads;
+    const int G = num_q_heads / num_kv_heads, D = head_dim;
     const int tile = block_size >= TILE_KEYS ? block_size : TILE_KEYS / block_size * block_size;
-    const long num_items = (long)num_tokens * num_kv_heads;
     long work = 0; /* K/V rows to read, to keep small calls on few threads */
     for (int t = 0; t < num_tokens; t++)
         work += window > 0 && token_ctx_len[t] > window ? window : token_ctx_len[t];
     work *= num_kv_heads;
     if ((long)num_threads * ROWS_PER_THREAD > work) num_threads = (int)(work / ROWS_PER_THREAD);
+    if (num_threads < 1) num_threads = 1;
+    /* With tokens to spare, a work item is a token with all its kv heads (they share each K/V
+     * row's cache lines); with few tokens, one kv head of a token, so every thread has work. */
+    const int nh = num_tokens >= 2 * num_threads ? num_kv_heads : 1;
+    const long num_items = (long)num_tokens * (num_kv_heads / nh);
     if (num_threads > num_items) num_threads = (int)num_items;
-    /* With tokens to spare, one thread takes every kv head of a token: the heads share each
-     * K/V row's cache lines, so the first head's pass brings the whole rows into that core's
-     * L2 and the rest read them from there instead of from memory. */
-    const int whole_rows = num_tokens >= 2 * (num_threads > 0 ? num_threads : 1);
-    const int chunk = whole_rows ? num_kv_heads : 1;
 
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-        float buf[(size_t)G * (2 * head_dim + tile + 2)]; /* per-thread scratch */
+        float buf[(size_t)nh * G * (2 * D + 2) + (size_t)G * tile]; /* per-thread scratch */
         size_t rows[2 * tile];
         const float *kp[tile], *vp[tile];
-        /* Widened K/V rows of one tile (lower-precision caches only). */
-        float kvbuf[kv_type == KV_F32 ? 1 : 2 * (size_t)tile * head_dim];
-        float *q = buf, *acc = q + (size_t)G * head_dim, *s = acc + (size_t)G * head_dim;
-        float *m = s + (size_t)G * tile, *l = m + G;
-#pragma omp for schedule(dynamic, chunk)
+        float kvbuf[kv_type == KV_F32 ? 1 : 2 * (size_t)tile * D];
+        Scratch w = {.q = buf, .acc = buf + (size_t)nh * G * D,
+                     .m = buf + (size_t)2 * nh * G * D, .l = buf + (size_t)2 * nh * G * D + nh * G,
+                     .s = buf + (size_t)nh * G * (2 * D + 2), .rows = rows, .kbuf = kvbuf,
+                     .vbuf = kv_type == KV_F32 ? kvbuf : kvbuf + (size_t)tile * D, .kp = kp,
+                     .vp = vp};
+#pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < num_items; item++) {
-            const int t = (int)(item / num_kv_heads), kvh = (int)(item % num_kv_heads);
-            const size_t off = ((size_t)t * num_q_heads + (size_t)kvh * G) * head_dim;
-            attend_one(out + off, query + off, k_cache, v_cache, kv_type,
-                       block_tables + (size_t)token_seq[t] * max_blocks_per_seq,
-                       token_ctx_len[t], kvh, G, head_dim, num_kv_heads, block_size, tile,
-                       scale, window, soft_cap, q, acc, s, m, l, rows, kvbuf,
-                       kv_type == KV_F32 ? kvbuf : kvbuf + (size_t)tile * head_dim, kp, vp,
-                       whole_rows && kvh == 0);
+            const int t = (int)(item / (num_kv_heads / nh));
+            const int h0 = (int)(item % (num_kv_heads / nh)) * nh;
+            const size_t off = ((size_t)t * num_q_heads + (size_t)h0 * G) * D;
+            attend(out + off, query + off, k_cache, v_cache, kv_type,
+                   block_tables + (size_t)token_seq[t] * max_blocks_per_seq, token_ctx_len[t],
+                   h0, nh, G, D, num_kv_heads, block_size, tile, scale, window, soft_cap, &w);
         }
     }
 }
