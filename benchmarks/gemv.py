@@ -5,8 +5,9 @@ batches its time is how fast the weights stream. This script loads the model the
 does and runs each of its linear layers (and the LM head) once per pass, at each `--rows`, through
 each path that can run it, reporting the median pass time and the weight bandwidth it implies:
 
-  float32: gemv (pagedlm's kernel, layers/gemv.py), onednn (the pre-packed GEMM the layers use
-           past gemv.GEMV_MAX_ROWS), torch (plain F.linear);
+  float32: gemv (pagedlm's row-major kernel, layers/gemv.py), panels (its panel kernel, which
+           the layers use past gemv.GEMV_MAX_ROWS on AVX-512), onednn (oneDNN's pre-packed GEMM,
+           their path where the panel kernel does not run), torch (plain F.linear);
   quantized: the layer's own path (its LinearMethod.apply).
 
     python benchmarks/gemv.py                                  # float32, rows 1 2 4 8 16
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pagedlm import LLM  # noqa: E402
 from pagedlm.model_executor.layers import gemv  # noqa: E402
-from pagedlm.model_executor.layers.linear import LinearMethodBase  # noqa: E402
+from pagedlm.model_executor.layers.linear import LinearMethodBase, pack_weight  # noqa: E402
 
 
 def linear_layers(llm: LLM) -> list[torch.nn.Module]:
@@ -52,9 +53,12 @@ def paths(layer: torch.nn.Module):
     out = {}
     if gemv.runs(layer.weight):
         out["gemv"] = lambda x: gemv.gemv(x, layer.weight)
-    if layer.packed_weight is not None:
-        out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(
-            x, layer.packed_weight, None, "none", [], "")
+    if layer.panel_weight is not None:
+        out["panels"] = lambda x: gemv.gemm_panels(x, layer.panel_weight, layer.weight.shape[0])
+    packed = layer.packed_weight if layer.panel_weight is None else pack_weight(layer.weight)
+    if packed is not None:
+        out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
+                                                                      [], "")
     out["torch"] = lambda x: F.linear(x, layer.weight)
     return out
 

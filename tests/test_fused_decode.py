@@ -4,6 +4,8 @@
   multiple of the 4-row group, K not a multiple of 8, a matrix small enough to stay on one
   thread), 1 to GEMV_MAX_ROWS rows; one and two threads give the same bits (each output is
   summed by one thread, in one order).
+- The panel kernel (the float32 layers past GEMV_MAX_ROWS rows on AVX-512) the same way, at row
+  counts around its 12-row tiles and 192-row blocks, and through UnquantizedLinearMethod.
 - The fused decode stack against the layer-by-layer path of the same engine configuration:
   the same tokens and bit-identical logprobs for Llama (GQA), Qwen2 (biased q/k/v), Mistral
   (a sliding window shorter than the prompts), a bfloat16 KV cache, and int8 / int4 weights.
@@ -54,6 +56,58 @@ def test_gemv_rejects_bad_input():
     with pytest.raises(ValueError, match="float32"):
         gemv.gemv(torch.randn(1, 32, dtype=torch.float64), w)
     assert not gemv.runs(w.T) and not gemv.runs(w.bfloat16()) and gemv.runs(w)
+
+
+def _has_avx512() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return " avx512f" in f.read()
+
+
+needs_panels = pytest.mark.skipif(not _has_avx512(), reason="the panel kernel needs AVX-512")
+
+
+@needs_panels
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 9, 12, 13, 25, 64, 192, 200])
+def test_gemm_panels_matches_float64(n, k, m):
+    assert gemv.panel_width() == 32
+    g = torch.Generator().manual_seed(n * 5 + k + m)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n)
+    panels = gemv.pack_panels(w)
+    assert panels.shape == (-(-n // 32), k, 32)
+    got = gemv.gemm_panels(x, panels, n, b)
+    # One running float32 sum per output over K (no partial sums as in gemv): at K=1536 the
+    # rounding reaches 1e-4 on outputs of magnitude ~40.
+    tol = dict(rtol=1e-5, atol=3e-4)
+    torch.testing.assert_close(got, (x.double() @ w.double().T + b.double()).float(), **tol)
+    wide = torch.randn(m, k + 8, generator=g)
+    torch.testing.assert_close(gemv.gemm_panels(wide[:, :k], panels, n),
+                               (wide[:, :k].double() @ w.double().T).float(), **tol)
+    lib = gemv.load_library()
+    one, two = torch.empty(m, n), torch.empty(m, n)
+    lib.gemm_panels_f32(one.data_ptr(), x.data_ptr(), panels.data_ptr(), m, n, k, 1)
+    lib.gemm_panels_f32(two.data_ptr(), x.data_ptr(), panels.data_ptr(), m, n, k, 2)
+    assert torch.equal(one, two) and torch.equal(one + b, got)
+
+
+@needs_panels
+def test_linear_layers_use_panels():
+    from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+    layer = torch.nn.Module()
+    method = UnquantizedLinearMethod()
+    method.create_weights(layer, 96, [40, 60], 96, 100, torch.float32, None)
+    layer.weight.data.copy_(torch.randn(100, 96))
+    method.process_weights_after_loading(layer)
+    # The panels replace oneDNN's copy: one packed copy of the weight, not two.
+    assert layer.panel_weight is not None and layer.packed_weight is None
+    for rows in (1, gemv.GEMV_MAX_ROWS + 1, 50):
+        x, b = torch.randn(rows, 96), torch.randn(100)
+        torch.testing.assert_close(method.apply(layer, x, b), x @ layer.weight.T + b,
+                                   rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"x must be float32 \[M, 96\]"):
+        gemv.gemm_panels(torch.randn(3, 95), layer.panel_weight, 100)
+    with pytest.raises(ValueError, match="do not fit 4 panels"):
+        gemv.gemm_panels(torch.randn(3, 96), layer.panel_weight, 200)
 
 
 def _random_biases(path: str) -> str:

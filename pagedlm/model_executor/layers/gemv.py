@@ -1,9 +1,11 @@
-"""Float32 linear layers at decode batch sizes, through the native kernel of csrc/gemv_f32.c.
+"""Float32 linear layers through the native kernels of csrc/gemv_f32.c.
 
 A decode step multiplies one row per running sequence by every weight matrix, so with few
-sequences the step's time is how fast the weights stream from memory. The kernel reads them
-as fast as oneDNN's packed GEMM or faster, and about twice as fast as torch's, at those shapes
-(see the C file); past GEMV_MAX_ROWS rows the GEMM's blocking wins and the layer uses it.
+sequences the step's time is how fast the weights stream from memory. The GEMV kernel reads the
+row-major weight as fast as oneDNN's packed GEMM or faster, and about twice as fast as torch's,
+at those shapes (see the C file). Past GEMV_MAX_ROWS rows its horizontal sums cost more than the
+reads, and layers use the panel kernel (AVX-512 builds) on a copy of the weight packed with the
+output columns along the vector lanes, or oneDNN's packed GEMM where there is none.
 
 Built and cached like the attention kernels (`pagedlm.attention.kernels._build`);
 `PAGEDLM_DISABLE_KERNELS=1` or a failed build leaves every layer on its GEMM path.
@@ -40,6 +42,10 @@ def load_library() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.gemv_f32.argtypes = [p, p, p, i, i, i, i]
     lib.gemv_f32.restype = None
+    lib.gemm_panels_f32.argtypes = [p, p, p, i, i, i, i]
+    lib.gemm_panels_f32.restype = None
+    lib.gemm_panel_width.argtypes = []
+    lib.gemm_panel_width.restype = i
     return lib
 
 
@@ -66,4 +72,42 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     if m:
         load_library().gemv_f32(y.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k,
                                 torch.get_num_threads())
+    return y.add_(bias) if bias is not None else y
+
+
+def panel_width() -> int:
+    """Output columns per panel of the panel kernel; 0 where it is unavailable."""
+    return load_library().gemm_panel_width() if available() else 0
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] as [ceil(N / W), K, W] panels (W = panel_width(), zero columns past N) for
+    `gemm_panels`, or None where the panel kernel does not run it."""
+    width = panel_width()
+    if not width or not runs(weight):
+        return None
+    n, k = weight.shape
+    num_panels = -(-n // width)
+    padded = torch.zeros(num_panels * width, k, dtype=torch.float32)
+    padded[:n] = weight
+    return padded.view(num_panels, width, k).transpose(1, 2).contiguous()
+
+
+def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, n] for the W that `pack_panels` turned into `panels`; x
+    must be float32 [M, K] (copied to a contiguous tensor if it is not)."""
+    num_panels, k, width = panels.shape
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
+        raise ValueError(f"gemm_panels: x must be float32 [M, {k}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if not (num_panels - 1) * width < n <= num_panels * width:
+        raise ValueError(f"gemm_panels: {n} output columns do not fit {num_panels} panels of "
+                         f"{width}")
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        load_library().gemm_panels_f32(y.data_ptr(), x.data_ptr(), panels.data_ptr(), m, n, k,
+                                       torch.get_num_threads())
     return y.add_(bias) if bias is not None else y

@@ -86,7 +86,8 @@ class LinearMethodBase(ABC):
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A dense weight [out, in]; the matmul runs on the GEMV kernel for a few rows, otherwise on
-    the weight's oneDNN pre-packed copy when possible."""
+    the panel kernel's packed copy of the weight, or oneDNN's where the panel kernel does not
+    run (gemv.py)."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader) -> None:
@@ -95,17 +96,21 @@ class UnquantizedLinearMethod(LinearMethodBase):
                                           dtype=params_dtype), requires_grad=False)
         weight.weight_loader = weight_loader
         layer.register_parameter("weight", weight)
-        layer.packed_weight = None
+        layer.packed_weight = layer.panel_weight = None
         layer.use_gemv = False
 
     def process_weights_after_loading(self, layer) -> None:
-        layer.packed_weight = pack_weight(layer.weight)
+        layer.panel_weight = gemv.pack_panels(layer.weight)
+        layer.packed_weight = pack_weight(layer.weight) if layer.panel_weight is None else None
         layer.use_gemv = gemv.runs(layer.weight)
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         if (getattr(layer, "use_gemv", False) and x.dim() == 2
                 and x.shape[0] <= gemv.GEMV_MAX_ROWS and x.dtype == torch.float32):
             return gemv.gemv(x, layer.weight, bias)
+        panels = getattr(layer, "panel_weight", None)
+        if panels is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return gemv.gemm_panels(x, panels, layer.weight.shape[0], bias)
         if layer.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none",
                                                       [], "")

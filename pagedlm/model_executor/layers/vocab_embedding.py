@@ -87,7 +87,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise NotImplementedError("ParallelLMHead has no bias")
         self.bias = None
         self.linear_method = linear_method or UnquantizedLinearMethod()
-        self.packed_weight = None
+        self.packed_weight = self.panel_weight = None
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
         assert embed_tokens.num_embeddings_padded == self.num_embeddings_padded

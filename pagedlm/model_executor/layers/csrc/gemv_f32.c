@@ -128,3 +128,106 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
         rows_range(y, x, w, M, N, K, lo, hi);
     }
 }
+
+/* Float32 y[M, N] = x[M, K] @ W^T past a few rows, over W packed in panels of PANEL output
+ * columns: wp[p][k][0..PANEL) = W[p * PANEL + 0..PANEL)[k] (zeros past N).
+ *
+ * With the columns along the lanes there are no horizontal sums: each k adds x[m][k] times a
+ * panel row into MR x 2 vector sums held in registers, a tile of MR rows by PANEL columns. A
+ * thread takes a run of whole panels, which are contiguous, so its W reads are one sequential
+ * stream; a panel stays in L2 for the row tiles after the first. Rows go MBLOCK at a time, so
+ * the x rows a panel meets stay in L2 too.
+ * Measured on a 2-vCPU Sapphire Rapids-class Xeon, the four matrices of a SmolLM2-135M layer,
+ * 30 layers' weights (read from memory), ms a layer against oneDNN's packed GEMM: 0.56 vs 0.87
+ * at 9 rows, 0.95 vs 1.29 at 32, 1.47 vs 2.01 at 64, 2.48 vs 3.03 at 128, 4.59 vs 5.00 at 256,
+ * 34.4 vs 35.2 at 2048.
+ */
+#ifdef __AVX512F__
+#define PANEL 32
+#define MR 12 /* rows of a tile: 24 sums + 2 panel vectors + 1 broadcast of the 32 registers */
+#define MBLOCK 192
+/* Panel rows (k steps of 128 bytes) to prefetch ahead. The hardware streamer alone runs too
+ * few lines ahead of loads this far apart: 9 rows took 0.83 ms a layer without, 0.56 with. */
+#define PREFETCH_K 64
+
+static inline __attribute__((always_inline)) void panel_tile(
+        float *y, const float *x, const float *wp, const int mr, int N, int K, int cols) {
+    __m512 c0[MR], c1[MR];
+    for (int m = 0; m < mr; m++) c0[m] = _mm512_setzero_ps(), c1[m] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const char *ahead = (const char *)(wp + (size_t)(k + PREFETCH_K) * PANEL);
+        _mm_prefetch(ahead, _MM_HINT_T1);
+        _mm_prefetch(ahead + 64, _MM_HINT_T1);
+        const __m512 w0 = _mm512_loadu_ps(wp + (size_t)k * PANEL);
+        const __m512 w1 = _mm512_loadu_ps(wp + (size_t)k * PANEL + 16);
+        for (int m = 0; m < mr; m++) {
+            const __m512 xv = _mm512_set1_ps(x[(size_t)m * K + k]);
+            c0[m] = _mm512_fmadd_ps(xv, w0, c0[m]);
+            c1[m] = _mm512_fmadd_ps(xv, w1, c1[m]);
+        }
+    }
+    const __mmask16 k0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols >= 32 ? 0xffff
+                       : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    for (int m = 0; m < mr; m++) {
+        _mm512_mask_storeu_ps(y + (size_t)m * N, k0, c0[m]);
+        _mm512_mask_storeu_ps(y + (size_t)m * N + 16, k1, c1[m]);
+    }
+}
+
+/* Rows 0..M-1 (at most MBLOCK) of panels lo..hi-1. */
+static void panels_range(float *y, const float *x, const float *wp, int M, int N, int K,
+                         int lo, int hi) {
+    for (int p = lo; p < hi; p++) {
+        const float *w = wp + (size_t)p * K * PANEL;
+        const int n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int m0 = 0; m0 < M; m0 += MR) {
+            float *ym = y + (size_t)m0 * N + n0;
+            const float *xm = x + (size_t)m0 * K;
+            /* Constant tile heights let the compiler keep every sum in a register. */
+            switch (M - m0 >= MR ? MR : M - m0) {
+#define TILE_CASE(r) case r: panel_tile(ym, xm, w, r, N, K, cols); break;
+                TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
+                TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
+                default: panel_tile(ym, xm, w, MR, N, K, cols);
+#undef TILE_CASE
+            }
+        }
+    }
+}
+
+static void panels_rows(float *y, const float *x, const float *wp, int M, int N, int K, int lo,
+                        int hi) {
+    for (int m0 = 0; m0 < M; m0 += MBLOCK)
+        panels_range(y + (size_t)m0 * N, x + (size_t)m0 * K, wp,
+                     M - m0 < MBLOCK ? M - m0 : MBLOCK, N, K, lo, hi);
+}
+
+/* The panel width the packing must use; 0 where this build has no panel kernel (no AVX-512). */
+int gemm_panel_width(void) { return PANEL; }
+
+void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
+                     int nthreads) {
+    const int P = (N + PANEL - 1) / PANEL;
+    if ((long)M * N * K < PAR_MIN_WEIGHTS || nthreads < 2 || P < 2) {
+        panels_rows(y, x, wp, M, N, K, 0, P);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads < P ? nthreads : P)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        panels_rows(y, x, wp, M, N, K, (int)((long)P * t / nt), (int)((long)P * (t + 1) / nt));
+    }
+}
+#else
+int gemm_panel_width(void) { return 0; }
+
+void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
+                     int nthreads) {
+    (void)y, (void)x, (void)wp, (void)M, (void)N, (void)K, (void)nthreads;
+}
+#endif
