@@ -1,11 +1,14 @@
 """Float32 linear layers through the native kernels of csrc/gemv_f32.c.
 
 A decode step multiplies one row per running sequence by every weight matrix, so with few
-sequences the step's time is how fast the weights stream from memory. The GEMV kernel reads the
-row-major weight as fast as oneDNN's packed GEMM or faster, and about twice as fast as torch's,
-at those shapes (see the C file). Past GEMV_MAX_ROWS rows its horizontal sums cost more than the
-reads, and layers use the panel kernel (AVX-512 builds) on a copy of the weight packed with the
-output columns along the vector lanes, or oneDNN's packed GEMM where there is none.
+sequences the step's time is how fast the weights stream from memory. On AVX-512 builds the
+layers run on the panel kernel, over a copy of the weight packed with the output columns along
+the vector lanes: no horizontal sums, one sequential weight stream per thread. Every matrix of
+SmolLM2-135M once (benchmarks/gemv.py, 2 threads, a Sapphire Rapids-class Xeon), against the
+row-major GEMV kernel and oneDNN's packed GEMM: 19.5 / 20.7 / 22.8 ms at 1 row, 23.3 / 31.6 /
+28.6 at 8, 36.4 / 73.0 / 45.9 at 32, 94.7 / 246.9 / 111.7 at 128. Without AVX-512 the layers
+run on the GEMV kernel up to GEMV_MAX_ROWS rows (it streams the row-major weight as fast as
+oneDNN or faster there, see the C file) and on oneDNN's packed GEMM past them.
 
 Built and cached like the attention kernels (`pagedlm.attention.kernels._build`);
 `PAGEDLM_DISABLE_KERNELS=1` or a failed build leaves every layer on its GEMM path.
@@ -28,7 +31,8 @@ _SOURCE = Path(__file__).parent / "csrc" / "gemv_f32.c"
 # AVX2-only EPYC the kernel against oneDNN's pre-packed GEMM took 30 vs 43 ms at 1 row, 42 vs 49
 # at 4, 63 vs 69 at 8 and 100 vs 105 at 16; on an AVX-512 EPYC the two tie at 1 to 4 rows and
 # oneDNN wins at 8 (24 vs 34 ms). 8 is kept because the fused decode stack (models/llama.py),
-# which saves more than that per step, runs only on this kernel.
+# which saves more than that per step, runs on this kernel where the panel kernel does not run;
+# it is also the most rows the stack takes.
 GEMV_MAX_ROWS = 8
 
 

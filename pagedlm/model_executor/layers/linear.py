@@ -85,9 +85,9 @@ class LinearMethodBase(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """A dense weight [out, in]; the matmul runs on the GEMV kernel for a few rows, otherwise on
-    the panel kernel's packed copy of the weight, or oneDNN's where the panel kernel does not
-    run (gemv.py)."""
+    """A dense weight [out, in]; the matmul runs on the panel kernel's packed copy of it, or
+    where that kernel does not run (no AVX-512), on the GEMV kernel for a few rows and oneDNN's
+    packed copy past them (gemv.py)."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader) -> None:
@@ -105,12 +105,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.use_gemv = gemv.runs(layer.weight)
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
-        if (getattr(layer, "use_gemv", False) and x.dim() == 2
-                and x.shape[0] <= gemv.GEMV_MAX_ROWS and x.dtype == torch.float32):
-            return gemv.gemv(x, layer.weight, bias)
         panels = getattr(layer, "panel_weight", None)
         if panels is not None and x.dim() == 2 and x.dtype == torch.float32:
             return gemv.gemm_panels(x, panels, layer.weight.shape[0], bias)
+        if (getattr(layer, "use_gemv", False) and x.dim() == 2
+                and x.shape[0] <= gemv.GEMV_MAX_ROWS and x.dtype == torch.float32):
+            return gemv.gemv(x, layer.weight, bias)
         if layer.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none",
                                                       [], "")

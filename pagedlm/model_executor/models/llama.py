@@ -222,7 +222,7 @@ class LlamaForCausalLM(CausalLMBase):
 # ------------------------------------------------------------------ the fused decode stack
 
 # A linear layer's weight format -> llama_decode.c's enum.
-_FUSED_FORMATS = {"float": 0, "q4_1": 1, "q8_0": 2, "i8": 3}
+_FUSED_FORMATS = {"float": 0, "q4_1": 1, "q8_0": 2, "i8": 3, "float_panels": 4}
 
 
 class _Linear(ctypes.Structure):
@@ -273,7 +273,9 @@ def _linear_struct(layer: nn.Module, kind: type) -> _Linear | None:
     if type(layer) is not kind or layer.tp_size != 1 or not _fusable_tensor(layer.bias):
         return None
     method = layer.linear_method
-    if type(method) is UnquantizedLinearMethod and getattr(layer, "use_gemv", False):
+    if type(method) is UnquantizedLinearMethod and getattr(layer, "panel_weight", None) is not None:
+        fmt, weight, scale = "float_panels", layer.panel_weight, None
+    elif type(method) is UnquantizedLinearMethod and getattr(layer, "use_gemv", False):
         fmt, weight, scale = "float", layer.weight, None
     elif isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply:
         fmt, weight, scale = layer.quant_format, layer.qweight_data, layer.qscale

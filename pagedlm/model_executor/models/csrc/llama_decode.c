@@ -20,6 +20,8 @@
 
 /* The kernels it strings together (attention/csrc, layers/csrc, quantization/csrc). */
 void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int nthreads);
+void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
+                     int nthreads);
 void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_i8(float *y, const float *x, const int8_t *w, const float *scale, int M, int N, int K,
@@ -41,7 +43,7 @@ void paged_attention_f32(float *out, const float *query, const void *k_cache,
                          int num_threads);
 
 /* Weight formats; must match llama.py's _FUSED_FORMATS. */
-enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3 };
+enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3, W_F32_PANELS = 4 };
 
 typedef struct {
     int64_t fmt;
@@ -67,6 +69,7 @@ typedef struct {
 static void linear(const linear_t *l, float *y, const float *x, int M, int N, int K, int nt) {
     switch (l->fmt) {
     case W_F32: gemv_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
+    case W_F32_PANELS: gemm_panels_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
     case W_Q4_1: qmm_q4_1(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     case W_Q8_0: qmm_q8_0(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     default: qmm_i8(y, x, (const int8_t *)l->weight, l->scale, M, N, K, nt); break;
