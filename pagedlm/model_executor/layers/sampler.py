@@ -61,11 +61,13 @@ class Sampler(torch.nn.Module):
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         params = meta.params
-        greedy = torch.tensor([p.greedy for p in params])
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                             dtype=logits.dtype)
-        greedy_tokens = logits.argmax(dim=-1)
-        logits = logits / temps.unsqueeze(1)
+        # The argmax and the division each cost a pass over the logits (4 and 1 ms at 128 rows
+        # of SmolLM2's 49k vocabulary): only when some row needs them.
+        greedy = [p.greedy for p in params]
+        greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
+        temps = [1.0 if p.greedy else p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            logits = logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1)
         if any(p.top_k or p.top_p < 1.0 for p in params):
             logits = _apply_top_k_top_p(logits, params)
         if any(p.min_p > 0 for p in params):
@@ -87,7 +89,9 @@ class Sampler(torch.nn.Module):
         # Zero-probability tokens have a flat CDF step, so `right=True` never lands on them.
         random_tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)
         random_tokens = random_tokens.squeeze(1).clamp_(max=probs.shape[1] - 1)
-        return torch.where(greedy, greedy_tokens, random_tokens)
+        if greedy_tokens is None:
+            return random_tokens
+        return torch.where(torch.tensor(greedy), greedy_tokens, random_tokens)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
