@@ -26,6 +26,7 @@ from pagedlm.lora.worker_manager import LoRAStats, WorkerLoRAManager
 from pagedlm.model_executor.model_loader.loader import get_model
 from pagedlm.utils import available_memory_bytes, cdiv
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from pagedlm.worker.malloc_tuning import keep_freed_memory
 from pagedlm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,10 @@ class Worker:
 
     # -- start-up -----------------------------------------------------------------------------
     def init_device(self) -> None:
-        """Pin this worker's threads and join the process groups (only with several workers)."""
+        """Keep freed memory for the next step's tensors (malloc_tuning.py), pin this worker's
+        threads and join the process groups (only with several workers)."""
         pc = self.config.parallel_config
+        keep_freed_memory()
         if pc.threads_per_worker:
             torch.set_num_threads(pc.threads_per_worker)
             os.environ["OMP_NUM_THREADS"] = str(pc.threads_per_worker)
