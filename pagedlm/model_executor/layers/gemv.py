@@ -68,14 +68,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N]; `weight` must pass `runs`, and x be
     float32 [M, K] (copied to a contiguous tensor if it is not)."""
     n, k = weight.shape
+    return _call("gemv", load_library().gemv_f32, x, weight, n, k, bias)
+
+
+def _call(name: str, fn, x: torch.Tensor, weight: torch.Tensor, n: int, k: int,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    """y [M, n] = fn(y, x, weight, M, n, k, threads) (+ bias), after checking x [M, k]."""
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
-        raise ValueError(f"gemv: x must be float32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(f"{name}: x must be float32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        load_library().gemv_f32(y.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k,
-                                torch.get_num_threads())
+        fn(y.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k, torch.get_num_threads())
     return y.add_(bias) if bias is not None else y
 
 
@@ -102,16 +107,7 @@ def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
     """x [M, K] @ W^T (+ bias) -> [M, n] for the W that `pack_panels` turned into `panels`; x
     must be float32 [M, K] (copied to a contiguous tensor if it is not)."""
     num_panels, k, width = panels.shape
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
-        raise ValueError(f"gemm_panels: x must be float32 [M, {k}], got {x.dtype} "
-                         f"{tuple(x.shape)}")
     if not (num_panels - 1) * width < n <= num_panels * width:
         raise ValueError(f"gemm_panels: {n} output columns do not fit {num_panels} panels of "
                          f"{width}")
-    x = x.contiguous()
-    m = x.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    if m:
-        load_library().gemm_panels_f32(y.data_ptr(), x.data_ptr(), panels.data_ptr(), m, n, k,
-                                       torch.get_num_threads())
-    return y.add_(bias) if bias is not None else y
+    return _call("gemm_panels", load_library().gemm_panels_f32, x, panels, n, k, bias)
