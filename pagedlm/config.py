@@ -188,6 +188,13 @@ class CacheConfig:
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return self.cache_dtype or model_dtype
 
+    @property
+    def reserves_memory(self) -> bool:
+        """Whether the user sized the cache (bytes or blocks): a reservation, committed at
+        startup as vLLM commits its cache. The default size, a share of the RAM free at
+        startup, is only faulted in as blocks are first written (see worker/cache_engine.py)."""
+        return self.kv_cache_memory_bytes is not None or self.num_gpu_blocks_override is not None
+
 
 # kv_cache_dtype values: "auto" is the model's dtype.
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,

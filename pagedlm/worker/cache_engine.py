@@ -26,17 +26,23 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int,
 
 def _allocate(num_blocks: int, model_config: ModelConfig, block_size: int,
               num_kv_heads: int | None = None, num_layers: int | None = None,
-              dtype: torch.dtype | None = None) -> KVCache:
+              dtype: torch.dtype | None = None, commit: bool = False) -> KVCache:
     """Per layer (of this rank's stage: index i is its i-th layer) a (key, value) pair of
-    [num_blocks, block_size, num_kv_heads, head_dim]; defaults as in kv_bytes_per_block."""
+    [num_blocks, block_size, num_kv_heads, head_dim]; defaults as in kv_bytes_per_block.
+
+    commit: fault every page in now. Otherwise the pages are faulted in by the first write to
+    each block, and on this VM a first touch costs about 11 us per 4 KiB page (the host backs
+    the guest's memory lazily; transparent huge pages cost the same per byte): the 128-request
+    benchmark took 578k faults and 5-6.5 s of its 64-70 s in the cache write, 0 faults and
+    0.3 s once the blocks had been used. Committing the default size (90% of free RAM, about
+    19 GiB here) took 7-45 s, too much for every LLM(); an explicit size is committed.
+    Attention never reads unwritten slots unmasked, so the contents do not matter."""
     num_kv_heads = num_kv_heads or model_config.num_kv_heads
     num_layers = num_layers or model_config.num_layers
     shape = (num_blocks, block_size, num_kv_heads, model_config.head_dim)
-    # Empty, not zeroed: pages are only faulted in when a block is first written, so a large
-    # cache costs nothing up front. Attention never uses unwritten slots unmasked.
     dtype = dtype or model_config.dtype
-    return [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-            for _ in range(num_layers)]
+    make = torch.zeros if commit else torch.empty
+    return [(make(shape, dtype=dtype), make(shape, dtype=dtype)) for _ in range(num_layers)]
 
 
 def _copy(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> None:
@@ -57,7 +63,8 @@ class CacheEngine:
         """num_kv_heads / num_layers: this rank's (see kv_bytes_per_block); default the model's."""
         dtype = cache_config.kv_dtype(model_config.dtype)
         self.kv_caches = _allocate(num_gpu_blocks, model_config, cache_config.block_size,
-                                   num_kv_heads, num_layers, dtype)
+                                   num_kv_heads, num_layers, dtype,
+                                   commit=cache_config.reserves_memory)
         self.host_kv_caches = _allocate(num_cpu_blocks, model_config, cache_config.block_size,
                                         num_kv_heads, num_layers, dtype)
 

@@ -91,10 +91,18 @@ class Worker:
         per_block = kv_bytes_per_block(self.model_config, cc.block_size, *self._kv_shape(),
                                        dtype=cc.kv_dtype(self.model_config.dtype))
         num_cpu_blocks = cc.swap_space_bytes // per_block
-        if cc.num_gpu_blocks_override is not None:
-            return cc.num_gpu_blocks_override, num_cpu_blocks
-        if cc.kv_cache_memory_bytes is not None:
-            return cc.kv_cache_memory_bytes // per_block, num_cpu_blocks
+        if cc.reserves_memory:
+            # An explicit size is committed at start-up: past the free RAM it would meet the
+            # OOM killer there instead of this message.
+            if cc.num_gpu_blocks_override is not None:
+                field, blocks = "num_gpu_blocks_override", cc.num_gpu_blocks_override
+            else:
+                field, blocks = "kv_cache_memory_bytes", cc.kv_cache_memory_bytes // per_block
+            free = available_memory_bytes()
+            if blocks * per_block > free:
+                raise ValueError(f"{field}: {blocks} KV blocks take {blocks * per_block} bytes, "
+                                 f"more than the {free} bytes of memory available")
+            return blocks, num_cpu_blocks
         # A share of the memory free now, but no more than the longest possible batch needs.
         # Workers on one node share its memory.
         budget = int(available_memory_bytes() * cc.gpu_memory_utilization
