@@ -32,8 +32,10 @@ single pair of runs says little:
         --output-len 16:256 --baseline-commit ad1039b --repeats 2
 
 With ``--op-times`` the pagedlm run also reports where its time went: every float32 linear
-layer call (by the rows it multiplied, with its GFLOP/s) and every paged-attention kernel call,
-timed around the call. This is how the README's bound for the 128-request workload was measured.
+layer call (by the rows it multiplied, with its GFLOP/s), every paged-attention kernel call and
+every step of the fused decode stack, timed around the call (PAGEDLM_DISABLE_FUSED_DECODE=1
+splits the stack's steps into their layers). This is how the README's account of the
+128-request workload was measured.
 
 With ``--baseline no-chunked-prefill`` the baseline is pagedlm itself with chunked prefill off,
 so chunked prefill (the default) can be compared with one-step prefills:
@@ -220,9 +222,11 @@ class OpTimes:
     def __enter__(self) -> "OpTimes":
         from pagedlm.attention import kernels
         from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
-        self._patched = (UnquantizedLinearMethod, kernels)
+        from pagedlm.model_executor.models.llama import LlamaFusedDecode
+        self._patched = (UnquantizedLinearMethod, kernels, LlamaFusedDecode)
         apply, attention = UnquantizedLinearMethod.apply, kernels.paged_attention
-        self._saved = (apply, attention)
+        fused = LlamaFusedDecode.run
+        self._saved = (apply, attention, fused)
 
         def timed_apply(method, layer, x, bias=None):
             t = time.perf_counter()
@@ -239,16 +243,24 @@ class OpTimes:
             self._add("paged attention", time.perf_counter() - t)
             return out
 
+        def timed_fused(stack, x, *a, **k):
+            t = time.perf_counter()
+            out = fused(stack, x, *a, **k)
+            if out is not None:
+                self._add("fused decode stack", time.perf_counter() - t)
+            return out
+
         UnquantizedLinearMethod.apply, kernels.paged_attention = timed_apply, timed_attention
+        LlamaFusedDecode.run = timed_fused
         return self
 
     def __exit__(self, *exc) -> None:
-        method, kernels = self._patched
-        method.apply, kernels.paged_attention = self._saved
+        method, kernels, stack = self._patched
+        method.apply, kernels.paged_attention, stack.run = self._saved
 
     def report(self, elapsed: float) -> None:
-        print(f"op times over {elapsed:.1f} s (the fused decode stack of 1-8 sequences is not "
-              "split up):")
+        print(f"op times over {elapsed:.1f} s (the fused decode stack's steps are not split "
+              "up; PAGEDLM_DISABLE_FUSED_DECODE=1 runs them layer by layer):")
         for key in sorted(self.seconds):
             rate = (f", {self.flops[key] / self.seconds[key] / 1e9:.0f} GFLOP/s"
                     if self.flops[key] else "")

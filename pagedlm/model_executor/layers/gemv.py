@@ -32,7 +32,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "gemv_f32.c"
 # at 4, 63 vs 69 at 8 and 100 vs 105 at 16; on an AVX-512 EPYC the two tie at 1 to 4 rows and
 # oneDNN wins at 8 (24 vs 34 ms). 8 is kept because the fused decode stack (models/llama.py),
 # which saves more than that per step, runs on this kernel where the panel kernel does not run;
-# it is also the most rows the stack takes.
+# it is also the most rows the stack takes off the panel kernel.
 GEMV_MAX_ROWS = 8
 
 

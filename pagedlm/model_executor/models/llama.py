@@ -10,16 +10,17 @@ Pipeline parallelism: a rank builds and loads only its stage's layers (get_pp_in
 embedding on the first stage and the final norm and LM head on the last; a non-last stage's
 forward returns IntermediateTensors for the next one.
 
-Decode steps of up to gemv.GEMV_MAX_ROWS sequences run the whole stack in one native call
-(LlamaFusedDecode, csrc/llama_decode.c) when every layer is the plain Llama block on the
-native kernels; anything else (LoRA, tensor parallelism, other dtypes, prefills, larger
-batches) goes layer by layer. Both give the same values.
+Pure decode steps run the whole stack in one native call (LlamaFusedDecode,
+csrc/llama_decode.c) when every layer is the plain Llama block on the native kernels (at any
+batch size on the panel kernel, else up to gemv.GEMV_MAX_ROWS sequences); anything else (LoRA,
+tensor parallelism, other dtypes, prefills) goes layer by layer. Both give the same values.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -288,17 +289,25 @@ def _linear_struct(layer: nn.Module, kind: type) -> _Linear | None:
 
 
 class LlamaFusedDecode:
-    """Runs a stage's decoder layers in one call of csrc/llama_decode.c for pure decode steps
-    of at most gemv.GEMV_MAX_ROWS sequences (the batch sizes whose time is per-layer overhead
-    and weight streaming; larger ones amortise the dispatches). Same kernels, same order, same
-    values as the layer-by-layer path. `PAGEDLM_DISABLE_FUSED_DECODE=1` turns it off."""
+    """Runs a stage's decoder layers in one call of csrc/llama_decode.c for pure decode steps.
+    Same kernels, same order, same values as the layer-by-layer path.
+    `PAGEDLM_DISABLE_FUSED_DECODE=1` turns it off.
 
-    MAX_ROWS = gemv.GEMV_MAX_ROWS
+    How many sequences: any number when every linear is on the panel kernel, which the layers
+    run at every row count too; even at 128 rows the ~20 dispatches a layer cost more than the
+    call (the 128-request benchmark, same prompts in one process: 65.1 -> 62.8 and 67.2 ->
+    65.0 s). Otherwise gemv.GEMV_MAX_ROWS: past it the layers switch to another kernel (oneDNN,
+    or a dequantized GEMM), which the stack would have to match."""
 
     def __init__(self, lib: ctypes.CDLL, dims: _Dims, layers: list[_Layer],
                  rotary: RotaryEmbedding) -> None:
         self.lib, self.dims, self.rotary = lib, dims, rotary
         self.layers = (_Layer * len(layers))(*layers)
+        panels = _FUSED_FORMATS["float_panels"]
+        self.max_rows = (sys.maxsize if all(lin.fmt == panels for layer in layers
+                                            for lin in (layer.qkv, layer.o, layer.gate_up,
+                                                        layer.down))
+                         else gemv.GEMV_MAX_ROWS)
         self.cache_ptrs: tuple[int, ...] = ()
         self.steps = 0  # steps it ran (tests check that it ran at all)
 
@@ -356,7 +365,7 @@ class LlamaFusedDecode:
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x, residual) after the stage's layers, or None if this step is not one it runs."""
         m = x.shape[0]
-        if (meta.prefills or meta.num_decode_tokens != m or not 0 < m <= self.MAX_ROWS
+        if (meta.prefills or meta.num_decode_tokens != m or not 0 < m <= self.max_rows
                 or x.dtype != torch.float32 or positions.dtype != torch.int64
                 or meta.slot_mapping.dtype != torch.int64):
             return None
