@@ -30,8 +30,8 @@ _HELP = {
     "seed": "Random seed for requests that do not bring their own.",
     "block_size": "Tokens per KV-cache block.",
     "kv_cache_memory_bytes": "KV-cache size: a byte count or a size such as 2GiB, 512MiB, 1.5GB. "
-                             "Committed at start-up. Default: --gpu-memory-utilization of the memory "
-                             "available, faulted in as blocks are first used.",
+                             "Committed at start-up. Default: --gpu-memory-utilization of the "
+                             "memory available, faulted in as blocks are first used.",
     "kv_cache_dtype": "KV-cache element type: auto (the model's dtype), float32, bfloat16, "
                       "float16. A 2-byte type holds twice the tokens in the same memory; K/V "
                       "are rounded to it once, attention still computes in the model's dtype.",
