@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "paged_attention.c", _CSRC / "fused_ops.c")
-_HEADERS = (_CSRC / "kv_types.h",)
+_HEADERS = (_CSRC / "kv_types.h", _CSRC / "vec_math.h")
 # Cache element types the kernels read and write (csrc/kv_types.h's enum).
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 KV_CACHE_DTYPES = tuple(_KV_TYPES)

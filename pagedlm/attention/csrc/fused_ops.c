@@ -11,32 +11,9 @@
 #include <string.h>
 
 #include "kv_types.h"
+#include "vec_math.h"
 
 #define PAR_MIN_ELEMS 65536 /* elements below which one thread does the whole call */
-
-#if defined(__GNUC__) && !defined(__clang__)
-#define REASSOC __attribute__((optimize("associative-math", "no-signed-zeros", "no-trapping-math")))
-#else
-#define REASSOC
-#endif
-
-/* exp(x) for x <= 0 that vectorizes (Cephes polynomial, relative error < 1e-7). */
-REASSOC static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504f + 0.5f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float pow2n;
-    memcpy(&pow2n, &bits, sizeof pow2n);
-    return p * pow2n;
-}
 
 /* residual_out = x + residual (when residual is given), then
  * out = weight * (h / sqrt(mean(h^2) + eps)) with h = residual_out (or x). Row strides in
@@ -73,7 +50,7 @@ REASSOC void silu_and_mul_f32(float* out, const float* x, int64_t x_stride, int 
 #pragma omp simd
         for (int i = 0; i < I; i++) {
             /* sigmoid through exp of a non-positive number only: no overflow either side. */
-            const float e = exp_nonpos(-fabsf(g[i]));
+            const float e = exp_neg(-fabsf(g[i]));
             const float sig = (g[i] >= 0.0f ? 1.0f : e) / (1.0f + e);
             o[i] = g[i] * sig * u[i];
         }

@@ -23,6 +23,9 @@
  * advancing tile by tile together and an AVX-512 softmax (its exp ran scalar before), 176 ->
  * 154 ms a step; the same data held in L2 takes 42-48 ms, so the rest is waiting on memory
  * (plain reads of scattered 12 KiB blocks peak at about 21 GB/s here, against 30 sequential).
+ * Issuing the next tile's prefetches a few at a time from inside the arithmetic, rather than
+ * in one burst per head, took the same step from 164 to 144 ms: a burst of hundreds of
+ * prefetches waits on the core's few line-fill buffers and stalls the arithmetic behind it.
  */
 #include <math.h>
 #include <stddef.h>
@@ -30,6 +33,7 @@
 #include <string.h>
 
 #include "kv_types.h"
+#include "vec_math.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -41,13 +45,6 @@
  * (one thread throughout), 0.71 ms at 256. */
 #define ROWS_PER_THREAD 256
 
-/* Allow reassociation only, so dot products and sums use vector (tree) reductions. Not
- * -ffast-math: no finite-math, flush-to-zero or approximate-reciprocal assumptions. */
-#if defined(__GNUC__) && !defined(__clang__)
-#define REASSOC __attribute__((optimize("associative-math", "no-signed-zeros", "no-trapping-math")))
-#else
-#define REASSOC
-#endif
 /* gcc's -march=native tuning keeps auto-vectorised loops to 256 bits on Intel cores; 512-bit
  * ones measured faster for the portable V accumulation (128 decode tokens, 48-768 keys: 3.75 ->
  * 3.38 ms with a float32 cache on a Sapphire Rapids-class Xeon). */
@@ -57,23 +54,15 @@
 #define WIDE
 #endif
 
-/* exp(x) for x <= 0 that vectorizes (Cephes polynomial, relative error < 1e-7); inputs below
- * -87 (including -inf) give ~1.6e-38 instead of 0, which is harmless here. */
-REASSOC static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504f + 0.5f); /* x = n ln2 + r, |r| <= ln2 / 2 */
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n */
-    float pow2n;
-    memcpy(&pow2n, &bits, sizeof pow2n);
-    return p * pow2n;
+/* The next tile's K/V cache lines, issued `per` at a time from the inner loops. */
+typedef struct {
+    const char** line;
+    int pos, end, per;
+} Prefetch;
+
+static inline void prefetch_some(Prefetch* pf) {
+    for (int i = 0; i < pf->per && pf->pos < pf->end; i++)
+        __builtin_prefetch(pf->line[pf->pos++], 0, 2); /* into L2: L1 measured slower */
 }
 
 /* Element offsets of the rows (all kv heads) of positions start .. start+n-1; returns n, the
@@ -98,28 +87,6 @@ __attribute__((noinline)) static void soft_cap_scores(float* s, int G, int n, in
 }
 
 #ifdef __AVX512F__
-/* exp_neg on 16 lanes (the same polynomial; scalef supplies the 2^n). */
-static inline __m512 exp_neg16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline __mmask16 tail_mask(int left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-}
-
 /* The four horizontal sums of a0..a3 as one 4-lane vector: pairs are folded together before
  * the last cross-lane adds, about a third of the work of four separate reductions. */
 static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -135,12 +102,13 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 /* s[g * tile + j] = q_g . k_j for n keys, four keys at a time (D a multiple of 16): one
  * reduction per four dot products instead of one each, which dominated the scoring. */
 static void scores_avx512(float* s, const float* q, const float** kp, int n, int G, int D,
-                          int tile) {
+                          int tile, Prefetch* pf) {
     for (int j = 0; j < n; j += 4) {
         const int r = n - j < 4 ? n - j : 4;
         const float *k0 = kp[j], *k1 = kp[j + (r > 1)], *k2 = kp[j + (r > 2 ? 2 : 0)],
                     *k3 = kp[j + (r > 3 ? 3 : 0)];
         for (int g = 0; g < G; g++) {
+            prefetch_some(pf);
             const float* qg = q + (size_t)g * D;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int d = 0; d < D; d += 16) {
@@ -189,7 +157,7 @@ static void softmax_avx512(float* s, float* m, float* l, float* acc, int n, int 
 
 /* acc_g += sum_j w_gj v_j: 64 columns of acc stay in registers over the tile's keys. */
 static void accumulate_avx512(float* acc, const float* s, const float** vp, int n, int G,
-                              int D, int tile) {
+                              int D, int tile, Prefetch* pf) {
     for (int g = 0; g < G; g++) {
         const float* sg = s + (size_t)g * tile;
         float* ag = acc + (size_t)g * D;
@@ -198,6 +166,7 @@ static void accumulate_avx512(float* acc, const float* s, const float** vp, int 
             __m512 a0 = _mm512_loadu_ps(ag + d), a1 = _mm512_loadu_ps(ag + d + 16),
                    a2 = _mm512_loadu_ps(ag + d + 32), a3 = _mm512_loadu_ps(ag + d + 48);
             for (int j = 0; j < n; j++) {
+                prefetch_some(pf);
                 const __m512 w = _mm512_set1_ps(sg[j]);
                 const float* v = vp[j] + d;
                 a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
@@ -275,12 +244,13 @@ typedef struct {
     size_t* rows;           /* [2 * tile] */
     float *kbuf, *vbuf;     /* [tile * D] each, lower-precision caches only */
     const float **kp, **vp; /* [tile] */
+    const char** lines;     /* [2 * tile * lines per row], the next tile's prefetches */
 } Scratch;
 
 /* kv heads h0 .. h0+nh-1 of one token: out[h][g] = softmax(scale * q[h][g] K_h^T) V_h.
  * query/out point at head h0's first query head. The heads advance together, one tile at a
  * time: they share each K/V row's cache lines, and the next tile's prefetches are spread over
- * all of their work, so the memory stays busy while they compute. */
+ * all of their arithmetic, so the memory stays busy while they compute. */
 WIDE static void attend(float* out, const float* query, const void* k_cache,
                         const void* v_cache, int kv_type, const int32_t* blocks, int ctx_len,
                         int h0, int nh, int G, int D, int num_kv_heads, int block_size, int tile,
@@ -304,15 +274,18 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
         const int n = ctx_len - start < tile ? ctx_len - start : tile;
         const int n_next = tile_rows(next, blocks, start + tile, ctx_len, tile, block_size,
                                      row_stride);
+        /* Every line of the next tile's rows (all nh heads' slices), shared out evenly over
+         * the inner-loop steps of this tile's arithmetic (G per 4 keys scored, G per key
+         * accumulated, for each head). */
+        Prefetch pf = {w->lines, 0, 0, 0};
+        for (int j = 0; j < n_next; j++)
+            for (size_t b = 0; b < pf_bytes; b += 64) {
+                w->lines[pf.end++] = kc + (next[j] + head0) * elem + b;
+                w->lines[pf.end++] = vc + (next[j] + head0) * elem + b;
+            }
+        const int steps = nh * G * ((n + 3) / 4 + n);
+        pf.per = (pf.end + steps - 1) / steps;
         for (int hh = 0; hh < nh; hh++) {
-            /* This head's share of the next tile's rows (all nh heads' slices of them), one
-             * prefetch per 64-byte line into L2 (L1 is slower): spread over the heads' work,
-             * the loads stay in flight while they compute. */
-            for (int j = n_next * hh / nh; j < n_next * (hh + 1) / nh; j++)
-                for (size_t b = 0; b < pf_bytes; b += 64) {
-                    __builtin_prefetch(kc + (next[j] + head0) * elem + b, 0, 2);
-                    __builtin_prefetch(vc + (next[j] + head0) * elem + b, 0, 2);
-                }
             const size_t head_off = (size_t)(h0 + hh) * D;
             /* This tile's K/V rows of head h as float32: in place for a float32 cache, else
              * widened. */
@@ -333,18 +306,24 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
             float *m = w->m + hh * G, *l = w->l + hh * G;
 #ifdef __AVX512F__
             if (fast) {
-                scores_avx512(w->s, q, w->kp, n, G, D, tile);
+                scores_avx512(w->s, q, w->kp, n, G, D, tile, &pf);
                 if (soft_cap > 0.0f) soft_cap_scores(w->s, G, n, tile, soft_cap);
                 softmax_avx512(w->s, m, l, acc, n, G, D, tile);
-                accumulate_avx512(acc, w->s, w->vp, n, G, D, tile);
+                accumulate_avx512(acc, w->s, w->vp, n, G, D, tile, &pf);
                 continue;
             }
 #endif
+            if (hh == 0) { /* the portable steps take no prefetch cursor: all of it up front */
+                pf.per = pf.end;
+                prefetch_some(&pf);
+            }
             scores_portable(w->s, q, w->kp, n, G, D, tile);
             if (soft_cap > 0.0f) soft_cap_scores(w->s, G, n, tile, soft_cap);
             softmax_portable(w->s, m, l, acc, n, G, D, tile);
             accumulate_portable(acc, w->s, w->vp, n, G, D, tile);
         }
+        pf.per = pf.end; /* any left over by rounding */
+        prefetch_some(&pf);
         size_t* t = cur; /* the next tile's offsets become current */
         cur = next;
         next = t;
@@ -380,12 +359,13 @@ void paged_attention_f32(float* out, const float* query, const void* k_cache,
         float buf[(size_t)nh * G * (2 * D + 2) + (size_t)G * tile]; /* per-thread scratch */
         size_t rows[2 * tile];
         const float *kp[tile], *vp[tile];
+        const char* lines[2 * (size_t)tile * (((size_t)nh * D * kv_elem_size(kv_type) + 63) / 64)];
         float kvbuf[kv_type == KV_F32 ? 1 : 2 * (size_t)tile * D];
         Scratch w = {.q = buf, .acc = buf + (size_t)nh * G * D,
                      .m = buf + (size_t)2 * nh * G * D, .l = buf + (size_t)2 * nh * G * D + nh * G,
                      .s = buf + (size_t)nh * G * (2 * D + 2), .rows = rows, .kbuf = kvbuf,
                      .vbuf = kv_type == KV_F32 ? kvbuf : kvbuf + (size_t)tile * D, .kp = kp,
-                     .vp = vp};
+                     .vp = vp, .lines = lines};
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < num_items; item++) {
             const int t = (int)(item / (num_kv_heads / nh));
