@@ -32,8 +32,9 @@ single pair of runs says little:
         --output-len 16:256 --baseline-commit ad1039b --repeats 2
 
 With ``--op-times`` the pagedlm run also reports where its time went: every float32 linear
-layer call (by the rows it multiplied, with its GFLOP/s), every paged-attention kernel call and
-every step of the fused decode stack, timed around the call (PAGEDLM_DISABLE_FUSED_DECODE=1
+layer call (by the rows it multiplied, with its GFLOP/s), every call of the paged-attention and
+prefill-attention kernels (and of SDPA for prompts the prefill kernel does not take) and every
+step of the fused decode stack, timed around the call (PAGEDLM_DISABLE_FUSED_DECODE=1
 splits the stack's steps into their layers). This is how the README's account of the
 128-request workload was measured.
 
@@ -204,8 +205,9 @@ def run_pagedlm(requests, args, model_file, **overrides):
 
 
 class OpTimes:
-    """Wall time of the float32 linear layers (binned by rows) and of the paged-attention kernel,
-    measured by wrapping them for the duration of a `with` block (this process's worker only)."""
+    """Wall time of the float32 linear layers (binned by rows), of the attention kernels and of the
+    prompts' attention through SDPA (where the prefill kernel does not run), measured by wrapping
+    them for the duration of a `with` block (this process's worker only)."""
 
     BINS = ((8, "1-8"), (64, "9-64"), (128, "65-128"), (1 << 62, ">128"))
 
@@ -224,9 +226,12 @@ class OpTimes:
         from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
         from pagedlm.model_executor.models.llama import LlamaFusedDecode
         self._patched = (UnquantizedLinearMethod, kernels, LlamaFusedDecode)
+        from pagedlm.attention.backends import native
         apply, attention = UnquantizedLinearMethod.apply, kernels.paged_attention
         fused = LlamaFusedDecode.run
-        self._saved = (apply, attention, fused)
+        prefill, sdpa = kernels.prefill_attention, native.prefill_attention
+        self._saved = (apply, attention, fused, prefill, sdpa)
+        self._native = native
 
         def timed_apply(method, layer, x, bias=None):
             t = time.perf_counter()
@@ -237,12 +242,6 @@ class OpTimes:
                       2.0 * rows * x.shape[-1] * y.shape[-1])
             return y
 
-        def timed_attention(*a, **k):
-            t = time.perf_counter()
-            out = attention(*a, **k)
-            self._add("paged attention", time.perf_counter() - t)
-            return out
-
         def timed_fused(stack, x, *a, **k):
             t = time.perf_counter()
             out = fused(stack, x, *a, **k)
@@ -250,13 +249,25 @@ class OpTimes:
                 self._add("fused decode stack", time.perf_counter() - t)
             return out
 
-        UnquantizedLinearMethod.apply, kernels.paged_attention = timed_apply, timed_attention
+        def timer(label, fn):
+            def timed(*a, **k):
+                t = time.perf_counter()
+                out = fn(*a, **k)
+                self._add(label, time.perf_counter() - t)
+                return out
+            return timed
+
+        UnquantizedLinearMethod.apply = timed_apply
+        kernels.paged_attention = timer("paged attention", attention)
         LlamaFusedDecode.run = timed_fused
+        kernels.prefill_attention = timer("prefill attention", prefill)
+        native.prefill_attention = timer("prefill SDPA", sdpa)
         return self
 
     def __exit__(self, *exc) -> None:
         method, kernels, stack = self._patched
-        method.apply, kernels.paged_attention, stack.run = self._saved
+        (method.apply, kernels.paged_attention, stack.run, kernels.prefill_attention,
+         self._native.prefill_attention) = self._saved
 
     def report(self, elapsed: float) -> None:
         print(f"op times over {elapsed:.1f} s (the fused decode stack's steps are not split "

@@ -222,6 +222,53 @@ def test_kernel_direct_api_and_threads():
                                 ctx, 0.125)
 
 
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_plan_and_tiles(cache_dtype, monkeypatch):
+    """Prompts of many row tiles (and one row) through the prefill kernel, against the dense
+    reference; which chunks it takes; its result does not depend on the thread count."""
+    from pagedlm.attention.backends.native import NativeKernelBackend, prefill_plan
+    if not kernels.prefill_attention_runs(64):
+        pytest.skip("this build has no prefill kernel (no AVX-512)")
+    # A fresh 300-token prompt (900 query rows), a long chunk after context, a 1-token prompt,
+    # and a short context chunk (the decode kernel's).
+    chunks = [(0, 300), (70, 45), (0, 1), (40, 9)]
+    sc = _scenario(5, [12], chunks, 3, 3, 64)
+    query, key, value, k_cache, v_cache, meta, dense = sc
+    # As the model passes them: views of one fused QKV projection's output, rows strided.
+    t = query.shape[0]
+    qkv = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], dim=1)
+    query, key, value = (qkv[:, :576].view(t, 9, 64), qkv[:, 576:768].view(t, 3, 64),
+                         qkv[:, 768:].view(t, 3, 64))
+    assert not query.is_contiguous()
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    plan = prefill_plan(meta, query, key, value, k_cache)
+    taken = [tuple(r) for r in plan.chunks.tolist()]
+    if cache_dtype == torch.float32:
+        assert taken == [(1, 300, 0), (301, 45, 70), (346, 1, 0)] and plan.sdpa == []
+    else:  # context in a narrower cache stays with SDPA
+        assert taken == [(1, 300, 0), (346, 1, 0)] and [p.start for p in plan.sdpa] == [301]
+    meta._prefill_plan = None
+    backend = NativeKernelBackend()
+    out = backend.forward(query, key, value, k_cache.clone(), v_cache.clone(), meta, 0.125)
+    if cache_dtype == torch.float32:
+        assert (out - _dense_reference(query, dense, 0.125)).abs().max().item() < TOL
+    else:  # the reference on the K/V the cache holds (fresh ones rounded as it rounds them)
+        rounded = [(k.to(cache_dtype).float(), v.to(cache_dtype).float()) for k, v in dense]
+        assert (out - _dense_reference(query, rounded, 0.125)).abs().max().item() < TOL
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = backend.forward(query, key, value, k_cache.clone(), v_cache.clone(), meta,
+                                 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, out)
+    with pytest.raises(ValueError, match="key/value"):
+        kernels.prefill_attention(query, key.transpose(0, 1), value, k_cache, v_cache,
+                                  plan.chunks, plan.block_tables, 0.125, out)
+
+
 def test_disable_env_and_build_failure(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLM_DISABLE_KERNELS", "1")
     assert not kernels.available()

@@ -34,7 +34,7 @@ from pagedlm.utils import env_flag
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "fused_ops.c")
+_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "prefill_attention.c", _CSRC / "fused_ops.c")
 _HEADERS = (_CSRC / "kv_types.h", _CSRC / "vec_math.h")
 # Cache element types the kernels read and write (csrc/kv_types.h's enum).
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -100,6 +100,8 @@ def load_library() -> ctypes.CDLL | None:
         p, i, f, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
         signatures = {
             "paged_attention_f32": [p, p, p, p, i, p, p, p, i, i, i, i, i, i, f, i, f, i],
+            "prefill_attention_f32": [p, p, i64, p, p, i64, p, p, p, p, p, p, i, i, i, i, i, i,
+                                      f, i, f, i],
             "rms_norm_f32": [p, p, p, i64, p, i64, p, i, i, f],
             "silu_and_mul_f32": [p, p, i64, i, i],
             "rotary_f32": [p, i64, i, p, i64, i, p, p, p, i, i, i],
@@ -108,6 +110,8 @@ def load_library() -> ctypes.CDLL | None:
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        lib.prefill_attention_f32.restype = i
+        lib.prefill_attention_runs.argtypes, lib.prefill_attention_runs.restype = [i], i
     except Exception as exc:  # noqa: BLE001 - any failure means "use the PyTorch path"
         logger.warning("pagedlm native kernels unavailable, using the PyTorch fallback: %s",
                        exc)
@@ -183,6 +187,65 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             block_tables.shape[1], float(scale), int(sliding_window or 0),
             float(logits_soft_cap or 0.0), torch.get_num_threads())
     return out
+
+
+def prefill_attention_runs(head_dim: int) -> bool:
+    """Whether `prefill_attention` runs for this head size in this build: AVX-512 and a head
+    size that is a multiple of 16."""
+    return available() and bool(load_library().prefill_attention_runs(head_dim))
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: torch.Tensor,
+                      block_tables: torch.Tensor, scale: float, out: torch.Tensor,
+                      sliding_window: int | None = None,
+                      logits_soft_cap: float | None = None) -> None:
+    """Causal attention of prefill chunks, written into their rows of ``out``.
+
+    out [T, Hq, D] float32 contiguous; query [T, Hq, D] and key/value [T, Hkv, D] float32 (the
+    step's fresh K/V) with their heads contiguous within a row, key and value with one row
+    stride (views of a fused QKV projection's output qualify). chunks [C, 3] int32: (first row, rows, context_len) per chunk; a chunk's
+    rows sit at positions context_len .. context_len + rows - 1 and its first context_len keys
+    are read from the float32 caches through row c of block_tables [C, max_blocks] int32.
+    Indices are not range-checked here (the caller builds them once per step).
+    """
+    lib = load_library()
+    if lib is None or not lib.prefill_attention_runs(query.shape[-1]):
+        raise RuntimeError("native prefill attention kernel is unavailable")
+    _check("out", out, torch.float32, 3)
+    _check("chunks", chunks, torch.int32, 2)
+    _check("block_tables", block_tables, torch.int32, 2)
+    _, num_q_heads, head_dim = query.shape
+    if query.dtype != torch.float32 or query.stride()[1:] != (head_dim, 1):
+        raise ValueError(f"query: expected float32 [T, Hq, D] with contiguous heads, got "
+                         f"{query.dtype} {tuple(query.shape)} {query.stride()}")
+    num_kv_heads = key.shape[1]
+    if (key.dtype != torch.float32 or value.dtype != torch.float32
+            or key.stride()[1:] != (head_dim, 1) or value.stride() != key.stride()
+            or key.shape != value.shape or key.shape[2] != head_dim):
+        raise ValueError("key/value: expected float32 [T, Hkv, D] with contiguous heads and one "
+                         f"row stride, got {tuple(key.shape)} {key.stride()} and "
+                         f"{tuple(value.shape)} {value.stride()}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads not a multiple of {num_kv_heads} kv heads")
+    if bool((chunks[:, 2] > 0).any()):
+        _check("k_cache", k_cache, torch.float32, 4)
+        _check("v_cache", v_cache, torch.float32, 4)
+    if out.shape != query.shape or chunks.shape[1] != 3:
+        raise ValueError(f"out {tuple(out.shape)} / chunks {tuple(chunks.shape)} do not match "
+                         f"query {tuple(query.shape)}")
+    if chunks.shape[0] == 0:
+        return
+    c = chunks.t().contiguous()
+    status = lib.prefill_attention_f32(
+        out.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),
+        key.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), c[0].data_ptr(), c[1].data_ptr(),
+        c[2].data_ptr(), block_tables.data_ptr(), block_tables.shape[1], chunks.shape[0],
+        num_q_heads, num_kv_heads, head_dim, k_cache.shape[1], float(scale),
+        int(sliding_window or 0), float(logits_soft_cap or 0.0), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("prefill attention: could not allocate its scratch buffers")
 
 
 # The fused per-layer ops. Callers (the layers) decide once whether a tensor qualifies

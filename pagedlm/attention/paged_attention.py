@@ -47,6 +47,7 @@ class AttentionMetadata:
     # Inputs a backend builds on first use and shares across the layers of the step (the native
     # backend's kernel plan). Not for callers.
     _kernel_plan: Any = field(default=None, init=False, repr=False, compare=False)
+    _prefill_plan: Any = field(default=None, init=False, repr=False, compare=False)
     # The PyTorch path's decode masks narrowed to a sliding window, by window size.
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False,
                                                    compare=False)

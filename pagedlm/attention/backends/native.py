@@ -4,9 +4,11 @@ queries over a float32, bfloat16 or float16 cache.
 The rows that read the cache (decodes, and prefill chunks of at most KERNEL_MAX_CHUNK_TOKENS
 tokens with earlier context) go through the kernel in one call per layer: it reads each
 sequence's K/V once, straight from the blocks, instead of gathering a padded copy for SDPA. The
-per-step index tensors it needs are built on first use and cached on the metadata object, so the
-layers of one step share them. Fresh prompts and long chunks go to SDPA, as in the PyTorch
-backend.
+other prefill chunks go through the prefill kernel (``csrc/prefill_attention.c``), also one call
+per layer for all of them; where it cannot run (no AVX-512 in the build, a head size it does not
+take, earlier context in a cache narrower than float32) they go to SDPA, as in the PyTorch
+backend. The per-step index tensors are built on first use and cached on the metadata object,
+so the layers of one step share them.
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from pagedlm.attention.backends.abstract import AttentionBackend
 from pagedlm.attention.backends.torch_sdpa import prefill_attention
 from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk, write_kv
 
-# Longer chunks go to SDPA: the kernel handles each query token on its own (dot products),
-# which is faster for decodes and short chunks but loses to SDPA's blocked GEMMs from about 16
-# query tokens on (measured here, ctx 512-2048: 0.9 vs 0.8 ms at 16, 4.3 vs 2.1 ms at 64).
+# Longer chunks go to the prefill kernel (or SDPA): the decode kernel handles each query token on
+# its own (dot products), which is faster for decodes and short chunks but loses to blocked
+# matrix products from about 16 query tokens on (measured against SDPA's, ctx 512-2048: 0.9 vs
+# 0.8 ms at 16, 4.3 vs 2.1 ms at 64).
 KERNEL_MAX_CHUNK_TOKENS = 16
 
 
@@ -43,10 +46,19 @@ class NativeKernelBackend(AttentionBackend):
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         _kernel_attention(query, k_cache, v_cache, meta, scale, out, sliding_window,
                           logits_soft_cap)
-        for p in meta.prefills:
-            if not _kernel_chunk(p):
-                prefill_attention(query, key, value, k_cache, v_cache, p, scale, out,
-                                  sliding_window, logits_soft_cap)
+        plan = prefill_plan(meta, query, key, value, k_cache)
+        if plan.chunks.shape[0]:
+            if k_cache.dtype != key.dtype:
+                # Round as the cache does, as the SDPA path does: a prompt attends to the same
+                # K/V whether it is computed fresh or read back.
+                key = key.to(k_cache.dtype).to(key.dtype)
+                value = value.to(v_cache.dtype).to(value.dtype)
+            kernels.prefill_attention(query, key, value, k_cache, v_cache, plan.chunks,
+                                      plan.block_tables, scale, out, sliding_window,
+                                      logits_soft_cap)
+        for p in plan.sdpa:
+            prefill_attention(query, key, value, k_cache, v_cache, p, scale, out,
+                              sliding_window, logits_soft_cap)
         return out
 
 
@@ -67,6 +79,57 @@ class _KernelPlan:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     token_seq: torch.Tensor  # int32 [num_kernel_tokens], row of block_tables per token
     ctx_lens: torch.Tensor  # int32 [num_kernel_tokens], keys each token attends to
+
+
+@dataclass
+class _PrefillPlan:
+    key: tuple  # (block_size, num_blocks, cache dtype, kernel runs) it was built for
+    chunks: torch.Tensor  # int32 [C, 3]: first row, rows, context_len (the prefill kernel's)
+    block_tables: torch.Tensor  # int32 [C, max_blocks], rows of chunks with context
+    sdpa: list[PrefillChunk]  # the chunks SDPA computes
+
+
+def _prefill_kernel_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    d = query.shape[-1]
+    return (kernels.prefill_attention_runs(d) and query.dtype == torch.float32
+            and query.stride()[1:] == (d, 1) and key.dtype == value.dtype == torch.float32
+            and key.stride()[1:] == (d, 1) and value.stride() == key.stride())
+
+
+def prefill_plan(meta: AttentionMetadata, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, k_cache: torch.Tensor) -> _PrefillPlan:
+    """The step's prefill chunks that the decode kernel does not take, split between the prefill
+    kernel and SDPA; built and checked once, then shared by every layer."""
+    runs = _prefill_kernel_runs(query, key, value)
+    plan_key = (k_cache.shape[1], k_cache.shape[0], k_cache.dtype, runs)
+    plan = meta._prefill_plan
+    if plan is not None and plan.key == plan_key:
+        return plan
+    block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
+    rows, tables, sdpa = [], [], []
+    for p in meta.prefills:
+        if _kernel_chunk(p):
+            continue
+        if not runs or (p.context_len and k_cache.dtype != torch.float32):
+            sdpa.append(p)
+            continue
+        rows.append((p.start, p.end - p.start, p.context_len))
+        table = torch.zeros(1, dtype=torch.int32)
+        if p.context_len:
+            table = p.block_table[:(p.context_len + block_size - 1) // block_size]
+            if table.numel() * block_size < p.context_len:
+                raise ValueError(f"context length {p.context_len} exceeds the block table "
+                                 f"({table.numel()} blocks of {block_size})")
+            if int(table.min()) < 0 or int(table.max()) >= num_blocks:
+                raise ValueError(f"block id out of range [0, {num_blocks}) in a block table")
+        tables.append(table.to(torch.int32))
+    block_tables = torch.zeros(len(tables), max((t.numel() for t in tables), default=1),
+                               dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, :t.numel()] = t
+    plan = meta._prefill_plan = _PrefillPlan(
+        plan_key, torch.tensor(rows, dtype=torch.int32).view(-1, 3), block_tables, sdpa)
+    return plan
 
 
 def _kernel_chunk(p: PrefillChunk) -> bool:
