@@ -1,8 +1,10 @@
 /* Paged attention over a block-structured KV cache, float32 queries, CPU (OpenMP).
  *
- * The cache holds float32, bfloat16 or float16 elements (kv_type, see kv_types.h); rows of a
- * lower-precision cache are widened to float32 as a tile is loaded, so all arithmetic is
- * float32 whatever the storage.
+ * The cache holds float32, bfloat16 or float16 elements (kv_type, see kv_types.h); all
+ * arithmetic is float32 whatever the storage. The AVX-512 path reads bfloat16 rows in place and
+ * widens them in registers (exact: a shift); other narrow rows are widened into a per-tile copy
+ * first. Reading in place took the step measured below with a bfloat16 cache from 112 to 91 ms
+ * (139 ms with float32): the copy had cost more than half of what the halved reads saved.
  *
  * Cache layout (both K and V): [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
  * query/out: [num_tokens, num_q_heads, head_dim], contiguous.
@@ -99,24 +101,37 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
+/* 16 K/V elements as float32: a float32 row, or a bfloat16 one widened (exact: a shift) in
+ * registers, so a bfloat16 cache is read without a widened copy. */
+static inline __attribute__((always_inline)) __m512 load16(const void* row, int d,
+                                                            const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + d))),
+            16));
+    return _mm512_loadu_ps((const float*)row + d);
+}
+
 /* s[g * tile + j] = q_g . k_j for n keys, four keys at a time (D a multiple of 16): one
- * reduction per four dot products instead of one each, which dominated the scoring. */
-static void scores_avx512(float* s, const float* q, const float** kp, int n, int G, int D,
-                          int tile, Prefetch* pf) {
+ * reduction per four dot products instead of one each, which dominated the scoring. kp holds
+ * float32 rows, or bfloat16 ones with bf16 set. */
+static inline __attribute__((always_inline)) void scores_avx512(
+        float* s, const float* q, const void** kp, int n, int G, int D, int tile, Prefetch* pf,
+        const int bf16) {
     for (int j = 0; j < n; j += 4) {
         const int r = n - j < 4 ? n - j : 4;
-        const float *k0 = kp[j], *k1 = kp[j + (r > 1)], *k2 = kp[j + (r > 2 ? 2 : 0)],
-                    *k3 = kp[j + (r > 3 ? 3 : 0)];
+        const void *k0 = kp[j], *k1 = kp[j + (r > 1)], *k2 = kp[j + (r > 2 ? 2 : 0)],
+                   *k3 = kp[j + (r > 3 ? 3 : 0)];
         for (int g = 0; g < G; g++) {
             prefetch_some(pf);
             const float* qg = q + (size_t)g * D;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int d = 0; d < D; d += 16) {
                 const __m512 qv = _mm512_loadu_ps(qg + d);
-                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), a0);
-                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + d), a1);
-                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + d), a2);
-                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + d), a3);
+                a0 = _mm512_fmadd_ps(qv, load16(k0, d, bf16), a0);
+                a1 = _mm512_fmadd_ps(qv, load16(k1, d, bf16), a1);
+                a2 = _mm512_fmadd_ps(qv, load16(k2, d, bf16), a2);
+                a3 = _mm512_fmadd_ps(qv, load16(k3, d, bf16), a3);
             }
             float out[4];
             _mm_storeu_ps(out, sum4(a0, a1, a2, a3));
@@ -156,8 +171,9 @@ static void softmax_avx512(float* s, float* m, float* l, float* acc, int n, int 
 }
 
 /* acc_g += sum_j w_gj v_j: 64 columns of acc stay in registers over the tile's keys. */
-static void accumulate_avx512(float* acc, const float* s, const float** vp, int n, int G,
-                              int D, int tile, Prefetch* pf) {
+static inline __attribute__((always_inline)) void accumulate_avx512(
+        float* acc, const float* s, const void** vp, int n, int G, int D, int tile, Prefetch* pf,
+        const int bf16) {
     for (int g = 0; g < G; g++) {
         const float* sg = s + (size_t)g * tile;
         float* ag = acc + (size_t)g * D;
@@ -168,11 +184,10 @@ static void accumulate_avx512(float* acc, const float* s, const float** vp, int 
             for (int j = 0; j < n; j++) {
                 prefetch_some(pf);
                 const __m512 w = _mm512_set1_ps(sg[j]);
-                const float* v = vp[j] + d;
-                a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
-                a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
-                a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), a2);
-                a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), a3);
+                a0 = _mm512_fmadd_ps(w, load16(vp[j], d, bf16), a0);
+                a1 = _mm512_fmadd_ps(w, load16(vp[j], d + 16, bf16), a1);
+                a2 = _mm512_fmadd_ps(w, load16(vp[j], d + 32, bf16), a2);
+                a3 = _mm512_fmadd_ps(w, load16(vp[j], d + 48, bf16), a3);
             }
             _mm512_storeu_ps(ag + d, a0);
             _mm512_storeu_ps(ag + d + 16, a1);
@@ -182,7 +197,7 @@ static void accumulate_avx512(float* acc, const float* s, const float** vp, int 
         for (; d < D; d += 16) {
             __m512 a = _mm512_loadu_ps(ag + d);
             for (int j = 0; j < n; j++)
-                a = _mm512_fmadd_ps(_mm512_set1_ps(sg[j]), _mm512_loadu_ps(vp[j] + d), a);
+                a = _mm512_fmadd_ps(_mm512_set1_ps(sg[j]), load16(vp[j], d, bf16), a);
             _mm512_storeu_ps(ag + d, a);
         }
     }
@@ -244,6 +259,7 @@ typedef struct {
     size_t* rows;           /* [2 * tile] */
     float *kbuf, *vbuf;     /* [tile * D] each, lower-precision caches only */
     const float **kp, **vp; /* [tile] */
+    const void **kr, **vr;  /* [tile]: the same rows, or a bfloat16 cache's rows in place */
     const char** lines;     /* [2 * tile * lines per row], the next tile's prefetches */
 } Scratch;
 
@@ -263,6 +279,8 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
     for (int g = 0; g < HG; g++) w->m[g] = -INFINITY, w->l[g] = 0.0f;
 #ifdef __AVX512F__
     const int fast = D % 16 == 0;
+#else
+    const int fast = 0;
 #endif
 
     /* Keys outside the window are skipped, not masked: the first tile starts at the window. */
@@ -289,10 +307,13 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
             const size_t head_off = (size_t)(h0 + hh) * D;
             /* This tile's K/V rows of head h as float32: in place for a float32 cache, else
              * widened. */
+            const int in_place = kv_type == KV_F32 || (fast && kv_type == KV_BF16);
             for (int j = 0; j < n; j++) {
-                if (kv_type == KV_F32) {
-                    w->kp[j] = (const float*)k_cache + cur[j] + head_off;
-                    w->vp[j] = (const float*)v_cache + cur[j] + head_off;
+                if (in_place) {
+                    w->kr[j] = kc + (cur[j] + head_off) * elem;
+                    w->vr[j] = vc + (cur[j] + head_off) * elem;
+                    w->kp[j] = (const float*)w->kr[j];
+                    w->vp[j] = (const float*)w->vr[j];
                 } else {
                     kv_load_row(w->kbuf + (size_t)j * D, kc + (cur[j] + head_off) * elem, D,
                                 kv_type);
@@ -300,16 +321,25 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
                                 kv_type);
                     w->kp[j] = w->kbuf + (size_t)j * D;
                     w->vp[j] = w->vbuf + (size_t)j * D;
+                    w->kr[j] = w->kp[j];
+                    w->vr[j] = w->vp[j];
                 }
             }
             float *q = w->q + (size_t)hh * G * D, *acc = w->acc + (size_t)hh * G * D;
             float *m = w->m + hh * G, *l = w->l + hh * G;
 #ifdef __AVX512F__
             if (fast) {
-                scores_avx512(w->s, q, w->kp, n, G, D, tile, &pf);
+                /* A bfloat16 cache is read in place, widened in registers. */
+                if (kv_type == KV_BF16)
+                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, 1);
+                else
+                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, 0);
                 if (soft_cap > 0.0f) soft_cap_scores(w->s, G, n, tile, soft_cap);
                 softmax_avx512(w->s, m, l, acc, n, G, D, tile);
-                accumulate_avx512(acc, w->s, w->vp, n, G, D, tile, &pf);
+                if (kv_type == KV_BF16)
+                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, 1);
+                else
+                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, 0);
                 continue;
             }
 #endif
@@ -359,13 +389,14 @@ void paged_attention_f32(float* out, const float* query, const void* k_cache,
         float buf[(size_t)nh * G * (2 * D + 2) + (size_t)G * tile]; /* per-thread scratch */
         size_t rows[2 * tile];
         const float *kp[tile], *vp[tile];
+        const void *kr[tile], *vr[tile];
         const char* lines[2 * (size_t)tile * (((size_t)nh * D * kv_elem_size(kv_type) + 63) / 64)];
         float kvbuf[kv_type == KV_F32 ? 1 : 2 * (size_t)tile * D];
         Scratch w = {.q = buf, .acc = buf + (size_t)nh * G * D,
                      .m = buf + (size_t)2 * nh * G * D, .l = buf + (size_t)2 * nh * G * D + nh * G,
                      .s = buf + (size_t)nh * G * (2 * D + 2), .rows = rows, .kbuf = kvbuf,
                      .vbuf = kv_type == KV_F32 ? kvbuf : kvbuf + (size_t)tile * D, .kp = kp,
-                     .vp = vp, .lines = lines};
+                     .vp = vp, .kr = kr, .vr = vr, .lines = lines};
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < num_items; item++) {
             const int t = (int)(item / (num_kv_heads / nh));
