@@ -1,8 +1,8 @@
 """The attention kernels at the shapes of the default model, against PyTorch's SDPA, in one process.
 
   decode:  kernels.paged_attention for --decode-tokens tokens of 300-700 keys each over 30 layers'
-           float32 caches whose blocks are handed out interleaved (as sequences decoding side by
-           side get them); reports ms a step and the K/V bytes read per second.
+           caches of --kv-cache-dtype whose blocks are handed out interleaved (as sequences
+           decoding side by side get them); reports ms a step and the K/V bytes read per second.
   prefill: kernels.prefill_attention for --prompts fresh prompts of 32-512 tokens over 30 layers,
            query/key/value as views of one fused QKV output (as the model passes them), against
            the SDPA path (torch_sdpa.prefill_attention, one call per prompt, what the native
@@ -12,6 +12,7 @@ Each is timed --repeats times, alternating where there are two, and the best is 
 
     python benchmarks/attention.py
     python benchmarks/attention.py --only prefill --prompts 16
+    python benchmarks/attention.py --only decode --kv-cache-dtype bfloat16
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def decode(args, g: torch.Generator) -> None:
         for s in range(args.decode_tokens):
             if j < nb[s]:
                 tables[s, j], nxt = nxt, nxt + 1
-    caches = [(torch.randn(nxt, BLOCK, HKV, D, generator=g),
-               torch.randn(nxt, BLOCK, HKV, D, generator=g)) for _ in range(LAYERS)]
+    dtype = getattr(torch, args.kv_cache_dtype)
+    caches = [(torch.randn(nxt, BLOCK, HKV, D, generator=g).to(dtype),
+               torch.randn(nxt, BLOCK, HKV, D, generator=g).to(dtype)) for _ in range(LAYERS)]
     query = torch.randn(args.decode_tokens, HQ, D, generator=g)
     seqs = torch.arange(args.decode_tokens, dtype=torch.int32)
 
@@ -59,8 +61,9 @@ def decode(args, g: torch.Generator) -> None:
             kernels.paged_attention(query, k, v, tables, seqs, ctx, D ** -0.5)
 
     dt = best_of(step, args.repeats)
-    nbytes = int(ctx.sum()) * HKV * D * 4 * 2 * LAYERS
-    print(f"decode, {args.decode_tokens} tokens of 300-700 keys, {LAYERS} layers: "
+    nbytes = int(ctx.sum()) * HKV * D * caches[0][0].element_size() * 2 * LAYERS
+    print(f"decode, {args.decode_tokens} tokens of 300-700 keys, {LAYERS} layers, "
+          f"{args.kv_cache_dtype} cache: "
           f"{dt * 1e3:.1f} ms a step, {nbytes / dt / 1e9:.1f} GB/s of K/V")
 
 
@@ -102,6 +105,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=["decode", "prefill"], default=None)
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16"],
+                   default="float32", help="the decode kernel's cache")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

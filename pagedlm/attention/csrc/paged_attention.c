@@ -1,10 +1,11 @@
 /* Paged attention over a block-structured KV cache, float32 queries, CPU (OpenMP).
  *
  * The cache holds float32, bfloat16 or float16 elements (kv_type, see kv_types.h); all
- * arithmetic is float32 whatever the storage. The AVX-512 path reads bfloat16 rows in place and
- * widens them in registers (exact: a shift); other narrow rows are widened into a per-tile copy
- * first. Reading in place took the step measured below with a bfloat16 cache from 112 to 91 ms
- * (139 ms with float32): the copy had cost more than half of what the halved reads saved.
+ * arithmetic is float32 whatever the storage. The AVX-512 path reads narrow rows in place and
+ * widens them in registers (exactly); the portable path widens them into a per-tile copy first.
+ * Reading in place took the step measured below from 112 to 91 ms with a bfloat16 cache and
+ * from 529 to 95 ms with a float16 one (139 ms with float32): the copy had cost more
+ * than half of what the halved reads saved.
  *
  * Cache layout (both K and V): [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
  * query/out: [num_tokens, num_q_heads, head_dim], contiguous.
@@ -101,23 +102,25 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
-/* 16 K/V elements as float32: a float32 row, or a bfloat16 one widened (exact: a shift) in
- * registers, so a bfloat16 cache is read without a widened copy. */
+/* 16 K/V elements of a row of kv_type as float32, widened in registers (exactly: a shift for
+ * bfloat16, vcvtph2ps for float16), so a narrow cache is read without a widened copy. */
 static inline __attribute__((always_inline)) __m512 load16(const void* row, int d,
-                                                            const int bf16) {
-    if (bf16)
+                                                            const int kv_type) {
+    if (kv_type == KV_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + d))),
             16));
+    if (kv_type == KV_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + d)));
     return _mm512_loadu_ps((const float*)row + d);
 }
 
 /* s[g * tile + j] = q_g . k_j for n keys, four keys at a time (D a multiple of 16): one
  * reduction per four dot products instead of one each, which dominated the scoring. kp holds
- * float32 rows, or bfloat16 ones with bf16 set. */
+ * rows of kv_type. */
 static inline __attribute__((always_inline)) void scores_avx512(
         float* s, const float* q, const void** kp, int n, int G, int D, int tile, Prefetch* pf,
-        const int bf16) {
+        const int kv_type) {
     for (int j = 0; j < n; j += 4) {
         const int r = n - j < 4 ? n - j : 4;
         const void *k0 = kp[j], *k1 = kp[j + (r > 1)], *k2 = kp[j + (r > 2 ? 2 : 0)],
@@ -128,10 +131,10 @@ static inline __attribute__((always_inline)) void scores_avx512(
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int d = 0; d < D; d += 16) {
                 const __m512 qv = _mm512_loadu_ps(qg + d);
-                a0 = _mm512_fmadd_ps(qv, load16(k0, d, bf16), a0);
-                a1 = _mm512_fmadd_ps(qv, load16(k1, d, bf16), a1);
-                a2 = _mm512_fmadd_ps(qv, load16(k2, d, bf16), a2);
-                a3 = _mm512_fmadd_ps(qv, load16(k3, d, bf16), a3);
+                a0 = _mm512_fmadd_ps(qv, load16(k0, d, kv_type), a0);
+                a1 = _mm512_fmadd_ps(qv, load16(k1, d, kv_type), a1);
+                a2 = _mm512_fmadd_ps(qv, load16(k2, d, kv_type), a2);
+                a3 = _mm512_fmadd_ps(qv, load16(k3, d, kv_type), a3);
             }
             float out[4];
             _mm_storeu_ps(out, sum4(a0, a1, a2, a3));
@@ -173,7 +176,7 @@ static void softmax_avx512(float* s, float* m, float* l, float* acc, int n, int 
 /* acc_g += sum_j w_gj v_j: 64 columns of acc stay in registers over the tile's keys. */
 static inline __attribute__((always_inline)) void accumulate_avx512(
         float* acc, const float* s, const void** vp, int n, int G, int D, int tile, Prefetch* pf,
-        const int bf16) {
+        const int kv_type) {
     for (int g = 0; g < G; g++) {
         const float* sg = s + (size_t)g * tile;
         float* ag = acc + (size_t)g * D;
@@ -184,10 +187,10 @@ static inline __attribute__((always_inline)) void accumulate_avx512(
             for (int j = 0; j < n; j++) {
                 prefetch_some(pf);
                 const __m512 w = _mm512_set1_ps(sg[j]);
-                a0 = _mm512_fmadd_ps(w, load16(vp[j], d, bf16), a0);
-                a1 = _mm512_fmadd_ps(w, load16(vp[j], d + 16, bf16), a1);
-                a2 = _mm512_fmadd_ps(w, load16(vp[j], d + 32, bf16), a2);
-                a3 = _mm512_fmadd_ps(w, load16(vp[j], d + 48, bf16), a3);
+                a0 = _mm512_fmadd_ps(w, load16(vp[j], d, kv_type), a0);
+                a1 = _mm512_fmadd_ps(w, load16(vp[j], d + 16, kv_type), a1);
+                a2 = _mm512_fmadd_ps(w, load16(vp[j], d + 32, kv_type), a2);
+                a3 = _mm512_fmadd_ps(w, load16(vp[j], d + 48, kv_type), a3);
             }
             _mm512_storeu_ps(ag + d, a0);
             _mm512_storeu_ps(ag + d + 16, a1);
@@ -197,7 +200,7 @@ static inline __attribute__((always_inline)) void accumulate_avx512(
         for (; d < D; d += 16) {
             __m512 a = _mm512_loadu_ps(ag + d);
             for (int j = 0; j < n; j++)
-                a = _mm512_fmadd_ps(_mm512_set1_ps(sg[j]), load16(vp[j], d, bf16), a);
+                a = _mm512_fmadd_ps(_mm512_set1_ps(sg[j]), load16(vp[j], d, kv_type), a);
             _mm512_storeu_ps(ag + d, a);
         }
     }
@@ -259,7 +262,7 @@ typedef struct {
     size_t* rows;           /* [2 * tile] */
     float *kbuf, *vbuf;     /* [tile * D] each, lower-precision caches only */
     const float **kp, **vp; /* [tile] */
-    const void **kr, **vr;  /* [tile]: the same rows, or a bfloat16 cache's rows in place */
+    const void **kr, **vr;  /* [tile]: the same rows, or a narrow cache's rows in place */
     const char** lines;     /* [2 * tile * lines per row], the next tile's prefetches */
 } Scratch;
 
@@ -307,7 +310,7 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
             const size_t head_off = (size_t)(h0 + hh) * D;
             /* This tile's K/V rows of head h as float32: in place for a float32 cache, else
              * widened. */
-            const int in_place = kv_type == KV_F32 || (fast && kv_type == KV_BF16);
+            const int in_place = kv_type == KV_F32 || fast;
             for (int j = 0; j < n; j++) {
                 if (in_place) {
                     w->kr[j] = kc + (cur[j] + head_off) * elem;
@@ -329,17 +332,21 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
             float *m = w->m + hh * G, *l = w->l + hh * G;
 #ifdef __AVX512F__
             if (fast) {
-                /* A bfloat16 cache is read in place, widened in registers. */
+                /* Each cache type gets its own copy of the loops (constant kv_type). */
                 if (kv_type == KV_BF16)
-                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, 1);
+                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, KV_BF16);
+                else if (kv_type == KV_F16)
+                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, KV_F16);
                 else
-                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, 0);
+                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, KV_F32);
                 if (soft_cap > 0.0f) soft_cap_scores(w->s, G, n, tile, soft_cap);
                 softmax_avx512(w->s, m, l, acc, n, G, D, tile);
                 if (kv_type == KV_BF16)
-                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, 1);
+                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, KV_BF16);
+                else if (kv_type == KV_F16)
+                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, KV_F16);
                 else
-                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, 0);
+                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, KV_F32);
                 continue;
             }
 #endif
