@@ -204,9 +204,10 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     out [T, Hq, D] float32 contiguous; query [T, Hq, D] and key/value [T, Hkv, D] float32 (the
     step's fresh K/V) with their heads contiguous within a row, key and value with one row
-    stride (views of a fused QKV projection's output qualify). chunks [C, 3] int32: (first row, rows, context_len) per chunk; a chunk's
-    rows sit at positions context_len .. context_len + rows - 1 and its first context_len keys
-    are read from the float32 caches through row c of block_tables [C, max_blocks] int32.
+    stride (views of a fused QKV projection's output qualify). chunks [C, 3] int32: (first row,
+    rows, context_len) per chunk; a chunk's rows sit at positions context_len .. context_len +
+    rows - 1 and its first context_len keys are read from the float32 caches through row c of
+    block_tables [C, max_blocks] int32.
     Indices are not range-checked here (the caller builds them once per step).
     """
     lib = load_library()

@@ -188,15 +188,25 @@ static void item_rows(long item, const int32_t* chunk_len, int G, int Hkv, int* 
     *R = rows - *row0 < MR ? rows - *row0 : MR;
 }
 
-int prefill_attention_runs(int head_dim) { return head_dim > 0 && head_dim % 16 == 0; }
+#endif
+
+int prefill_attention_runs(int head_dim) {
+#ifdef __AVX512F__
+    return head_dim > 0 && head_dim % 16 == 0;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
 
 int prefill_attention_f32(float* out, const float* query, int64_t q_stride, const float* key,
-                          const float* value, int64_t kv_stride, const float* k_cache, const float* v_cache,
-                          const int32_t* chunk_start, const int32_t* chunk_len,
-                          const int32_t* chunk_ctx, const int32_t* block_tables, int max_blocks,
-                          int num_chunks, int num_q_heads, int num_kv_heads, int head_dim,
-                          int block_size, float scale, int window, float soft_cap,
-                          int num_threads) {
+                          const float* value, int64_t kv_stride, const float* k_cache,
+                          const float* v_cache, const int32_t* chunk_start,
+                          const int32_t* chunk_len, const int32_t* chunk_ctx,
+                          const int32_t* block_tables, int max_blocks, int num_chunks,
+                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                          float scale, int window, float soft_cap, int num_threads) {
+#ifdef __AVX512F__
     const int G = num_q_heads / num_kv_heads, D = head_dim, Hkv = num_kv_heads;
     const int num_src = num_chunks * Hkv;
     /* Transposed keys and V row pointers of every (chunk, kv head), then the row tiles. */
@@ -236,9 +246,9 @@ int prefill_attention_f32(float* out, const float* query, int64_t q_stride, cons
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < num_src; i++) {
-            const Source* sc = &src[i];
-            const int c = i / Hkv, h = i % Hkv, keys = sc->ctx + sc->len;
+        for (int si = 0; si < num_src; si++) {
+            const Source* sc = &src[si];
+            const int c = si / Hkv, h = si % Hkv, keys = sc->ctx + sc->len;
             const int kpad = (keys + KW - 1) / KW * KW;
             const int32_t* blocks = block_tables + (size_t)c * max_blocks;
             /* KW keys at a time, so each write fills a whole line of kt. */
@@ -268,32 +278,19 @@ int prefill_attention_f32(float* out, const float* query, int64_t q_stride, cons
                 failed = 1;
                 continue;
             }
-            prefill_tile(out, query, q_stride, &src[c * Hkv + h], row0, R,
-                         h, G, D, num_q_heads, scale, window, soft_cap, s + (size_t)MR * max_keys,
-                         s, max_keys);
+            prefill_tile(out, query, q_stride, &src[c * Hkv + h], row0, R, h, G, D,
+                         num_q_heads, scale, window, soft_cap, s + (size_t)MR * max_keys, s,
+                         max_keys);
         }
         free(s);
     }
     free(src), free(kt), free(vp);
     return failed ? -1 : 0; /* -1: out of memory for the scratch, out is incomplete */
-}
 #else
-int prefill_attention_runs(int head_dim) {
-    (void)head_dim;
-    return 0; /* no AVX-512 in this build: callers keep SDPA */
-}
-
-int prefill_attention_f32(float* out, const float* query, int64_t q_stride, const float* key,
-                          const float* value, int64_t kv_stride, const float* k_cache, const float* v_cache,
-                          const int32_t* chunk_start, const int32_t* chunk_len,
-                          const int32_t* chunk_ctx, const int32_t* block_tables, int max_blocks,
-                          int num_chunks, int num_q_heads, int num_kv_heads, int head_dim,
-                          int block_size, float scale, int window, float soft_cap,
-                          int num_threads) {
     (void)out, (void)query, (void)q_stride, (void)key, (void)value, (void)kv_stride, (void)k_cache;
     (void)v_cache, (void)chunk_start, (void)chunk_len, (void)chunk_ctx, (void)block_tables;
     (void)max_blocks, (void)num_chunks, (void)num_q_heads, (void)num_kv_heads, (void)head_dim;
     (void)block_size, (void)scale, (void)window, (void)soft_cap, (void)num_threads;
-    return -1;
-}
+    return -1; /* no AVX-512 in this build: callers keep SDPA */
 #endif
+}
