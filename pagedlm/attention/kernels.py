@@ -100,8 +100,8 @@ def load_library() -> ctypes.CDLL | None:
         p, i, f, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
         signatures = {
             "paged_attention_f32": [p, p, p, p, i, p, p, p, i, i, i, i, i, i, f, i, f, i],
-            "prefill_attention_f32": [p, p, i64, p, p, i64, p, p, p, p, p, p, i, i, i, i, i, i,
-                                      f, i, f, i],
+            "prefill_attention_f32": [p, p, i64, p, p, i64, p, p, i, p, p, p, p, i, i, i, i, i,
+                                      i, f, i, f, i],
             "rms_norm_f32": [p, p, p, i64, p, i64, p, i, i, f],
             "silu_and_mul_f32": [p, p, i64, i, i],
             "rotary_f32": [p, i64, i, p, i64, i, p, p, p, i, i, i],
@@ -206,8 +206,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     step's fresh K/V) with their heads contiguous within a row, key and value with one row
     stride (views of a fused QKV projection's output qualify). chunks [C, 3] int32: (first row,
     rows, context_len) per chunk; a chunk's rows sit at positions context_len .. context_len +
-    rows - 1 and its first context_len keys are read from the float32 caches through row c of
-    block_tables [C, max_blocks] int32.
+    rows - 1 and its first context_len keys are read from the caches (any of KV_CACHE_DTYPES,
+    widened as they are read) through row c of block_tables [C, max_blocks] int32.
     Indices are not range-checked here (the caller builds them once per step).
     """
     lib = load_library()
@@ -229,9 +229,11 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                          f"{tuple(value.shape)} {value.stride()}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads not a multiple of {num_kv_heads} kv heads")
-    if bool((chunks[:, 2] > 0).any()):
-        _check("k_cache", k_cache, torch.float32, 4)
-        _check("v_cache", v_cache, torch.float32, 4)
+    kv_type = _KV_TYPES.get(k_cache.dtype)
+    if kv_type is None:
+        raise ValueError(f"k_cache: dtype {k_cache.dtype} is not one of {KV_CACHE_DTYPES}")
+    _check("k_cache", k_cache, k_cache.dtype, 4)
+    _check("v_cache", v_cache, k_cache.dtype, 4)
     if out.shape != query.shape or chunks.shape[1] != 3:
         raise ValueError(f"out {tuple(out.shape)} / chunks {tuple(chunks.shape)} do not match "
                          f"query {tuple(query.shape)}")
@@ -241,7 +243,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     status = lib.prefill_attention_f32(
         out.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),
         key.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), c[0].data_ptr(), c[1].data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), kv_type, c[0].data_ptr(), c[1].data_ptr(),
         c[2].data_ptr(), block_tables.data_ptr(), block_tables.shape[1], chunks.shape[0],
         num_q_heads, num_kv_heads, head_dim, k_cache.shape[1], float(scale),
         int(sliding_window or 0), float(logits_soft_cap or 0.0), torch.get_num_threads())

@@ -6,8 +6,7 @@ tokens with earlier context) go through the kernel in one call per layer: it rea
 sequence's K/V once, straight from the blocks, instead of gathering a padded copy for SDPA. The
 other prefill chunks go through the prefill kernel (``csrc/prefill_attention.c``), also one call
 per layer for all of them; where it cannot run (no AVX-512 in the build, a head size it does not
-take, earlier context in a cache narrower than float32) they go to SDPA, as in the PyTorch
-backend. The per-step index tensors are built on first use and cached on the metadata object,
+take) they go to SDPA, as in the PyTorch backend. The per-step index tensors are built on first use and cached on the metadata object,
 so the layers of one step share them.
 """
 from __future__ import annotations
@@ -110,7 +109,7 @@ def prefill_plan(meta: AttentionMetadata, query: torch.Tensor, key: torch.Tensor
     for p in meta.prefills:
         if _kernel_chunk(p):
             continue
-        if not runs or (p.context_len and k_cache.dtype != torch.float32):
+        if not runs:
             sdpa.append(p)
             continue
         rows.append((p.start, p.end - p.start, p.context_len))

@@ -14,8 +14,9 @@
  * out: [T, Hq, D] contiguous, rows of the flat batch. query, key, value: token t's heads
  * contiguous at query + t * q_stride, key + t * kv_stride, value + t * kv_stride (views of a
  * fused QKV projection's output qualify). A chunk covers batch rows start ..
- * start+len-1 at positions ctx .. ctx+len-1; the keys before ctx are read from the float32
- * caches ([num_blocks, block_size, Hkv, D]) through the chunk's block-table row.
+ * start+len-1 at positions ctx .. ctx+len-1; the keys before ctx are read from the caches
+ * ([num_blocks, block_size, Hkv, D] of kv_type, see kv_types.h; narrow rows are widened as they
+ * are copied) through the chunk's block-table row.
  *
  * Measured on a 2-vCPU Sapphire Rapids-class Xeon (benchmarks/attention.py: SmolLM2-135M's 9
  * query heads over 3 kv heads of 64, 30 layers of 8 fresh prompts of 69-496 tokens): 150 ms
@@ -31,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kv_types.h"
 #include "vec_math.h"
 
 #ifdef __AVX512F__
@@ -41,18 +43,21 @@
 typedef struct {
     int32_t start, len, ctx; /* the chunk */
     float* kt;        /* [keys padded to KW / KW][D][KW]: this chunk's keys of head h, transposed */
-    const float** vp; /* [keys]: its V rows of head h, where they lie */
+    const float** vp; /* [keys]: its V rows of head h, where they lie (or widened copies) */
+    float* vwide;     /* [ctx][D]: those copies, for a cache narrower than float32 */
 } Source;
 
-/* Where row p of a chunk's K (or V) lies: in the cache before ctx, else in the fresh rows. */
-static const float* key_row(const float* key, int64_t kv_stride, const float* k_cache,
-                            const int32_t* blocks, int block_size, int Hkv, int D, int start,
-                            int ctx, int h, int p) {
-    if (p < ctx) {
-        const size_t slot = (size_t)blocks[p / block_size] * block_size + p % block_size;
-        return k_cache + (slot * Hkv + h) * D;
-    }
-    return key + (size_t)(start + p - ctx) * kv_stride + (size_t)h * D;
+/* Row p of a chunk's K (or V) as float32: in the fresh rows from ctx on; before that in the
+ * cache, in place for a float32 one, else widened into buf. */
+static const float* kv_row(float* buf, const float* fresh, int64_t kv_stride, const void* cache,
+                           int kv_type, const int32_t* blocks, int block_size, int Hkv, int D,
+                           int start, int ctx, int h, int p) {
+    if (p >= ctx) return fresh + (size_t)(start + p - ctx) * kv_stride + (size_t)h * D;
+    const size_t slot = (size_t)blocks[p / block_size] * block_size + p % block_size;
+    const size_t off = (slot * Hkv + h) * D;
+    if (kv_type == KV_F32) return (const float*)cache + off;
+    kv_load_row(buf, (const char*)cache + off * kv_elem_size(kv_type), D, kv_type);
+    return buf;
 }
 
 __attribute__((noinline)) static void soft_cap_row(float* s, int n, float cap) {
@@ -200,8 +205,8 @@ int prefill_attention_runs(int head_dim) {
 }
 
 int prefill_attention_f32(float* out, const float* query, int64_t q_stride, const float* key,
-                          const float* value, int64_t kv_stride, const float* k_cache,
-                          const float* v_cache, const int32_t* chunk_start,
+                          const float* value, int64_t kv_stride, const void* k_cache,
+                          const void* v_cache, int kv_type, const int32_t* chunk_start,
                           const int32_t* chunk_len, const int32_t* chunk_ctx,
                           const int32_t* block_tables, int max_blocks, int num_chunks,
                           int num_q_heads, int num_kv_heads, int head_dim, int block_size,
@@ -210,32 +215,35 @@ int prefill_attention_f32(float* out, const float* query, int64_t q_stride, cons
     const int G = num_q_heads / num_kv_heads, D = head_dim, Hkv = num_kv_heads;
     const int num_src = num_chunks * Hkv;
     /* Transposed keys and V row pointers of every (chunk, kv head), then the row tiles. */
-    size_t kt_total = 0, vp_total = 0;
+    size_t kt_total = 0, vp_total = 0, wide_total = 0;
     long num_items = 0;
     int max_keys = KW;
     for (int c = 0; c < num_chunks; c++) {
         const int keys = chunk_ctx[c] + chunk_len[c], kpad = (keys + KW - 1) / KW * KW;
         kt_total += (size_t)kpad * D * Hkv;
         vp_total += (size_t)keys * Hkv;
+        if (kv_type != KV_F32) wide_total += (size_t)chunk_ctx[c] * D * Hkv;
         num_items += (long)((chunk_len[c] * G + MR - 1) / MR) * Hkv;
         if (kpad > max_keys) max_keys = kpad;
     }
     Source* src = malloc(sizeof(Source) * (num_src > 0 ? num_src : 1));
     float* kt = malloc(sizeof(float) * (kt_total > 0 ? kt_total : 1));
     const float** vp = malloc(sizeof(float*) * (vp_total > 0 ? vp_total : 1));
-    if (!src || !kt || !vp) {
-        free(src), free(kt), free(vp);
+    float* wide = malloc(sizeof(float) * (wide_total > 0 ? wide_total : 1));
+    if (!src || !kt || !vp || !wide) {
+        free(src), free(kt), free(vp), free(wide);
         return -1;
     }
     {
-        size_t kt_off = 0, vp_off = 0;
+        size_t kt_off = 0, vp_off = 0, wide_off = 0;
         for (int c = 0; c < num_chunks; c++) {
             const int keys = chunk_ctx[c] + chunk_len[c], kpad = (keys + KW - 1) / KW * KW;
             for (int h = 0; h < Hkv; h++) {
                 src[c * Hkv + h] = (Source){chunk_start[c], chunk_len[c], chunk_ctx[c],
-                                            kt + kt_off, vp + vp_off};
+                                            kt + kt_off, vp + vp_off, wide + wide_off};
                 kt_off += (size_t)kpad * D;
                 vp_off += keys;
+                if (kv_type != KV_F32) wide_off += (size_t)chunk_ctx[c] * D;
             }
         }
     }
@@ -254,13 +262,18 @@ int prefill_attention_f32(float* out, const float* query, int64_t q_stride, cons
             /* KW keys at a time, so each write fills a whole line of kt. */
             for (int p0 = 0; p0 < kpad; p0 += KW) {
                 const float* k[KW];
+                float kw[kv_type == KV_F32 ? 1 : KW * D]; /* widened K rows */
                 for (int i = 0; i < KW; i++) {
                     const int p = p0 + i;
-                    k[i] = p < keys ? key_row(key, kv_stride, k_cache, blocks, block_size, Hkv,
-                                              D, sc->start, sc->ctx, h, p) : NULL;
-                    if (p < keys)
-                        sc->vp[p] = key_row(value, kv_stride, v_cache, blocks, block_size, Hkv,
-                                            D, sc->start, sc->ctx, h, p);
+                    if (p >= keys) {
+                        k[i] = NULL;
+                        continue;
+                    }
+                    k[i] = kv_row(kw + (kv_type == KV_F32 ? 0 : i * D), key, kv_stride, k_cache,
+                                  kv_type, blocks, block_size, Hkv, D, sc->start, sc->ctx, h, p);
+                    sc->vp[p] = kv_row(sc->vwide + (p < sc->ctx ? (size_t)p * D : 0), value,
+                                       kv_stride, v_cache, kv_type, blocks, block_size, Hkv, D,
+                                       sc->start, sc->ctx, h, p);
                 }
                 for (int d = 0; d < D; d++)
                     for (int i = 0; i < KW; i++)
@@ -284,11 +297,11 @@ int prefill_attention_f32(float* out, const float* query, int64_t q_stride, cons
         }
         free(s);
     }
-    free(src), free(kt), free(vp);
+    free(src), free(kt), free(vp), free(wide);
     return failed ? -1 : 0; /* -1: out of memory for the scratch, out is incomplete */
 #else
     (void)out, (void)query, (void)q_stride, (void)key, (void)value, (void)kv_stride, (void)k_cache;
-    (void)v_cache, (void)chunk_start, (void)chunk_len, (void)chunk_ctx, (void)block_tables;
+    (void)v_cache, (void)kv_type, (void)chunk_start, (void)chunk_len, (void)chunk_ctx, (void)block_tables;
     (void)max_blocks, (void)num_chunks, (void)num_q_heads, (void)num_kv_heads, (void)head_dim;
     (void)block_size, (void)scale, (void)window, (void)soft_cap, (void)num_threads;
     return -1; /* no AVX-512 in this build: callers keep SDPA */
