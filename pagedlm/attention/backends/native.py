@@ -45,6 +45,8 @@ class NativeKernelBackend(AttentionBackend):
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         _kernel_attention(query, k_cache, v_cache, meta, scale, out, sliding_window,
                           logits_soft_cap)
+        if not meta.prefills:  # a decode step: nothing more to plan
+            return out
         plan = prefill_plan(meta, query, key, value, k_cache)
         if plan.chunks.shape[0]:
             if k_cache.dtype != key.dtype:
