@@ -6,8 +6,8 @@ tokens with earlier context) go through the kernel in one call per layer: it rea
 sequence's K/V once, straight from the blocks, instead of gathering a padded copy for SDPA. The
 other prefill chunks go through the prefill kernel (``csrc/prefill_attention.c``), also one call
 per layer for all of them; where it cannot run (no AVX-512 in the build, a head size it does not
-take) they go to SDPA, as in the PyTorch backend. The per-step index tensors are built on first use and cached on the metadata object,
-so the layers of one step share them.
+take) they go to SDPA, as in the PyTorch backend. The per-step index tensors are built on first
+use and cached on the metadata object, so the layers of one step share them.
 """
 from __future__ import annotations
 

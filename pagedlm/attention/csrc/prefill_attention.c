@@ -301,8 +301,8 @@ int prefill_attention_f32(float* out, const float* query, int64_t q_stride, cons
     return failed ? -1 : 0; /* -1: out of memory for the scratch, out is incomplete */
 #else
     (void)out, (void)query, (void)q_stride, (void)key, (void)value, (void)kv_stride, (void)k_cache;
-    (void)v_cache, (void)kv_type, (void)chunk_start, (void)chunk_len, (void)chunk_ctx, (void)block_tables;
-    (void)max_blocks, (void)num_chunks, (void)num_q_heads, (void)num_kv_heads, (void)head_dim;
+    (void)v_cache, (void)kv_type, (void)chunk_start, (void)chunk_len, (void)chunk_ctx;
+    (void)block_tables, (void)max_blocks, (void)num_chunks, (void)num_q_heads, (void)num_kv_heads, (void)head_dim;
     (void)block_size, (void)scale, (void)window, (void)soft_cap, (void)num_threads;
     return -1; /* no AVX-512 in this build: callers keep SDPA */
 #endif
