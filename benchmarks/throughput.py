@@ -223,15 +223,14 @@ class OpTimes:
 
     def __enter__(self) -> "OpTimes":
         from pagedlm.attention import kernels
+        from pagedlm.attention.backends import native
         from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
         from pagedlm.model_executor.models.llama import LlamaFusedDecode
-        self._patched = (UnquantizedLinearMethod, kernels, LlamaFusedDecode)
-        from pagedlm.attention.backends import native
+        self._patched = (UnquantizedLinearMethod, kernels, LlamaFusedDecode, native)
         apply, attention = UnquantizedLinearMethod.apply, kernels.paged_attention
         fused = LlamaFusedDecode.run
         prefill, sdpa = kernels.prefill_attention, native.prefill_attention
         self._saved = (apply, attention, fused, prefill, sdpa)
-        self._native = native
 
         def timed_apply(method, layer, x, bias=None):
             t = time.perf_counter()
@@ -265,9 +264,9 @@ class OpTimes:
         return self
 
     def __exit__(self, *exc) -> None:
-        method, kernels, stack = self._patched
+        method, kernels, stack, native = self._patched
         (method.apply, kernels.paged_attention, stack.run, kernels.prefill_attention,
-         self._native.prefill_attention) = self._saved
+         native.prefill_attention) = self._saved
 
     def report(self, elapsed: float) -> None:
         print(f"op times over {elapsed:.1f} s (the fused decode stack's steps are not split "
