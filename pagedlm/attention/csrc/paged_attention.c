@@ -261,8 +261,8 @@ typedef struct {
     float* s;               /* [G * tile] */
     size_t* rows;           /* [2 * tile] */
     float *kbuf, *vbuf;     /* [tile * D] each, lower-precision caches only */
-    const float **kp, **vp; /* [tile] */
-    const void **kr, **vr;  /* [tile]: the same rows, or a narrow cache's rows in place */
+    const float **kp, **vp; /* [tile]: float32 rows (portable loops) */
+    const void **kr, **vr;  /* [tile]: rows in place, of any kv_type (AVX-512 loops) */
     const char** lines;     /* [2 * tile * lines per row], the next tile's prefetches */
 } Scratch;
 
@@ -308,24 +308,23 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
         pf.per = (pf.end + steps - 1) / steps;
         for (int hh = 0; hh < nh; hh++) {
             const size_t head_off = (size_t)(h0 + hh) * D;
-            /* This tile's K/V rows of head h as float32: in place for a float32 cache, else
-             * widened. */
-            const int in_place = kv_type == KV_F32 || fast;
+            /* This tile's K/V rows of head h: where they lie for the AVX-512 loops (which
+             * widen narrow rows themselves); as float32 for the portable ones, in place for a
+             * float32 cache, else widened into the tile's copy. */
             for (int j = 0; j < n; j++) {
-                if (in_place) {
-                    w->kr[j] = kc + (cur[j] + head_off) * elem;
-                    w->vr[j] = vc + (cur[j] + head_off) * elem;
-                    w->kp[j] = (const float*)w->kr[j];
-                    w->vp[j] = (const float*)w->vr[j];
+                const char *kr = kc + (cur[j] + head_off) * elem,
+                           *vr = vc + (cur[j] + head_off) * elem;
+                if (fast) {
+                    w->kr[j] = kr;
+                    w->vr[j] = vr;
+                } else if (kv_type == KV_F32) {
+                    w->kp[j] = (const float*)kr;
+                    w->vp[j] = (const float*)vr;
                 } else {
-                    kv_load_row(w->kbuf + (size_t)j * D, kc + (cur[j] + head_off) * elem, D,
-                                kv_type);
-                    kv_load_row(w->vbuf + (size_t)j * D, vc + (cur[j] + head_off) * elem, D,
-                                kv_type);
+                    kv_load_row(w->kbuf + (size_t)j * D, kr, D, kv_type);
+                    kv_load_row(w->vbuf + (size_t)j * D, vr, D, kv_type);
                     w->kp[j] = w->kbuf + (size_t)j * D;
                     w->vp[j] = w->vbuf + (size_t)j * D;
-                    w->kr[j] = w->kp[j];
-                    w->vr[j] = w->vp[j];
                 }
             }
             float *q = w->q + (size_t)hh * G * D, *acc = w->acc + (size_t)hh * G * D;
