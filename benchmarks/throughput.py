@@ -84,6 +84,9 @@ def parse_args():
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache blocks, committed when the engine starts (compare.py gives its "
+                        "server 6144); default: sized from free memory and faulted in as used")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=None, help="(default: the engine's default, on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -159,6 +162,7 @@ def run_pagedlm(requests, args, model_file, **overrides):
         "dtype": args.dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "enable_prefix_caching": args.enable_prefix_caching,
         "tensor_parallel_size": args.tensor_parallel_size,
