@@ -200,7 +200,8 @@ def run_pagedlm(requests, args, model_file, **overrides):
     print(f"pagedlm step breakdown: {st.breakdown()}; {st.num_preemptions} preemptions")
     # Page faults cost about 11 us each on this project's VMs (the host backs guest memory
     # lazily), so they are worth seeing next to the time they cost.
-    print(f"pagedlm timed part: {usage1.ru_minflt - usage0.ru_minflt} page faults, "
+    print(f"pagedlm timed part (this process): "
+          f"{usage1.ru_minflt - usage0.ru_minflt} page faults, "
           f"{usage1.ru_stime - usage0.ru_stime:.1f} s system time, "
           f"{usage1.ru_utime - usage0.ru_utime:.1f} s user time")
     # Only a worker in this process has its model here (tp/pp run workers elsewhere).
