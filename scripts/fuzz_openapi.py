@@ -130,7 +130,7 @@ def fuzz_server(base_url: str, max_examples: int, max_tokens: int, modes: list[s
                 verbose: bool = True) -> list[OperationReport]:
     """Fuzz every operation of the server's document (or those whose path is in `only`)."""
     import schemathesis
-    schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
+    schema = schemathesis.openapi.from_url(base_url + "/openapi.json", headers=headers)
     reports = []
     for result in schema.get_all_operations():
         operation = result.ok()

@@ -23,6 +23,7 @@ from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_unt
 
 MODEL = "smollm2-test"
 API_KEY = "sk-pagedlm-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 512
 PROMPT = "The three most common colors of cars are"
 
@@ -59,7 +60,7 @@ def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200
-    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/version", headers=AUTH).json()["version"]
 
 
 def test_completion_usage_matches_tokenizer(client, tokenizer):
@@ -326,9 +327,10 @@ def test_api_key(server):
     with pytest.raises(openai.AuthenticationError) as exc_info:
         openai.OpenAI(base_url=server.base_url, api_key="nope", max_retries=0).models.list()
     _error(exc_info, 401)
-    # Health and metrics stay open (for probes and scrapers).
+    # Health stays open for probes; metrics name the adapters, so they need the key.
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    assert httpx.get(server.url + "/metrics", headers=AUTH).status_code == 200
 
 
 def test_cors_preflight(server):
@@ -390,7 +392,7 @@ def test_64_streams_dropping_a_quarter_frees_every_block(server):
     # The engine aborted exactly the 16 dropped requests, and every KV block is free again.
     assert engine.metrics.num_finished.get("abort", 0) - aborted_before == 16
     assert_all_blocks_free(engine)
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
     assert re.search(r'pagedlm:request_finished_total\{finished_reason="abort",'
                      r'model_name="smollm2-test"\} (\d+)', metrics)
 
@@ -399,7 +401,7 @@ def test_metrics_endpoint(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=False,
                               extra_body={"ignore_eos": True})
     wait_until_idle(server.engine)
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=AUTH).text
 
     def value(name: str) -> float:
         m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)

@@ -21,6 +21,9 @@ from pagedlm.core.block_hash import HASH_ALGOS
 from pagedlm.engine.arg_utils import EngineArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# vLLM sets no limit; 32 MiB holds any prompt a long-context model takes (as text or token ids)
+# many times over while keeping a hostile body's memory small.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
 
 _HELP = {
     "model": "A GGUF file or a local HuggingFace model directory. Default: the embedded "
@@ -238,8 +241,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000, metavar="N",
                        help="Port to listen on; 0 picks a free one (logged). (default: 8000)")
     group.add_argument("--api-key", default=os.environ.get("PAGEDLM_API_KEY"), metavar="KEY",
-                       help="Require `Authorization: Bearer KEY` on /v1/* (default: "
-                            "$PAGEDLM_API_KEY, else no key).")
+                       help="Require `Authorization: Bearer KEY` on every route but /health "
+                            "and the web page (default: $PAGEDLM_API_KEY, else no key).")
+    group.add_argument("--max-request-body-bytes", type=parse_size,
+                       default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="SIZE",
+                       help="Largest request body accepted; a larger one is a 413 before it is "
+                            "read, e.g. 64MiB. (default: 32MiB)")
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="Model name(s) the API answers to; the first one is reported. "
                             "Default: MODEL as given, or " + DEFAULT_MODEL_NAME + ".")
@@ -270,6 +277,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="A Jinja chat template (a file, or the template itself) replacing "
                             "the tokenizer's, e.g. examples/tool_chat_template_hermes_chatml"
                             ".jinja for tool calling with ChatML models.")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="Render a chat_template sent with a request (chat completions, "
+                            "/tokenize). A template is code the server runs: without this flag "
+                            "such a request is a 400.")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='Allow tool_choice "auto": the model decides to call tools, and '
                             "--tool-call-parser reads the calls from its output.")

@@ -4,8 +4,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (wi
 pooling), POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
 GET /metrics (Prometheus), GET /version; with runtime LoRA updating (--enable-runtime-lora-updating
 or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true), POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter. With an API key, /v1/* needs `Authorization: Bearer
-KEY`. Errors are OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
+/v1/unload_lora_adapter. With an API key, every route but /health and the page needs
+`Authorization: Bearer KEY`. A body over --max-request-body-bytes is a 413. Errors are OpenAI's
+JSON: {"error": {"message", "type", "param", "code"}}.
 GET / is a web page (static files in ./static): a chat with the served model and a live engine
 view fed by GET /engine/events (server-sent events; it needs the API key like /v1/*).
 
@@ -37,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedlm
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from pagedlm.entrypoints.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedlm.entrypoints.openai.openapi import (SSE_CONTENT, install_openapi, json_body,
                                                 responses, sse_content)
 from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
@@ -53,7 +55,8 @@ from pagedlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedlm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedlm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
-from pagedlm.entrypoints.openai.serving_engine import (error_body, error_response,
+from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
+from pagedlm.entrypoints.openai.serving_engine import (error_body, error_response, loads_json,
                                                        validation_error_response)
 
 logger = logging.getLogger(__name__)
@@ -68,19 +71,27 @@ ENGINE_EVENTS_PER_S = 4.0
 ENGINE_EVENTS_MAX_S = 5.0
 
 
+# Open with an API key: the load balancer's probe, and the page, which then asks for the key.
+OPEN_PATHS = ("/health", "/")
+OPEN_PREFIXES = ("/static/",)
+
+
 class APIKeyMiddleware:
-    """Pure ASGI (streaming and disconnects pass through untouched): /v1/* and /engine/* need
-    the key. The page reads /engine/events with fetch() and this header rather than with
-    EventSource (which cannot send headers): a key in the query string would end up in access
-    logs and browser history."""
+    """Pure ASGI (streaming and disconnects pass through untouched): every route needs the key
+    but /health and the page (/, /static/*); tokenizer routes, metrics (which name the loaded
+    adapters), the version and the API documents included. CORS preflights (OPTIONS) pass: a
+    browser sends them without credentials. The page reads /engine/events with fetch() and
+    this header rather than with EventSource (which cannot send headers): a key in the query
+    string would end up in access logs and browser history."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
         if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
-                or not scope.get("path", "").startswith(("/v1", "/engine/"))):
+                or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)):
             return await self.app(scope, receive, send)
         given = Headers(scope=scope).get("authorization", "").encode()
         if not hmac.compare_digest(given, self.expected):
@@ -90,6 +101,56 @@ class APIKeyMiddleware:
                                     headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimitMiddleware:
+    """Pure ASGI: a request body over `max_bytes` is a 413 before it is buffered. A declared
+    Content-Length over the limit is answered at once (the app never runs); a chunked body is
+    counted as the app reads it, and reading stops at the first chunk past the limit. uvicorn
+    discards the rest of an unread body."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _response(self) -> JSONResponse:
+        return JSONResponse(error_body(
+            f"The request body is larger than this server accepts ({self.max_bytes} bytes; "
+            f"see --max-request-body-bytes).", 413), status_code=413)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._response()(scope, receive, send)
+        received = 0
+        started = False
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if started:  # a handler reading its body after answering: nothing left to say
+                return
+            await self._response()(scope, receive, send)
 
 
 async def _listen_for_disconnect(request: Request) -> None:
@@ -115,6 +176,7 @@ async def with_cancellation(handler: Awaitable[Response], request: Request) -> R
 
 
 async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
+    # pydantic's JSON parser has its own depth limit: deep nesting is a json_invalid 400.
     try:
         request = model.model_validate_json(await raw.body())
     except ValidationError as e:
@@ -132,11 +194,14 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               lora_modules: list[LoRAModulePath] | None = None,
               enable_runtime_lora_updating: bool | None = None,
               chat_template: str | None = None, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine`. The caller owns the engine (and shuts it down).
     lora_modules are loaded at start-up (an invalid one stops it). Runtime LoRA updating:
     None reads VLLM_ALLOW_RUNTIME_LORA_UPDATING. chat_template replaces the tokenizer's;
-    tool_choice "auto" needs enable_auto_tool_choice and a tool_call_parser name."""
+    tool_choice "auto" needs enable_auto_tool_choice and a tool_call_parser name. A request's
+    own chat_template is refused (400) unless trust_request_chat_template. A body over
+    max_request_body_bytes is a 413."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("enable_auto_tool_choice needs a tool_call_parser (one of "
                          f"{', '.join(sorted(TOOL_PARSERS))}).")
@@ -147,21 +212,29 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         enable_runtime_lora_updating = os.environ.get(
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
 
+    prompts = PromptWorker(engine.get_tokenizer(), engine.model_config.max_model_len)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        await models.init_static_loras()
-        yield
+        try:
+            await models.init_static_loras()
+            yield
+        finally:
+            prompts.shutdown()
 
     app = FastAPI(title="pagedlm OpenAI-compatible server", version=pagedlm.__version__,
                   lifespan=lifespan)
     app.state.engine = engine
     app.state.served_model_names = names
     app.state.models = models
-    completion = OpenAIServingCompletion(engine, names, models)
+    shared = dict(prompts=prompts, trust_request_chat_template=trust_request_chat_template)
+    completion = OpenAIServingCompletion(engine, names, models, **shared)
     chat = OpenAIServingChat(engine, names, models, chat_template=chat_template,
-                             tool_parser=auto_parser if enable_auto_tool_choice else None)
-    embedding = OpenAIServingEmbedding(engine, names, models)
-    tokenization = OpenAIServingTokenization(engine, names, models)
+                             tool_parser=auto_parser if enable_auto_tool_choice else None,
+                             **shared)
+    embedding = OpenAIServingEmbedding(engine, names, models, **shared)
+    tokenization = OpenAIServingTokenization(engine, names, models, chat_template=chat_template,
+                                             **shared)
     body_models: list[type[BaseModel]] = []  # the request bodies the OpenAPI document shows
 
     def body(*request_models: type[BaseModel]) -> dict:
@@ -184,11 +257,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             return Response(status_code=200)
         return error_response(f"The engine is not running: {engine.dead_error!r}", 500)
 
-    @app.get("/version", response_model=VersionResponse, responses=responses(None, 500))
+    @app.get("/version", response_model=VersionResponse, responses=responses(None, 401, 500))
     async def version() -> dict:
         return {"version": pagedlm.__version__}
 
-    @app.get("/metrics", responses=responses(None, 500, ok_content={
+    @app.get("/metrics", responses=responses(None, 401, 500, ok_content={
         CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
         ok_description="Prometheus metrics (text exposition format)."))
     async def metrics() -> Response:
@@ -232,8 +305,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     if enable_runtime_lora_updating:
         async def _json_body(raw: Request) -> dict | Response:
             try:
-                body = json.loads(await raw.body() or b"{}")
-            except ValueError as e:  # bad JSON, or bytes that are not UTF-8 at all
+                body = loads_json(await raw.body() or b"{}")
+            except ValueError as e:  # bad JSON, too deep, or bytes that are not UTF-8 at all
                 return error_response(f"Invalid JSON body: {e}", 400)
             if not isinstance(body, dict):
                 return error_response("The body must be a JSON object.", 400)
@@ -242,7 +315,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         lora_ok = {"text/plain": {"schema": {"type": "string"}}}
 
         @app.post("/v1/load_lora_adapter", openapi_extra=body(LoadLoRAAdapterRequest),
-                  responses=responses(None, 400, 401, 500, ok_content=lora_ok))
+                  responses=responses(None, 400, 401, 413, 500, ok_content=lora_ok))
         async def load_lora_adapter(raw: Request) -> Response:
             body = await _json_body(raw)
             if isinstance(body, Response):
@@ -253,7 +326,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                 f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter", openapi_extra=body(UnloadLoRAAdapterRequest),
-                  responses=responses(None, 400, 401, 404, 500, ok_content=lora_ok))
+                  responses=responses(None, 400, 401, 404, 413, 500, ok_content=lora_ok))
         async def unload_lora_adapter(raw: Request) -> Response:
             body = await _json_body(raw)
             if isinstance(body, Response):
@@ -263,7 +336,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                 f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
     @app.post("/v1/completions", openapi_extra=body(CompletionRequest),
-              responses=responses(CompletionResponse, 400, 401, 404, 500,
+              responses=responses(CompletionResponse, 400, 401, 404, 413, 500,
                                   ok_content=SSE_CONTENT))
     async def create_completion(raw: Request) -> Response:
         request = await _parse(raw, CompletionRequest)
@@ -272,7 +345,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         return await with_cancellation(completion.create_completion(request), raw)
 
     @app.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest),
-              responses=responses(ChatCompletionResponse, 400, 401, 404, 500,
+              responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 500,
                                   ok_content=SSE_CONTENT))
     async def create_chat_completion(raw: Request) -> Response:
         request = await _parse(raw, ChatCompletionRequest)
@@ -281,7 +354,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         return await with_cancellation(chat.create_chat_completion(request), raw)
 
     @app.post("/v1/embeddings", openapi_extra=body(EmbeddingRequest),
-              responses=responses(EmbeddingResponse, 400, 401, 404, 500))
+              responses=responses(EmbeddingResponse, 400, 401, 404, 413, 500))
     async def create_embedding(raw: Request) -> Response:
         request = await _parse(raw, EmbeddingRequest)
         if isinstance(request, Response):
@@ -289,12 +362,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         return await with_cancellation(embedding.create_embedding(request), raw)
 
     @app.post("/tokenize", openapi_extra=body(TokenizeCompletionRequest, TokenizeChatRequest),
-              responses=responses(TokenizeResponse, 400, 404, 500))
+              responses=responses(TokenizeResponse, 400, 401, 404, 413, 500))
     async def tokenize(raw: Request) -> Response:
         # A body with `messages` is a conversation (rendered by the chat template).
         try:
-            is_chat = "messages" in json.loads(await raw.body())
-        except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
+            is_chat = "messages" in loads_json(await raw.body())
+        except (ValueError, TypeError):  # bad JSON (too deep too), not UTF-8, not a container
             is_chat = False  # the parse below reports the bad body
         request = await _parse(raw, TokenizeChatRequest if is_chat
                                else TokenizeCompletionRequest)
@@ -303,7 +376,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         return await tokenization.tokenize(request)
 
     @app.post("/detokenize", openapi_extra=body(DetokenizeRequest),
-              responses=responses(DetokenizeResponse, 400, 404, 500))
+              responses=responses(DetokenizeResponse, 400, 401, 404, 413, 500))
     async def detokenize(raw: Request) -> Response:
         request = await _parse(raw, DetokenizeRequest)
         if isinstance(request, Response):
@@ -311,7 +384,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         return await tokenization.detokenize(request)
 
     install_openapi(app, body_models)
-    if api_key:
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:  # outside the size limit: a request without the key is not read at all
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # Added last, so outermost: error responses (a 401 too) carry the CORS headers.
     app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
@@ -365,7 +439,9 @@ def run_server(args: argparse.Namespace) -> None:
                         enable_runtime_lora_updating=args.enable_runtime_lora_updating or None,
                         chat_template=args.chat_template,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        max_request_body_bytes=args.max_request_body_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=args.timeout_keep_alive)

@@ -14,6 +14,7 @@ from pagedlm.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCom
                                                  ChatLogProbsContent, ChatResponseMessage,
                                                  DeltaMessage, FunctionCall, ToolCall,
                                                  UsageInfo, random_uuid)
+from pagedlm.entrypoints.openai.prompt_worker import PromptError, render_chat
 from pagedlm.entrypoints.openai.serving_engine import (OpenAIServing, clean_logprob,
                                                        error_response, merge_streams,
                                                        param_from_message, sse, token_text,
@@ -28,12 +29,12 @@ from pagedlm.outputs import PositionLogprobs
 def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, chat_template: str | None = None,
                         add_special_tokens: bool = False, **template_kwargs) -> dict:
-    """The engine prompt for a conversation: the rendered text and its token ids."""
-    kwargs = dict(template_kwargs)
-    if continue_final_message:
-        kwargs["continue_final_message"] = True
-    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    """The engine prompt for a conversation: the rendered text and its token ids, on the
+    caller's thread (the server renders on its PromptWorker instead)."""
+    tools = template_kwargs.pop("tools", None)
+    text = render_chat(tokenizer, messages, chat_template=chat_template, tools=tools,
+                       add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, variables=template_kwargs)
     # The template already holds the special tokens (BOS etc.): by default do not add them twice.
     return {"prompt": text,
             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=add_special_tokens)}
@@ -54,21 +55,20 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         if (err := self.check_model(request.model)) is not None:
             return err
+        if (err := self.refuse_request_template(request.chat_template)) is not None:
+            return err
         try:
             tools = plan_tools(request, self.tool_parser)
             params = request.to_sampling_params()
             if tools.schema is not None:
                 params = constrain_to_json_schema(params, tools)
-            template_kwargs = dict(request.chat_template_kwargs or {})
-            if tools.template_tools is not None:
-                template_kwargs["tools"] = tools.template_tools
-            prompt = apply_chat_template(
-                self.tokenizer, [m.to_template_dict() for m in request.messages],
-                add_generation_prompt=request.add_generation_prompt,
+            prompt = await self.prompts.chat_prompt(
+                request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template=request.chat_template or self.chat_template,
-                add_special_tokens=request.add_special_tokens, **template_kwargs)
-        except ToolRequestError as e:
+                tools=tools.template_tools, variables=request.chat_template_kwargs,
+                add_special_tokens=request.add_special_tokens)
+        except (ToolRequestError, PromptError) as e:
             return error_response(str(e), 400, e.param)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))

@@ -9,6 +9,7 @@ from pagedlm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionR
                                                  CompletionResponse, CompletionResponseChoice,
                                                  CompletionStreamResponse, UsageInfo,
                                                  random_uuid)
+from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import (OpenAIServing, clean_logprob,
                                                        error_response, merge_streams,
                                                        param_from_message, sse, token_text,
@@ -24,7 +25,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return err
         try:
             params = request.to_sampling_params()
-            prompts = self._prompts(request)
+            prompts = await self._prompts(request)
+        except PromptError as e:
+            return error_response(str(e), 400, e.param)
         except ValueError as e:
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
         request_id = f"cmpl-{random_uuid()}"
@@ -42,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return error_response(str(e) or repr(e), 500)
         return JSONResponse(self._response(request, request_id, model, finals).model_dump())
 
-    def _prompts(self, request: CompletionRequest) -> list[PromptType]:
+    async def _prompts(self, request: CompletionRequest) -> list[PromptType]:
         p = request.prompt
         if isinstance(p, str):
             texts, id_lists = [p], None
@@ -55,9 +58,8 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             texts, id_lists = None, p
         if texts is not None:
-            return [{"prompt": t,
-                     "prompt_token_ids": self.tokenizer.encode(
-                         t, add_special_tokens=request.add_special_tokens)} for t in texts]
+            ids = await self.prompts.encode(texts, request.add_special_tokens, "prompt")
+            return [{"prompt": t, "prompt_token_ids": i} for t, i in zip(texts, ids)]
         return [{"prompt_token_ids": list(ids)} for ids in id_lists]
 
     def _prompt_text(self, out: RequestOutput) -> str:

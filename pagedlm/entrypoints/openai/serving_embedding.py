@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, RequestStream
 from pagedlm.entrypoints.openai.protocol import (EmbeddingData, EmbeddingRequest,
                                                  EmbeddingResponse, EmbeddingUsage, random_uuid)
+from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import EmbeddingRequestOutput
@@ -28,8 +29,10 @@ class OpenAIServingEmbedding(OpenAIServing):
             return error_response("This server generates text: embeddings need a server "
                                   "started with `--runner pooling`.", 400, "model")
         try:
-            prompts = self._prompts(request)
+            prompts = await self._prompts(request)
             params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)
+        except PromptError as e:
+            return error_response(str(e), 400, e.param)
         except ValueError as e:
             return error_response(str(e), 400, "dimensions" if str(e).startswith("dimensions")
                                   else "input")
@@ -81,7 +84,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise
         return streams
 
-    def _prompts(self, request: EmbeddingRequest) -> list[PromptType]:
+    async def _prompts(self, request: EmbeddingRequest) -> list[PromptType]:
         x = request.input
         if isinstance(x, str):
             texts, id_lists = [x], None
@@ -94,8 +97,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         else:
             texts, id_lists = None, x
         if texts is not None:
-            prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(
-                t, add_special_tokens=request.add_special_tokens)} for t in texts]
+            ids = await self.prompts.encode(texts, request.add_special_tokens, "input")
+            prompts = [{"prompt": t, "prompt_token_ids": i} for t, i in zip(texts, ids)]
         else:
             prompts = [{"prompt_token_ids": list(ids)} for ids in id_lists]
         for i, p in enumerate(prompts):

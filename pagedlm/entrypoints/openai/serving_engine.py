@@ -14,15 +14,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
+from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import PositionLogprobs
 from pagedlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Fixed names: HTTPStatus's phrases change between Python versions (413's did in 3.13).
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
+                405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+UNTRUSTED_TEMPLATE = ("chat_template: this server does not render chat templates sent with "
+                      "requests (start it with --trust-request-chat-template to allow them); "
+                      "leave the field out to use the server's template.")
 
 
 def error_body(message: str, status: int = 400, param: str | None = None) -> dict:
@@ -32,6 +37,15 @@ def error_body(message: str, status: int = 400, param: str | None = None) -> dic
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def loads_json(data: bytes | str):
+    """json.loads, with nesting too deep for the parser a ValueError like any other bad JSON
+    (json.loads raises RecursionError, which would be a 500)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|tuple)\b|[\[\]-]")
@@ -137,12 +151,24 @@ class EngineStreamingResponse(StreamingResponse):
 class OpenAIServing:
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
-                 models=None) -> None:
+                 models=None, *, prompts: PromptWorker,
+                 trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.models = models  # OpenAIServingModels: LoRA adapters by name
+        # Tokenizing and template rendering happen on the worker's thread; this copy is for
+        # the event loop's small decodes (logprob tokens, echoed prompts).
+        self.prompts = prompts
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.model_config.max_model_len
+        self.trust_request_chat_template = trust_request_chat_template
+
+    def refuse_request_template(self, template: str | None) -> JSONResponse | None:
+        """A request's own chat_template is code run by the server: refused unless trusted
+        (vLLM's --trust-request-chat-template, after CVE-2025-61620)."""
+        if template is None or self.trust_request_chat_template:
+            return None
+        return error_response(UNTRUSTED_TEMPLATE, 400, "chat_template")
 
     def check_model(self, model: str | None) -> JSONResponse | None:
         if self.models is not None:

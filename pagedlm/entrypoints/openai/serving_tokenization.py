@@ -8,35 +8,46 @@ from fastapi.responses import JSONResponse, Response
 from pagedlm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse,
                                                  TokenizeChatRequest, TokenizeCompletionRequest,
                                                  TokenizeResponse)
-from pagedlm.entrypoints.openai.serving_chat import apply_chat_template
+from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
 
 
 class OpenAIServingTokenization(OpenAIServing):
+
+    def __init__(self, *args, chat_template: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template  # --chat-template, as chat completions render
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest
                        ) -> Response:
         if (err := self.check_model(request.model)) is not None:
             return err
         if isinstance(request, TokenizeChatRequest):
+            if (err := self.refuse_request_template(request.chat_template)) is not None:
+                return err
             if request.add_generation_prompt and request.continue_final_message:
                 return error_response("add_generation_prompt and continue_final_message "
                                       "cannot both be true.", 400, "continue_final_message")
             try:
-                ids = apply_chat_template(
-                    self.tokenizer, [m.to_template_dict() for m in request.messages],
-                    add_generation_prompt=request.add_generation_prompt,
+                ids = (await self.prompts.chat_prompt(
+                    request.messages, add_generation_prompt=request.add_generation_prompt,
                     continue_final_message=request.continue_final_message,
-                    chat_template=request.chat_template,
-                    add_special_tokens=request.add_special_tokens,
-                    **(request.chat_template_kwargs or {}))["prompt_token_ids"]
+                    chat_template=request.chat_template or self.chat_template,
+                    variables=request.chat_template_kwargs,
+                    add_special_tokens=request.add_special_tokens))["prompt_token_ids"]
+            except PromptError as e:
+                return error_response(str(e), 400, e.param)
             except (ValueError, TypeError, jinja2.TemplateError) as e:
                 param = "messages" if str(e).startswith("messages") else "chat_template"
                 return error_response(f"Cannot apply the chat template: {e}", 400, param)
         else:
-            ids = self.tokenizer.encode(request.prompt,
-                                        add_special_tokens=request.add_special_tokens)
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+            try:
+                (ids,) = await self.prompts.encode([request.prompt], request.add_special_tokens,
+                                                   "prompt")
+            except PromptError as e:
+                return error_response(str(e), 400, e.param)
+        strs = await self.prompts.convert_ids_to_tokens(ids) if request.return_token_strs \
+            else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
                                              tokens=ids, token_strs=strs).model_dump())
 
@@ -49,4 +60,4 @@ class OpenAIServingTokenization(OpenAIServing):
             return error_response(f"tokens contains ids outside the tokenizer's vocabulary "
                                   f"[0, {vocab}): {bad[:5]}.", 400, "tokens")
         return JSONResponse(DetokenizeResponse(
-            prompt=self.tokenizer.decode(request.tokens)).model_dump())
+            prompt=await self.prompts.decode(request.tokens)).model_dump())

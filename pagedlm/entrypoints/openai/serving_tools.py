@@ -73,14 +73,17 @@ def check_tool_messages(messages: list[ChatMessage]) -> None:
                 raise ToolRequestError(f"messages[{i}].tool_calls: only assistant messages "
                                        f"have tool_calls, not {m.role!r}.",
                                        f"messages.{i}.tool_calls")
+            err: object = None
             try:
                 args = json.loads(call.function.arguments)
             except ValueError as e:
                 args, err = None, e
+            except RecursionError:
+                args, err = None, "it is nested too deeply"
             if not isinstance(args, dict):
                 raise ToolRequestError(
                     f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object "
-                    f"as text" + (f" ({err})." if args is None else "."),
+                    f"as text" + (f" ({err})." if err is not None else "."),
                     f"messages.{i}.tool_calls.{j}.function.arguments")
         if m.role == "tool":
             if not m.tool_call_id:

@@ -61,9 +61,11 @@ class ToolParser(ABC):
 
 
 def is_json(text: str) -> bool:
+    """Whether `text` is JSON this server can read: nesting too deep for the parser is not
+    (the model writes text; a RecursionError must not make the response a 500)."""
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 

@@ -66,7 +66,10 @@ def scan_call(obj: str, complete: bool) -> ParsedToolCall | None:
     """
     head = _CALL_HEAD.match(obj)
     if head is not None:
-        name = json.loads(f'"{head.group(1)}"')
+        try:
+            name = json.loads(f'"{head.group(1)}"')
+        except ValueError:  # an escape JSON does not have, such as \q
+            return None
         start = head.end()
         end = value_end(obj, start, final=complete)
         if end is None:
@@ -81,12 +84,13 @@ def scan_call(obj: str, complete: bool) -> ParsedToolCall | None:
         return ParsedToolCall(None)
     try:
         data = json.loads(obj)
-    except ValueError:
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            return None
+        args = json.dumps(data.get("arguments", data.get("parameters", {})),
+                          ensure_ascii=False)
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply to read
         return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    args = data.get("arguments", data.get("parameters", {}))
-    return ParsedToolCall(data["name"], json.dumps(args, ensure_ascii=False), done=True)
+    return ParsedToolCall(data["name"], args, done=True)
 
 
 def scan_call_sequence(s: str, pos: int, final: bool, separators: str,

@@ -47,7 +47,7 @@ def _arguments_json(call_text: str) -> str | None:
     """The JSON object of a call's keyword arguments, or None if it is not a literal call."""
     try:
         node = ast.parse(call_text.strip(), mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, MemoryError, RecursionError):  # nesting past the parser's stack
         return None
     if not isinstance(node, ast.Call) or node.args:
         return None
@@ -57,11 +57,11 @@ def _arguments_json(call_text: str) -> str | None:
             return None
         try:
             args[kw.arg] = ast.literal_eval(kw.value)
-        except ValueError:
+        except (ValueError, TypeError, RecursionError, MemoryError):
             return None
     try:
         return json.dumps(args, ensure_ascii=False)
-    except (TypeError, ValueError):  # a set, bytes, complex: no JSON for it
+    except (TypeError, ValueError, RecursionError):  # a set, bytes, complex: no JSON for it
         return None
 
 

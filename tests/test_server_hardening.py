@@ -1,0 +1,438 @@
+"""Hardening of the HTTP layer (issue 29): chat templates sent with requests, tokenizing and
+rendering off the event loop, the API key on every route, the request-body limit, deeply nested
+JSON.
+
+Two servers (real uvicorn, in threads of this process) share one engine: `server` is configured
+as `pagedlm serve` is by default, plus an API key and runtime LoRA updating; `trusted` renders
+request chat templates (--trust-request-chat-template) and takes bodies of at most 1 MiB. Every
+hostile request must get a 4xx while /health, probed from another thread, answers within 1 s.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import socket
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from pagedlm import EngineArgs
+from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+from pagedlm.entrypoints.cli import make_parser
+from pagedlm.entrypoints.openai.prompt_worker import (MAX_CHARS_PER_TOKEN, RENDER_TIMEOUT_S,
+                                                      render_chat)
+from pagedlm.entrypoints.openai.tool_parsers import get_tool_parser
+from pagedlm.entrypoints.openai.tool_parsers.constrained import (NamedFunctionParser,
+                                                                 RequiredToolsParser)
+from pagedlm.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer
+from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
+
+MODEL = "smollm2-hardening"
+API_KEY = "sk-hardening-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 512
+MAX_CHARS = MAX_MODEL_LEN * MAX_CHARS_PER_TOKEN
+SMALL_BODY_LIMIT = 2**20  # the trusted server's
+DEEP = "[" * 100_000 + "]" * 100_000
+USER = [{"role": "user", "content": "Name a colour."}]
+# Nested loops writing output: 10^10 copies of the message if nothing stops them.
+NESTED_LOOPS = ("{% for i in range(100000) %}{% for j in range(100000) %}"
+                "{{ messages[0]['content'] }}{% endfor %}{% endfor %}")
+# Nested loops writing nothing: only the render deadline stops them.
+SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+PLAIN = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+HERMES = (Path(__file__).resolve().parent.parent / "examples"
+          / "tool_chat_template_hermes_chatml.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64),
+        log_stats=False, model_name=MODEL)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serve_in_thread(engine, served_model_names=[MODEL], api_key=API_KEY,
+                         enable_runtime_lora_updating=True) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def trusted(engine):
+    with serve_in_thread(engine, served_model_names=[MODEL], trust_request_chat_template=True,
+                         max_request_body_bytes=SMALL_BODY_LIMIT) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def thttp(trusted):
+    with httpx.Client(base_url=trusted.url, timeout=120) as client:
+        yield client
+
+
+def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"] and err["type"], err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@contextlib.contextmanager
+def health_answers_within_1s(url: str):
+    """Probes /health from a thread for as long as the block runs (once before it starts);
+    every answer must be a 200 within 1 s."""
+    stop, first = threading.Event(), threading.Event()
+    latencies: list[float] = []
+    failures: list[str] = []
+
+    def probe() -> None:
+        with httpx.Client(timeout=30) as client:
+            while True:
+                t0 = time.monotonic()
+                try:
+                    status = client.get(url + "/health").status_code
+                except httpx.HTTPError as e:
+                    status = repr(e)
+                latencies.append(time.monotonic() - t0)
+                if status != 200:
+                    failures.append(str(status))
+                first.set()
+                if stop.wait(0.02):
+                    return
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    assert first.wait(30)
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not failures, failures
+    assert max(latencies) < 1.0, f"/health took {max(latencies):.2f} s"
+
+
+# ---- finding 3: chat templates sent with requests ----
+
+def test_request_chat_template_refused_unless_trusted(server, http):
+    for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": USER,
+                                                 "max_tokens": 1, "chat_template": PLAIN}),
+                       ("/tokenize", {"messages": USER, "chat_template": PLAIN})):
+        err = _error(http.post(path, json=body), 400, "chat_template")
+        assert "--trust-request-chat-template" in err["message"]
+    # Without the field the server's own template renders.
+    r = http.post("/tokenize", json={"messages": USER})
+    assert r.status_code == 200 and r.json()["count"] > 0
+
+
+def test_trusted_template_renders(trusted, thttp):
+    tok = trusted.engine.get_tokenizer()
+    r = thttp.post("/tokenize", json={"messages": USER, "chat_template": PLAIN})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tok.encode("[user] Name a colour.\n", add_special_tokens=False)
+    r = thttp.post("/v1/chat/completions", json={"model": MODEL, "messages": USER,
+                                                 "max_tokens": 2, "chat_template": PLAIN})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("[user] Name a colour.\n"))
+
+
+def test_trusted_template_output_is_bounded(trusted, thttp):
+    with health_answers_within_1s(trusted.url):
+        for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": USER,
+                                                     "max_tokens": 1,
+                                                     "chat_template": NESTED_LOOPS}),
+                           ("/tokenize", {"messages": USER, "chat_template": NESTED_LOOPS})):
+            t0 = time.monotonic()
+            err = _error(thttp.post(path, json=body), 400, "messages")
+            assert str(MAX_CHARS) in err["message"] and "max_model_len" in err["message"]
+            # cut off after MAX_CHARS characters, not after 10^10 copies
+            assert time.monotonic() - t0 < RENDER_TIMEOUT_S
+
+
+def test_trusted_template_that_loops_without_output_is_stopped(trusted, thttp):
+    with health_answers_within_1s(trusted.url) as latencies:
+        t0 = time.monotonic()
+        err = _error(thttp.post("/tokenize", json={"messages": USER, "chat_template": SPIN}),
+                     400, "chat_template")
+        took = time.monotonic() - t0
+    assert "took longer than" in err["message"]
+    assert RENDER_TIMEOUT_S <= took < RENDER_TIMEOUT_S + 10
+    assert len(latencies) >= 3  # /health answered again and again while the template ran
+    # The worker thread is free again.
+    r = thttp.post("/tokenize", json={"prompt": "hello"})
+    assert r.status_code == 200 and r.json()["count"] > 0
+
+
+def test_render_chat_matches_transformers(engine):
+    tok = engine.get_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, *USER,
+                {"role": "assistant", "content": "Blue is "}]
+    tools = [{"type": "function", "function": {
+        "name": "paint", "description": "Paint a wall.",
+        "parameters": {"type": "object", "properties": {"colour": {"type": "string"}}}}}]
+    for template in (None, HERMES):
+        for gen, cont in ((True, False), (False, False), (False, True)):
+            for tool_list in (None, tools):
+                expected = tok.apply_chat_template(
+                    messages, tools=tool_list, chat_template=template, tokenize=False,
+                    add_generation_prompt=gen, continue_final_message=cont)
+                assert render_chat(tok, messages, chat_template=template, tools=tool_list,
+                                   add_generation_prompt=gen, continue_final_message=cont,
+                                   max_model_len=MAX_MODEL_LEN) == expected
+
+
+# ---- finding 5b: prompts are refused by length before they are tokenized ----
+
+def test_huge_prompts_are_refused_without_stalling(server, http):
+    huge = "hello world " * 700_000  # 8.4 MB: took the event loop 6.6 s to tokenize
+    with health_answers_within_1s(server.url):
+        for path, body, param in (
+                ("/v1/completions", {"model": MODEL, "prompt": huge, "max_tokens": 1},
+                 "prompt"),
+                ("/v1/completions", {"model": MODEL, "prompt": ["hi", huge], "max_tokens": 1},
+                 "prompt.1"),
+                ("/tokenize", {"prompt": huge}, "prompt"),
+                ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
+                                          "messages": [{"role": "user", "content": huge}]},
+                 "messages"),
+                ("/tokenize", {"messages": [{"role": "user", "content": huge}]}, "messages")):
+            err = _error(http.post(path, json=body), 400, param)
+            assert str(MAX_CHARS) in err["message"], err
+
+
+def test_prompt_length_limit_is_exact(http):
+    # At the limit the prompt is tokenized (and is then too many tokens for the engine);
+    # one character more is refused untokenized.
+    at_limit = _error(http.post("/v1/completions", json={
+        "model": MODEL, "prompt": "a b " * (MAX_CHARS // 4), "max_tokens": 1}), 400)
+    assert "tokens" in at_limit["message"] and "characters" not in at_limit["message"]
+    over = _error(http.post("/v1/completions", json={
+        "model": MODEL, "prompt": "a b " * (MAX_CHARS // 4) + "c", "max_tokens": 1}),
+        400, "prompt")
+    assert f"{MAX_CHARS + 1} characters" in over["message"]
+
+
+def test_huge_embedding_input_is_refused():
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(runner="pooling", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=16),
+        log_stats=False, model_name=MODEL)
+    try:
+        with serve_in_thread(engine, served_model_names=[MODEL]) as pooled:
+            with health_answers_within_1s(pooled.url):
+                r = httpx.post(pooled.url + "/v1/embeddings", timeout=60,
+                               json={"model": MODEL, "input": "hello world " * 700_000})
+            assert str(MAX_CHARS) in _error(r, 400, "input")["message"]
+            ok = httpx.post(pooled.url + "/v1/embeddings", timeout=60,
+                            json={"model": MODEL, "input": "hello"})
+            assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+            wait_until_idle(engine)
+            assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+
+
+# ---- finding 4: the API key covers every route but /health and the page ----
+
+KEYED_ROUTES = [
+    ("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/version", None),
+    ("GET", "/openapi.json", None), ("GET", "/docs", None), ("GET", "/redoc", None),
+    ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 1}),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": "none"}),
+]
+
+
+@pytest.mark.parametrize("method, path, body", KEYED_ROUTES)
+def test_api_key_on_every_route(server, method, path, body):
+    for headers, message in (({}, "Missing API key"),
+                             ({"Authorization": "Bearer wrong"}, "Incorrect API key")):
+        r = httpx.request(method, server.url + path, json=body, headers=headers, timeout=60)
+        assert message in _error(r, 401)["message"]
+        assert r.headers["www-authenticate"] == "Bearer"
+    r = httpx.request(method, server.url + path, json=body, headers=AUTH, timeout=60)
+    # /v1/unload_lora_adapter of an unknown adapter: past the key, the route's own 404
+    assert r.status_code == (404 if "unload" in path else 200), r.text[:300]
+
+
+def test_engine_events_needs_the_key(server):
+    assert httpx.get(server.url + "/engine/events").status_code == 401
+    with httpx.stream("GET", server.url + "/engine/events", headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data: ")
+
+
+def test_health_and_page_are_open(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and "<html" in page.text.lower()
+    assert httpx.get(server.url + "/static/app.js").status_code == 200
+    # a CORS preflight carries no credentials: it must pass
+    r = httpx.options(server.url + "/v1/chat/completions", headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"]
+
+
+# ---- finding 6: the request-body limit ----
+
+def _raw_request(url: str, head: str) -> tuple[int, dict]:
+    """Sends only a request's head and reads the response: a server answering has not waited
+    for the body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode())
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1])
+
+
+def test_declared_body_over_the_default_limit_is_413_before_it_is_sent(server):
+    status, body = _raw_request(server.url, (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {32 * 2**20 + 1}\r\n\r\n"))
+    assert status == 413
+    assert body["error"]["type"] == "RequestEntityTooLargeError"
+    assert str(32 * 2**20) in body["error"]["message"]
+
+
+def _chunks(total: int, size: int = 2**20):
+    piece = b" " * size  # JSON whitespace: the body would parse if it were read whole
+    yield b'{"prompt": "x"'
+    for _ in range(total // size):
+        yield piece
+    yield b"}"
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_large_body_is_413_without_buffering(trusted, declared):
+    total = 128 * 2**20
+    headers = {"Content-Type": "application/json"}
+    if declared:
+        headers["Content-Length"] = str(sum(len(c) for c in _chunks(total)))
+    gc.collect()
+    rss_before = psutil.Process().memory_info().rss
+    # RSS does not come back down once memory is freed, so a body buffered by an earlier test
+    # would hide this one's; tracemalloc's peak (all threads: the server's too) does not.
+    tracemalloc.start()
+    try:
+        with health_answers_within_1s(trusted.url):
+            r = httpx.post(trusted.url + "/tokenize", content=_chunks(total), headers=headers,
+                           timeout=120)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    gc.collect()
+    grown = psutil.Process().memory_info().rss - rss_before
+    err = _error(r, 413)
+    assert err["type"] == "RequestEntityTooLargeError" and str(SMALL_BODY_LIMIT) in err["message"]
+    # Buffered whole, the body would take 128 MiB, and 256 MiB at the peak (chunks, then
+    # joined): measured without the limit. With it, at most the limit is held.
+    assert peak < 16 * 2**20, f"peak Python allocations {peak / 2**20:.0f} MiB"
+    assert grown < 48 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
+
+
+def test_body_under_the_limit_is_read(trusted, thttp):
+    body = b'{"prompt": "hello"' + b" " * (SMALL_BODY_LIMIT - 100) + b"}"
+    r = thttp.post("/tokenize", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["count"] > 0
+
+
+# ---- finding 7: deeply nested JSON is a 400 on every route ----
+
+def _deep_arguments_chat() -> dict:
+    return {"model": MODEL, "max_tokens": 1, "messages": [
+        *USER, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "paint", "arguments": '{"a": ' + DEEP + "}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"}]}
+
+
+def test_deep_json_is_400(server, http):
+    deep_chat = _deep_arguments_chat()
+    cases = [
+        ("/tokenize", DEEP, None), ("/tokenize", '{"prompt": ' + DEEP + "}", None),
+        ("/detokenize", DEEP, None), ("/detokenize", '{"tokens": ' + DEEP + "}", None),
+        ("/v1/load_lora_adapter", DEEP, None),
+        ("/v1/load_lora_adapter", '{"lora_name": "a", "lora_path": ' + DEEP + "}", None),
+        ("/v1/unload_lora_adapter", DEEP, None),
+        ("/v1/completions", '{"prompt": ' + DEEP + "}", None),
+        ("/v1/chat/completions", DEEP, None),
+        ("/v1/chat/completions", json.dumps(deep_chat),
+         "messages.1.tool_calls.0.function.arguments"),
+        ("/tokenize", json.dumps({"messages": deep_chat["messages"]}),
+         "messages.1.tool_calls"),
+    ]
+    with health_answers_within_1s(server.url):
+        for path, body, param in cases:
+            r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            err = _error(r, 400, param)
+            assert "Internal" not in err["message"], (path, err)
+
+
+@pytest.mark.parametrize("make_parser, text", [
+    (lambda: get_tool_parser("hermes")(),
+     '<tool_call>{"name": "f", "arguments": {"a": ' + DEEP + "}}</tool_call>"),
+    (lambda: get_tool_parser("hermes")(),
+     '<tool_call>{"arguments": {"a": ' + DEEP + '}, "name": "f"}</tool_call>'),
+    (lambda: get_tool_parser("llama3_json")(), '{"name": "f", "parameters": ' + DEEP + "}"),
+    (lambda: get_tool_parser("llama3_json")(), '{"parameters": ' + DEEP + ', "name": "f"}'),
+    (lambda: get_tool_parser("pythonic")(), "[f(a=" + DEEP + ")]"),
+    (lambda: get_tool_parser("pythonic")(), "[f(a=" + "-" * 100_000 + "1)]"),
+    (lambda: NamedFunctionParser("f"), '{"a": ' + DEEP + "}"),
+    (lambda: RequiredToolsParser(), '[{"name": "f", "parameters": {"a": ' + DEEP + "}}]"),
+], ids=["hermes", "hermes-args-first", "llama3", "llama3-args-first", "pythonic",
+        "pythonic-unary", "named", "required"])
+def test_tool_parsers_survive_deep_nesting(make_parser, text):
+    """A model can write such text (within max_tokens): the call is invalid, not a 500."""
+    extracted = make_parser().extract_tool_calls(text)
+    assert not extracted.tools_called and extracted.content == text
+    streamer = ToolCallStreamer(make_parser())
+    for i in range(0, len(text), len(text) // 7 + 1):
+        streamer.feed(text[i:i + len(text) // 7 + 1], final=False)
+    streamer.feed("", final=True)
+
+
+# ---- flags, and the server still serves ----
+
+def test_flags():
+    serve = make_parser().parse_args(["serve"])
+    assert serve.trust_request_chat_template is False
+    assert serve.max_request_body_bytes == 32 * 2**20
+    ns = make_parser().parse_args(["serve", "--trust-request-chat-template",
+                                   "--max-request-body-bytes", "64MiB"])
+    assert ns.trust_request_chat_template and ns.max_request_body_bytes == 64 * 2**20
+
+
+def test_still_serves_and_every_block_is_free(server, http, trusted, engine):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "The sky is",
+                                           "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER,
+                                                "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    wait_until_idle(engine)
+    assert_all_blocks_free(engine)
