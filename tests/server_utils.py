@@ -37,6 +37,7 @@ def serve_in_thread(engine: AsyncLLMEngine, **app_kwargs):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5))
+    app.state.server = server  # as run_server does: a failed engine stops the server
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -12,8 +12,11 @@ request's RequestOutputs back to that request's asyncio queue with loop.call_soo
 
 Closing or cancelling the iterator aborts the request (its KV blocks are freed). A request the
 engine rejects raises its ValueError from add_request()/the first iteration. If step() raises,
-every in-flight request's iterator raises that error and the engine is dead: later requests get
-AsyncEngineDeadError.
+or a worker process dies (found by the step, or between steps while the engine is idle), the
+cause is logged once, every in-flight request's iterator raises that error and the engine is
+dead: `errored` turns True and later requests get AsyncEngineDeadError. The engine never
+restarts itself: whoever runs it stops (`pagedlm serve` exits non-zero, for a supervisor to
+restart it).
 """
 from __future__ import annotations
 
@@ -277,7 +280,15 @@ class AsyncLLMEngine:
             if self._dead is None:
                 self._commands.put(_SHUTDOWN)
         self._thread.join(timeout)
-        self.engine.shutdown()  # stop worker processes, if any
+        try:
+            self.engine.shutdown()  # stop worker processes, if any
+        except Exception:
+            if not self.errored:
+                raise
+            # A failed engine may fail again on its way down (a trace file on a full disk):
+            # the cause is logged already, and the workers must stop all the same.
+            logger.debug("the failed engine did not shut down cleanly", exc_info=True)
+            self.engine.executor.shutdown()
 
     # ---- engine thread ----
 
@@ -298,8 +309,12 @@ class AsyncLLMEngine:
                     return
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
+                else:  # idle (a step finds a dead worker by itself): at least once a second
+                    self.engine.executor.check_health()
                 self._publish_stats()
         except BaseException as e:  # noqa: BLE001 - every failure must reach the callers
+            # The one place the cause is logged: the executor only raises it, and the server
+            # only says that it stops because of it.
             logger.exception("engine loop failed; failing all in-flight requests")
             self._stop(e)
 

@@ -43,8 +43,8 @@ class Executor(ABC):
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.is_shutdown = False
-        self._init_executor()
         try:
+            self._init_executor()
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
             sizes = self.collective_rpc("determine_num_blocks")
@@ -69,6 +69,10 @@ class Executor(ABC):
         """One step on every worker; the output rank's result (None for cache-only steps)."""
         return next((r for r in self.collective_rpc("execute_model", args=(req,))
                      if r is not None), None)
+
+    def check_health(self) -> None:
+        """Raise WorkerFailedError if a worker has died since the last call (the engine asks
+        between steps while it has nothing to run: a step finds a dead worker by itself)."""
 
     def shutdown(self) -> None:
         """Stop the workers; safe to call more than once."""

@@ -1,4 +1,14 @@
-"""MultiprocExecutor: one worker process per rank on this node, started with spawn.
+"""MultiprocExecutor: one worker process per rank on this node.
+
+Each worker is a fresh interpreter (`python -c`, as multiprocessing's spawn starts one) that
+imports pagedlm but never the parent's `__main__`. So a script that builds
+`LLM(tensor_parallel_size=2)` at module level, with no `if __name__ == "__main__":` guard, works
+as it does with vLLM: spawn would run the script again in every worker (and fail in its
+"bootstrapping phase"), and fork is unsafe on CPU once the parent has used OpenMP (the child's
+first parallel region waits forever for the parent's pool threads, which it does not have).
+Nor can fork be kept for a parent with no thread pool yet: `import torch` alone starts numpy's
+OpenBLAS thread, so no thread count tells a safe parent from an unsafe one. The worker's
+settings (OMP_NUM_THREADS) are in its environment from its first instruction.
 
 Each worker runs an execution loop (`_worker_main`): it reads a call (method, args) from its
 pipe, runs it on its Worker and answers with the result or the error. A step's
@@ -9,9 +19,10 @@ tokens (the others answer None).
 Failures never hang the engine: while it waits for answers it also watches every worker
 process, so a worker that dies (SIGKILL, out of memory) or raises makes the call fail within a
 second with a WorkerFailedError naming the rank, and every other worker is stopped (they may be
-blocked in a collective with the dead one). Workers ignore Ctrl-C (the engine decides when they
-stop), die with the engine process (PR_SET_PDEATHSIG), and are stopped when the executor is
-shut down, garbage-collected or the interpreter exits.
+blocked in a collective with the dead one); `check_health` finds a worker that died between
+calls. Workers ignore Ctrl-C (the engine decides when they stop), die with the thread that
+started them (PR_SET_PDEATHSIG), and are stopped when the executor is shut down,
+garbage-collected or the interpreter exits.
 """
 from __future__ import annotations
 
@@ -22,9 +33,11 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
 import sys
 import traceback
 import weakref
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -36,6 +49,15 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN = "__shutdown__"
 # How long a worker gets to leave on its own at shutdown before it is killed.
 _JOIN_TIMEOUT_S = 5.0
+# The worker's first lines: ignore Ctrl-C before anything else can be interrupted, take the
+# parent's sys.path (pagedlm may be importable only through it), then hand over.
+_BOOTSTRAP = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+              "import pickle, sys\n"
+              "from multiprocessing.connection import Connection\n"
+              "conn = Connection(int(sys.argv[1]))\n"
+              "sys.path[:] = pickle.loads(conn.recv_bytes())\n"
+              "from pagedlm.executor.multiproc_executor import _worker_main\n"
+              "_worker_main(conn)\n")
 
 
 def get_open_port() -> int:
@@ -54,15 +76,24 @@ def _die_with_parent() -> None:
             pass
 
 
-def _worker_main(config: EngineConfig, eos_token_ids: frozenset[int], rank: int,
-                 distributed_init_method: str, conn: Connection, parent_pid: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process needs to build its Worker (sent pickled on its pipe)."""
+    config: EngineConfig
+    eos_token_ids: frozenset[int]
+    rank: int
+    distributed_init_method: str
+    parent_pid: int
+
+
+def _worker_main(conn: Connection) -> None:
+    spec: WorkerSpec = pickle.loads(conn.recv_bytes())
     _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != spec.parent_pid:  # the parent died before prctl took effect
         return
     from pagedlm.worker.worker import Worker
-    worker = Worker(config, eos_token_ids, rank=rank, local_rank=rank,
-                    distributed_init_method=distributed_init_method)
+    worker = Worker(spec.config, spec.eos_token_ids, rank=spec.rank, local_rank=spec.rank,
+                    distributed_init_method=spec.distributed_init_method)
     try:
         while True:
             try:
@@ -80,7 +111,73 @@ def _worker_main(config: EngineConfig, eos_token_ids: frozenset[int], rank: int,
         worker.shutdown()
 
 
-def _stop_workers(procs: list[mp.Process], conns: list[Connection]) -> None:
+class WorkerProcess:
+    """One worker's process: its pid, exit status, and a sentinel (a pipe's read end that turns
+    readable when the process has exited, as multiprocessing's Process.sentinel does)."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen, sentinel: int) -> None:
+        self.rank = rank
+        self.popen = popen
+        self.sentinel = sentinel
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def describe_exit(self) -> str:
+        code = self.exitcode
+        how = (f"was killed by signal {-code}" if code is not None and code < 0
+               else f"exited with code {code}")
+        return f"worker rank {self.rank} (pid {self.pid}) {how}"
+
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
+def _start_worker(spec: WorkerSpec, env: dict[str, str]) -> tuple[WorkerProcess, Connection]:
+    ours, theirs = mp.Pipe(duplex=True)
+    sentinel, child_end = os.pipe()  # the child holds child_end open until it exits
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno()),
+             f"pagedlm-worker-rank-{spec.rank}"],
+            pass_fds=(theirs.fileno(), child_end), env=env, stdin=subprocess.DEVNULL)
+    except BaseException:
+        ours.close()
+        os.close(sentinel)
+        raise
+    finally:
+        theirs.close()
+        os.close(child_end)
+    proc = WorkerProcess(spec.rank, popen, sentinel)
+    try:
+        ours.send_bytes(pickle.dumps(sys.path))
+        ours.send_bytes(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+    except OSError:
+        pass  # it died at once: the first call reports how
+    return proc, ours
+
+
+def _stop_workers(procs: list[WorkerProcess], conns: list[Connection]) -> None:
     """Ask every worker to leave, then kill the ones that do not. Used at shutdown and by the
     finalizer (it must not refer to the executor)."""
     for conn in conns:
@@ -95,37 +192,29 @@ def _stop_workers(procs: list[mp.Process], conns: list[Connection]) -> None:
             proc.join(_JOIN_TIMEOUT_S)
     for conn in conns:
         conn.close()
+    for proc in procs:
+        proc.close()
 
 
 class MultiprocExecutor(Executor):
 
     def _init_executor(self) -> None:
         pc = self.config.parallel_config
-        ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
-        self.procs: list[mp.Process] = []
+        self.procs: list[WorkerProcess] = []
         self.conns: list[Connection] = []
-        # Set before the children start: their OpenMP runtime (the attention kernel) reads it
-        # when it loads, before any of our code runs there.
-        saved = os.environ.get("OMP_NUM_THREADS")
+        # In the children's environment from the start: their OpenMP runtime reads it when it
+        # loads, before any of our code runs there.
+        env = dict(os.environ)
         if pc.threads_per_worker:
-            os.environ["OMP_NUM_THREADS"] = str(pc.threads_per_worker)
-        try:
-            for rank in range(pc.world_size):
-                ours, theirs = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=_worker_main, name=f"pagedlm-worker-{rank}",
-                                   args=(self.config, self.eos_token_ids, rank, init_method,
-                                         theirs, os.getpid()), daemon=True)
-                proc.start()
-                theirs.close()
-                self.procs.append(proc)
-                self.conns.append(ours)
-        finally:
-            if saved is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
+            env["OMP_NUM_THREADS"] = str(pc.threads_per_worker)
+        # Registered first: workers started before a failure below are stopped too.
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        for rank in range(pc.world_size):
+            proc, conn = _start_worker(WorkerSpec(self.config, self.eos_token_ids, rank,
+                                                  init_method, os.getpid()), env)
+            self.procs.append(proc)
+            self.conns.append(conn)
         logger.info("started %d worker processes (tp=%d, pp=%d, %s threads each)",
                     pc.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size,
                     pc.threads_per_worker)
@@ -138,8 +227,11 @@ class MultiprocExecutor(Executor):
         try:
             for conn in self.conns:
                 conn.send_bytes(payload)
-        except OSError:
-            self._fail(f"could not send {method!r}")
+            sent = True
+        except OSError:  # (failed outside the except: the cause is not this OSError)
+            sent = False
+        if not sent:
+            self._fail(self._cause(f"could not send {method!r} to the workers", method))
         results: list[Any] = [None] * len(self.conns)
         pending = dict(enumerate(self.conns))
         while pending:
@@ -151,25 +243,47 @@ class MultiprocExecutor(Executor):
                     try:
                         status, value = pending[rank].recv()
                     except (EOFError, OSError):
-                        self._fail(f"worker rank {rank} closed its pipe during {method!r}")
+                        status, value = "closed", None
+                    if status == "closed":
+                        self._fail(self._cause(
+                            f"worker rank {rank} closed its pipe during {method!r}", method))
                     if status == "error":
-                        self._fail(f"worker rank {rank} failed in {method!r}: {value}")
+                        self._fail(self._cause(f"worker rank {rank} failed in {method!r}: "
+                                               f"{value}", method))
                     results[rank] = value
                     del pending[rank]
                 elif rank in pending and not pending[rank].poll():
-                    code = self.procs[rank].exitcode
-                    how = (f"was killed by signal {-code}" if code is not None and code < 0
-                           else f"exited with code {code}")
-                    self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) {how} "
-                               f"during {method!r}")
+                    self.procs[rank].join(1.0)  # its exit status comes a moment after
+                    self._fail(f"{self.procs[rank].describe_exit()} during {method!r}")
         return results
 
+    def check_health(self) -> None:
+        if self.is_shutdown:
+            raise WorkerFailedError("the executor's workers have been shut down.")
+        if (message := self._dead_worker("while the engine was idle")) is not None:
+            self._fail(message)
+
+    def _cause(self, error: str, method: str) -> str:
+        """A worker's error is most often the consequence of another's death (a collective
+        that lost its peer fails at once): then the dead worker is the cause to report."""
+        wait([proc.sentinel for proc in self.procs], timeout=0.2)
+        return self._dead_worker(f"during {method!r}") or error
+
+    def _dead_worker(self, when: str) -> str | None:
+        """How the first worker that exited did, or None while all run."""
+        exited = wait([proc.sentinel for proc in self.procs], timeout=0)
+        for proc in self.procs:
+            if proc.sentinel in exited:
+                proc.join(1.0)  # its exit status comes a moment after its files close
+                return f"{proc.describe_exit()} {when}"
+        return None
+
     def _fail(self, message: str) -> None:
-        logger.error("%s; stopping all workers", message)
+        # Not logged here: the caller gets the error (the engine loop logs it, once).
+        logger.debug("%s; stopping all workers", message)
         # The others may be blocked in a collective with the failed one: no polite shutdown.
         for proc in self.procs:
-            if proc.is_alive():
-                proc.kill()
+            proc.kill()
         self.shutdown()
         raise WorkerFailedError(message)
 

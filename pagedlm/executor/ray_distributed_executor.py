@@ -103,7 +103,8 @@ class RayDistributedExecutor(Executor):
         return ray.get([a.pid.remote() for a in self.actors])
 
     def _fail(self, message: str) -> None:
-        logger.error("%s; stopping all workers", message)
+        # Not logged here: the caller gets the error (the engine loop logs it, once).
+        logger.debug("%s; stopping all workers", message)
         self.shutdown()
         raise WorkerFailedError(message)
 

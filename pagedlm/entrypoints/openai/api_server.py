@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import hmac
 import json
 import logging
@@ -186,6 +187,36 @@ async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
     return request
 
 
+# How often the server looks at its engine, and how long responses still open when the engine
+# failed get to finish (they have their error already) before the server closes them.
+ENGINE_WATCH_INTERVAL_S = 0.5
+ENGINE_FAILED_GRACE_S = 3.0
+
+
+@contextlib.asynccontextmanager
+async def stop_server_when_engine_fails(app: FastAPI, engine: AsyncLLMEngine):
+    """vLLM's terminate_if_errored: an engine that failed (a step raised, a worker died) never
+    runs again, so the uvicorn.Server in app.state.server is asked to stop, and run_server
+    then exits non-zero for a supervisor to restart it. Without app.state.server nothing is
+    stopped (/health answers 503 meanwhile)."""
+    async def watch() -> None:
+        while not engine.errored:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+        server = getattr(app.state, "server", None)
+        if server is None:
+            return
+        logger.error("the engine failed (its error is logged above): stopping the server")
+        server.should_exit = True
+        await asyncio.sleep(ENGINE_FAILED_GRACE_S)
+        server.force_exit = True  # e.g. a client that stopped reading its stream
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, allowed_origins: list[str] | None = None,
               allowed_methods: list[str] | None = None,
@@ -218,7 +249,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def lifespan(_app):
         try:
             await models.init_static_loras()
-            yield
+            async with stop_server_when_engine_fails(_app, engine):
+                yield
         finally:
             prompts.shutdown()
 
@@ -251,11 +283,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         return error_response(f"Internal server error: {exc!r}", 500)
 
     @app.get("/health", response_class=Response,
-             responses=responses(None, 500, ok_description="The engine is running (no body)."))
+             responses=responses(None, 503, ok_description="The engine is running (no body)."))
     async def health() -> Response:
         if engine.is_running:
             return Response(status_code=200)
-        return error_response(f"The engine is not running: {engine.dead_error!r}", 500)
+        # 503, as vLLM answers for a dead engine: a failed one never comes back, and the
+        # server is on its way out (see stop_server_when_engine_fails).
+        return error_response(f"The engine is not running: {engine.dead_error!r}", 503)
 
     @app.get("/version", response_model=VersionResponse, responses=responses(None, 401, 500))
     async def version() -> dict:
@@ -412,7 +446,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """`pagedlm serve`: build the engine from the flags, serve until interrupted."""
+    """`pagedlm serve`: build the engine from the flags, serve until interrupted. If the engine
+    fails (a step raised, a worker died), the server stops and this exits with status 1."""
     from pagedlm.entrypoints.cli_args import engine_args_from_namespace
 
     engine_args = engine_args_from_namespace(args)
@@ -448,7 +483,14 @@ def run_server(args: argparse.Namespace) -> None:
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(names),
                     host, port)
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(config)
+        app.state.server = server  # stop_server_when_engine_fails stops it
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
         sock.close()
+    if engine.errored:
+        # The interpreter's last garbage collection walks the whole heap (seconds on a busy
+        # machine); a supervisor waiting to restart us gains nothing from it.
+        gc.freeze()
+        raise SystemExit("error: the engine failed (its error is logged above); exiting")

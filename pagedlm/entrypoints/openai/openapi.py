@@ -25,6 +25,7 @@ ERROR_DESCRIPTIONS = {
     404: "Unknown model (or adapter).",
     413: "The request body is larger than the server accepts (--max-request-body-bytes).",
     500: "Internal error, or the engine is not running.",
+    503: "The engine failed: the server is shutting down.",
 }
 
 
