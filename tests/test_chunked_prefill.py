@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedlm import LLM, SamplingParams
+from tests.compare_utils import assert_greedy_match
 
 LONG = " ".join(f"Line {i}: the committee reviewed item {i * 7 % 13} and moved on." for i in range(30))
 PROMPTS = [LONG + "\nSummary:", "The capital of France is", "def fibonacci(n):",
@@ -21,14 +22,16 @@ def test_greedy_tokens_and_prompt_logprobs_match_with_chunking(unchunked):
     budget = 64
     chunked = LLM(enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=8,
                   enable_prefix_caching=False, kv_cache_memory_bytes=256 * 2**20)
-    params = SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=1, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=1, logprobs=2,
+                            ignore_eos=True)
     ref = unchunked.generate(PROMPTS, params, use_tqdm=False)
     out = chunked.generate(PROMPTS, params, use_tqdm=False)
     # The long prompt is several budgets long: it can only have run in chunks.
     assert len(ref[0].prompt_token_ids) > 4 * budget
     assert chunked.llm_engine.config.scheduler_config.max_num_batched_tokens == budget
     for r, o in zip(ref, out):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        # Chunks sum attention in another order: the same tokens up to a near-tie.
+        assert_greedy_match(r.outputs[0], o.outputs[0])
         assert len(o.prompt_logprobs) == len(r.prompt_logprobs)
         for a, b in zip(r.prompt_logprobs[1:], o.prompt_logprobs[1:]):
             tid = next(iter(a))  # the prompt's own token comes first

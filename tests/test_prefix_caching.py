@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedlm import LLM, SamplingParams
+from tests.compare_utils import assert_greedy_outputs_match
 
 # About 200 tokens: 12 shared blocks of 16, enough to tell computed from cached (the 24-rule
 # version took 100 s of the suite for no extra coverage).
@@ -14,11 +15,13 @@ QUESTIONS = ["Where do poetry books go?", "How are atlases sorted?", "What about
              "Can I borrow two books?", "When does the library open?", "Who sorts returns?",
              "Is there a quiet room?", "How long is a loan?"]
 PROMPTS = [f"{SYSTEM}\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
-PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# A cache hit computes the prompt's last tokens against cached K/V instead of the whole prompt
+# at once: the logits differ in the last bits, so outputs match up to a near-tie (logprobs=2).
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
 
 
 def greedy(llm, prompts=PROMPTS):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    return [o.outputs[0] for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def test_shared_prefix_is_computed_once(reference):
     ref_llm, ref = reference
     llm = LLM(enable_prefix_caching=True, kv_cache_memory_bytes=256 * 2**20)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert_greedy_outputs_match(ref, [o.outputs[0] for o in outs])
     tok = llm.get_tokenizer()
     total = sum(len(o.prompt_token_ids) for o in outs)
     common = len(tok(SYSTEM + "\nQuestion:").input_ids) - 1  # margin for the joint token
@@ -52,9 +55,9 @@ def test_cache_survives_across_batches_and_eviction_keeps_outputs_right(referenc
     # 40 blocks: one batch's prefix fits, but other prompts in between force evictions.
     llm = LLM(enable_prefix_caching=True, num_gpu_blocks_override=40, max_num_seqs=4)
     stats, bm = llm.llm_engine.stats, llm.llm_engine.block_manager
-    assert greedy(llm, PROMPTS[:2]) == ref[:2]
+    assert_greedy_outputs_match(ref[:2], greedy(llm, PROMPTS[:2]))
     before = stats.num_prompt_tokens
-    assert greedy(llm, PROMPTS[2:4]) == ref[2:4]
+    assert_greedy_outputs_match(ref[2:4], greedy(llm, PROMPTS[2:4]))
     second = stats.num_prompt_tokens - before
     assert second < 0.3 * sum(len(llm.get_tokenizer()(p).input_ids) for p in PROMPTS[2:4])
     # Unrelated long prompts push the old prefix out, least recently used first.
@@ -62,7 +65,7 @@ def test_cache_survives_across_batches_and_eviction_keeps_outputs_right(referenc
     greedy(llm, other)
     assert bm.gpu.num_evictions > 0
     before = stats.num_prompt_tokens
-    assert greedy(llm, PROMPTS[4:]) == ref[4:]
+    assert_greedy_outputs_match(ref[4:], greedy(llm, PROMPTS[4:]))
     assert stats.num_prompt_tokens - before > 0
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
 
@@ -98,7 +101,7 @@ def test_a_forged_hash_collision_never_reuses_another_prompts_blocks(reference, 
     llm.generate(victim, PARAMS, use_tqdm=False)  # its first block owns the colliding hash
     assert len(bm.gpu.cached) == 1
     outs = llm.generate(PROMPTS[:4], PARAMS, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == ref[:4]
+    assert_greedy_outputs_match(ref[:4], [o.outputs[0] for o in outs])  # another batch size
     assert all(o.num_cached_tokens == 0 for o in outs)
     assert bm.prefix_hits == 0
 
