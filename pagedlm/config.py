@@ -32,6 +32,9 @@ class ModelConfig:
     quantization: str | None = None
     runner: str = "generate"  # or "pooling": prompts in, embeddings out (no sampling)
     pooler_config: PoolerConfig | None = None  # set when runner is "pooling"
+    # Most logprobs (and prompt_logprobs) a request may ask for per position; -1: the whole
+    # vocabulary (vLLM's setting and default).
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_config, dict):  # tests and tools may pass plain keys

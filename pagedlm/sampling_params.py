@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import math
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
@@ -13,6 +14,36 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries everything so far
     DELTA = 1  # only what is new since the last output
     FINAL_ONLY = 2  # nothing until the request finishes
+
+# The ranges a request's values may take, so that none can fail inside an engine step (where
+# an error would end every request): each fits the type it reaches. The engine checks its own,
+# tighter limits where it knows them (max_num_seqs, max_logprobs, the vocabulary,
+# max_model_len) before queueing.
+# seed: torch.Generator.manual_seed takes a signed 64-bit integer (vLLM's bounds); priority
+# has the same range.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# Counts in tokens and token ids (max_tokens, min_tokens, top_k, logprobs, stop_token_ids...):
+# every vocabulary and context fits in int32, and torch indexes with int64.
+MAX_TOKEN_COUNT = 2**31 - 1
+# n and best_of: OpenAI caps n at 128, and vLLM's clients ask for a few. A fixed bound keeps an
+# absurd count from reaching anything; the engine then checks best_of against its max_num_seqs,
+# the real limit (a request's sequences must fit in one running batch).
+MAX_N = 1024
+# Beam scores divide by generated_length ** length_penalty: with |length_penalty| <= 32 that
+# stays a finite, non-zero float for any length below 2**31 (2**(31*32) < 1.8e308).
+MAX_LENGTH_PENALTY = 32.0
+# logit_bias values, as OpenAI bounds them.
+MAX_LOGIT_BIAS = 100.0
+
+
+def short_repr(value, limit: int = 200) -> str:
+    """repr for error messages, cut short: a request may carry a list of a million ids, or an
+    integer too long for Python to print at all."""
+    try:
+        text = repr(value)
+    except ValueError:  # int -> str beyond sys.get_int_max_str_digits()
+        return f"<{type(value).__name__} too large to print>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -156,76 +187,91 @@ class SamplingParams:
         self.max_stop_len = max(map(len, self.stop_strings), default=0)
         self.all_stop_token_ids = frozenset(self.stop_token_ids)
 
+    def verify(self) -> None:
+        """Normalise and check every field again, and recompute what derives from them: the
+        fields are plain attributes, which a caller may have changed since construction."""
+        self.__post_init__()
+
     def _verify(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
             if not ok:
-                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}.")
+                raise ValueError(f"{name} {msg}, got {short_repr(getattr(self, name))}.")
 
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+            """A finite number: NaN and infinities make no sense in any setting."""
+            return (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v))
 
-        check(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        def is_count(v, lo: int, hi: int = MAX_TOKEN_COUNT) -> bool:
+            return is_int(v) and lo <= v <= hi
+
+        check(is_count(self.n, 1, MAX_N), "n", f"must be an integer in [1, {MAX_N}]")
         check(is_num(self.temperature) and self.temperature >= 0, "temperature",
-              "must be a number >= 0")
+              "must be a finite number >= 0")
         check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(is_int(self.top_k) and self.top_k >= 0, "top_k",
-              "must be an integer: -1 or 0 (disabled), or >= 1")
+        check(is_count(self.top_k, 0), "top_k",
+              f"must be an integer: -1 or 0 (disabled), or in [1, {MAX_TOKEN_COUNT}]")
         check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
+        check(self.seed is None or is_count(self.seed, INT64_MIN, INT64_MAX), "seed",
+              "must be None or an integer in [-2**63, 2**63 - 1]")
         check(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
               "presence_penalty", "must be in [-2, 2]")
         check(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
               "frequency_penalty", "must be in [-2, 2]")
         check(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-              "repetition_penalty", "must be a number > 0")
-        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-              "max_tokens", "must be an integer >= 1 or None")
-        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
-              "must be an integer >= 0")
+              "repetition_penalty", "must be a finite number > 0")
+        check(self.max_tokens is None or is_count(self.max_tokens, 1), "max_tokens",
+              f"must be None or an integer in [1, {MAX_TOKEN_COUNT}]")
+        check(is_count(self.min_tokens, 0), "min_tokens",
+              f"must be an integer in [0, {MAX_TOKEN_COUNT}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens}).")
         check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
               "stop", "must be a string or a list of non-empty strings")
         check(isinstance(self.stop_token_ids, list)
-              and all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              "must be a list of non-negative integers")
-        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
-              "logprobs", "must be an integer >= 0 or None")
-        check(self.prompt_logprobs is None
-              or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-              "prompt_logprobs", "must be an integer >= 0 or None")
+              and all(is_count(t, 0) for t in self.stop_token_ids), "stop_token_ids",
+              f"must be a list of token ids (integers in [0, {MAX_TOKEN_COUNT}])")
+        for name in ("logprobs", "prompt_logprobs"):
+            check(getattr(self, name) is None or is_count(getattr(self, name), 0), name,
+                  f"must be None or an integer in [0, {MAX_TOKEN_COUNT}]")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "use_beam_search"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
-        check(is_int(self.best_of) and self.best_of >= self.n, "best_of",
-              f"must be an integer >= n ({self.n!r})")
-        self._verify_token_constraints(check, is_int, is_num)
+        check(is_count(self.best_of, self.n, MAX_N), "best_of",
+              f"must be an integer in [n ({self.n!r}), {MAX_N}]")
+        # Checked with or without beam search: a request carries no number that fails later.
+        check(is_num(self.length_penalty) and abs(self.length_penalty) <= MAX_LENGTH_PENALTY,
+              "length_penalty", f"must be a finite number in [-{MAX_LENGTH_PENALTY:g}, "
+              f"{MAX_LENGTH_PENALTY:g}]")
+        self._verify_token_constraints(check, is_count, is_num)
         if self.use_beam_search:
-            self._verify_beam_search(check, is_num)
+            self._verify_beam_search(check)
 
-    def _verify_token_constraints(self, check, is_int, is_num) -> None:
+    def _verify_token_constraints(self, check, is_count, is_num) -> None:
         check(self.structured_outputs is None
               or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "must be a StructuredOutputsParams or None")
         check(self.logit_bias is None or (
             isinstance(self.logit_bias, dict)
-            and all(is_int(k) and k >= 0 for k in self.logit_bias)
-            and all(is_num(v) and -100 <= v <= 100 for v in self.logit_bias.values())),
-            "logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+            and all(is_count(k, 0) for k in self.logit_bias)
+            and all(is_num(v) and abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values())),
+            "logit_bias", f"must map token ids (integers in [0, {MAX_TOKEN_COUNT}]) to finite "
+            f"biases in [-100, 100]")
         check(self.allowed_token_ids is None or (
             isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
-            and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)),
-            "allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+            and all(is_count(t, 0) for t in self.allowed_token_ids)),
+            "allowed_token_ids", f"must be a non-empty list of token ids (integers in "
+            f"[0, {MAX_TOKEN_COUNT}])")
         check(self.bad_words is None or (
             isinstance(self.bad_words, list)
             and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
             "bad_words", "must be a list of non-empty strings")
 
-    def _verify_beam_search(self, check, is_num) -> None:
+    def _verify_beam_search(self, check) -> None:
         check(self.greedy, "temperature", "must be 0 with use_beam_search")
         check(self.top_p == 1.0, "top_p", "must be 1 with use_beam_search")
         check(self.top_k == 0, "top_k", "must be -1 or 0 with use_beam_search")
@@ -235,7 +281,6 @@ class SamplingParams:
             check(getattr(self, name) == 0, name, "must be 0 with use_beam_search")
         check(self.repetition_penalty == 1, "repetition_penalty",
               "must be 1 with use_beam_search")
-        check(is_num(self.length_penalty), "length_penalty", "must be a number")
         check(self.early_stopping in (True, False, "never"), "early_stopping",
               "must be True, False or 'never'")
         check(self.structured_outputs is None, "structured_outputs",

@@ -81,21 +81,26 @@ class OperationReport:
 
 
 def fuzz_operation(operation, base_url: str, max_examples: int, max_tokens: int, mode: str,
-                   seed: int, headers: dict | None = None) -> OperationReport:
-    """Send max_examples generated requests to one operation; every response is checked."""
+                   seed: int, headers: dict | None = None,
+                   deadline_s: float | None = None) -> OperationReport:
+    """Send max_examples generated requests to one operation; every response is checked.
+    deadline_s: a request that takes longer (a hang, a stalled server) is a failure."""
+    import datetime
+
     import requests
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.checks import CHECKS
     from schemathesis.generation import GenerationMode
     from hypothesis import seed as hyp_seed
-    from hypothesis.errors import Unsatisfiable
+    from hypothesis.errors import DeadlineExceeded, Flaky, Unsatisfiable
 
     checks = [CHECKS.get_by_names([name])[0] for name in CHECK_NAMES]
     report = OperationReport(operation.label)
     session = requests.Session()
 
     @hyp_seed(seed)
-    @settings(max_examples=max_examples, deadline=None, database=None,
+    @settings(max_examples=max_examples, database=None,
+              deadline=None if deadline_s is None else datetime.timedelta(seconds=deadline_s),
               phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
@@ -121,13 +126,16 @@ def fuzz_operation(operation, base_url: str, max_examples: int, max_tokens: int,
         run()
     except Unsatisfiable:  # negative mode on an operation without inputs: nothing to break
         pass
+    except (DeadlineExceeded, Flaky) as e:  # Flaky: slow once, then not when replayed
+        report.failures.append(f"a request took over {deadline_s}s: {str(e).strip()[:600]}")
     session.close()
     return report
 
 
 def fuzz_server(base_url: str, max_examples: int, max_tokens: int, modes: list[str],
                 seed: int = 0, only: set[str] | None = None, headers: dict | None = None,
-                verbose: bool = True) -> list[OperationReport]:
+                verbose: bool = True, deadline_s: float | None = None
+                ) -> list[OperationReport]:
     """Fuzz every operation of the server's document (or those whose path is in `only`)."""
     import schemathesis
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json", headers=headers)
@@ -139,7 +147,7 @@ def fuzz_server(base_url: str, max_examples: int, max_tokens: int, modes: list[s
         for mode in modes:
             t = time.perf_counter()
             r = fuzz_operation(operation, base_url, max_examples, max_tokens, mode, seed,
-                               headers)
+                               headers, deadline_s)
             r.label = f"{operation.label} [{mode}]"
             reports.append(r)
             if not verbose:

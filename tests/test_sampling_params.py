@@ -53,6 +53,40 @@ INVALID = [
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"skip_special_tokens": None}, "skip_special_tokens"),
+    # Beyond what the values' types carry (issue 29: a seed of 2**70 failed in manual_seed,
+    # inside the engine step).
+    ({"seed": 2**70}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"n": 2**40}, "n"),
+    ({"n": 1025}, "n"),
+    ({"best_of": 1025}, "best_of"),
+    ({"n": 4, "best_of": 3}, "best_of"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens"),
+    ({"logprobs": 2**31}, "logprobs"),
+    ({"prompt_logprobs": 2**64}, "prompt_logprobs"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"allowed_token_ids": [2**70]}, "allowed_token_ids"),
+    ({"logit_bias": {2**31: 1.0}}, "logit_bias"),
+    # NaN and infinities, which the range comparisons alone would let through or misname.
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+    ({"logit_bias": {1: float("inf")}}, "logit_bias"),
+    # Beam scores divide by length ** length_penalty: checked with or without beam search.
+    ({"length_penalty": float("nan")}, "length_penalty"),
+    ({"length_penalty": 33}, "length_penalty"),
+    ({"length_penalty": -1e300, "use_beam_search": True, "temperature": 0}, "length_penalty"),
+    ({"length_penalty": "1"}, "length_penalty"),
 ]
 
 
@@ -102,6 +136,35 @@ def test_valid_edge_values_accepted_and_normalised():
     SamplingParams(max_tokens=1, min_tokens=1)
     SamplingParams(seed=0, logprobs=0, prompt_logprobs=0, stop_token_ids=[0])
     SamplingParams(n=8, temperature=2.5)
+    # The ends of the type ranges are accepted.
+    SamplingParams(seed=2**63 - 1)
+    SamplingParams(seed=-2**63)
+    SamplingParams(n=1024, best_of=1024, top_k=2**31 - 1, max_tokens=2**31 - 1,
+                   min_tokens=2**31 - 1, logprobs=2**31 - 1, prompt_logprobs=2**31 - 1,
+                   stop_token_ids=[2**31 - 1], logit_bias={2**31 - 1: 100.0})
+    SamplingParams(length_penalty=32.0)
+    SamplingParams(length_penalty=-32, use_beam_search=True, temperature=0, n=2)
+    SamplingParams(temperature=1e300, repetition_penalty=1e-300)
+
+
+def test_huge_values_are_cut_short_in_messages():
+    with pytest.raises(ValueError, match="seed") as exc:
+        SamplingParams(seed=10**5000)  # too long for Python to print
+    assert len(str(exc.value)) < 300
+    with pytest.raises(ValueError, match="stop_token_ids") as exc:
+        SamplingParams(stop_token_ids=list(range(10**5)) + [-1])
+    assert len(str(exc.value)) < 400
+
+
+def test_verify_checks_fields_changed_after_construction():
+    p = SamplingParams()
+    p.seed = 2**70
+    with pytest.raises(ValueError, match="seed"):
+        p.verify()
+    p = SamplingParams()
+    p.top_k, p.stop = -1, "x"
+    p.verify()  # normalised as at construction, derived fields recomputed
+    assert p.top_k == 0 and p.stop == ["x"] and p.stop_strings == ("x",)
 
 
 def test_greedy_and_penalty_properties():
@@ -245,3 +308,60 @@ def test_valid_generate_works_after_failures(llm):
         assert o.outputs[0].finish_reason == "length"
         assert o.outputs[0].text
     assert_engine_clean(llm)
+
+
+def test_out_of_range_seed_is_refused_before_the_step_and_the_engine_keeps_working(llm):
+    # Issue 29: a seed beyond int64 reached torch's manual_seed inside the engine step, which
+    # failed every request and the engine with them.
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**70)
+    # Fields are plain attributes: the engine checks them again when the request is added.
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    params.seed = 2**70
+    with pytest.raises(ValueError, match=r"^seed "):
+        llm.generate(["A valid prompt", "Another"], params, use_tqdm=False)
+    assert_engine_clean(llm)
+    with pytest.raises(ValueError, match=r"^seed "):
+        llm.llm_engine.add_request("bad-seed", "Hello", params)
+    assert_engine_clean(llm)
+    assert params.seed == 2**70  # the caller's object is left as it was
+    # The int64 ends work, and a seed still fixes the sample.
+    for seed in (2**63 - 1, -2**63):
+        p = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=seed)
+        a, b = llm.generate(["Once upon a time", "Once upon a time"], p, use_tqdm=False)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.outputs[0].token_ids) == 4
+    assert_engine_clean(llm)
+
+
+def test_logprobs_above_max_logprobs_are_refused(llm):
+    limit = llm.llm_engine.config.model_config.max_logprobs
+    assert limit == 20  # vLLM's default
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"^{name} \({limit + 1}\) must be <= "
+                                             rf"max_logprobs \({limit}\)"):
+            llm.generate("Hello", SamplingParams(max_tokens=2, **{name: limit + 1}),
+                         use_tqdm=False)
+        assert_engine_clean(llm)
+    out = llm.generate("Hello there", SamplingParams(max_tokens=2, logprobs=limit,
+                                                     prompt_logprobs=limit), use_tqdm=False)[0]
+    assert all(len(pos) >= limit for pos in out.outputs[0].logprobs)
+    assert_engine_clean(llm)
+
+
+def test_max_logprobs_setting():
+    from pagedlm import LLM
+    from pagedlm.engine.arg_utils import EngineArgs
+    for bad in (-2, 1.5, "20", True):
+        with pytest.raises(ValueError, match="max_logprobs"):
+            EngineArgs(max_logprobs=bad).create_engine_config()
+    # -1: no limit of its own, but never more than the vocabulary (the sampler's top-k over
+    # it would fail inside the step).
+    with LLM(max_logprobs=-1, kv_cache_memory_bytes=32 * 2**20, max_model_len=64) as llm:
+        vocab = llm.llm_engine.config.model_config.vocab_size
+        with pytest.raises(ValueError, match=rf"^logprobs \({vocab + 1}\) .*vocabulary"):
+            llm.generate("Hi", SamplingParams(max_tokens=1, logprobs=vocab + 1),
+                         use_tqdm=False)
+        out = llm.generate("Hi", SamplingParams(max_tokens=1, logprobs=100), use_tqdm=False)
+        assert len(out[0].outputs[0].logprobs[0]) >= 100
+        assert_engine_clean(llm)

@@ -33,6 +33,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
+    max_logprobs: int = 20  # most logprobs a request may ask for per token (-1: the vocabulary)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # or "builtin": faster, for single-tenant use
@@ -133,6 +134,10 @@ class EngineArgs:
         positive_int("num_gpu_blocks_override", allow_none=True)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if (not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool)
+                or self.max_logprobs < -1):
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (the vocabulary), "
+                             f"got {self.max_logprobs!r}.")
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
@@ -180,6 +185,7 @@ class EngineArgs:
         # tensor type it cannot run.
         get_quantization_config(quantization, model_dir)
         model_config.quantization = quantization
+        model_config.max_logprobs = self.max_logprobs
         if pooler_config is not None:
             model_config.runner, model_config.pooler_config = "pooling", pooler_config
         model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size,

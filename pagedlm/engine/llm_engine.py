@@ -28,7 +28,7 @@ from pagedlm.lora.request import LoRARequest
 from pagedlm.lora.worker_manager import LoRAStats
 from pagedlm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedlm.pooling_params import PoolingParams
-from pagedlm.sampling_params import SamplingParams
+from pagedlm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
@@ -207,10 +207,16 @@ class LLMEngine:
             # One pass over the prompt and no sampling: scheduled as a one-token request.
             pooling, params = params.clone(), SamplingParams(max_tokens=1,
                                                              output_kind=params.output_kind)
+        else:
+            # A private copy, checked again: its fields are plain attributes, which the caller
+            # may have changed since construction (a bad seed would fail inside a step).
+            params = params.clone()
+            params.verify()
         if request_id in self.requests or request_id in self.beam_searches:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if (not isinstance(priority, int) or isinstance(priority, bool)
+                or not INT64_MIN <= priority <= INT64_MAX):
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}.")
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise ValueError(f"priority ({priority}) is only used with "
                              f"scheduling_policy='priority'; this engine is 'fcfs'.")
@@ -233,7 +239,7 @@ class LLMEngine:
             name = "n" if params.best_of == params.n else "best_of"
             raise ValueError(f"{name} ({params.best_of}) is larger than max_num_seqs "
                              f"({self.config.scheduler_config.max_num_seqs}).")
-        params = params.clone()
+        self._check_logprobs(params)
         self._prepare_token_constraints(params)
         room = max_len - len(ids) + 1  # the last sampled token needs no cache slot
         if params.max_tokens is None or params.max_tokens > room:
@@ -254,10 +260,22 @@ class LLMEngine:
             self.requests[request_id].structured_output = structured
             self._structured_ids.add(request_id)
 
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """max_logprobs, and the vocabulary: the sampler's top-k over the vocabulary fails
+        inside the step for a larger k."""
+        mc = self.config.model_config
+        limit, what = mc.max_logprobs, f"max_logprobs ({mc.max_logprobs})"
+        if limit < 0 or limit > mc.vocab_size:
+            limit, what = mc.vocab_size, f"the vocabulary size ({mc.vocab_size})"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} ({value}) must be <= {what}.")
+
     def _prepare_token_constraints(self, params: SamplingParams) -> None:
         """Check token ids against the vocabulary; turn bad_words into token sequences."""
         vocab = self.config.model_config.vocab_size
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             ids = getattr(params, name)
             bad = [t for t in ids or () if t >= vocab]
             if bad:

@@ -1,22 +1,30 @@
 """The OpenAI API's request and response bodies (pydantic), with vLLM's extra sampling fields.
 
 Requests are validated strictly from JSON (a string is not an integer), and fields this server
-does not know are accepted and ignored, as in vLLM. to_sampling_params() maps a request onto
-SamplingParams, whose own validation names the offending field.
+does not know are accepted and ignored, as in vLLM. Every number has the range SamplingParams
+accepts (shown in the OpenAPI document), and NaN and infinities are refused. to_sampling_params()
+maps a request onto SamplingParams, whose own validation names the offending field.
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedlm.sampling_params import (INT64_MAX, INT64_MIN, MAX_LENGTH_PENALTY, MAX_LOGIT_BIAS,
+                                     MAX_N, MAX_TOKEN_COUNT, RequestOutputKind, SamplingParams,
+                                     StructuredOutputsParams)
 
-# The most logprobs a request may ask for per position (vLLM's default max_logprobs).
+# The most logprobs a request may ask for per position when the caller does not say (vLLM's
+# default max_logprobs; the server passes its engine's).
 MAX_LOGPROBS = 20
+
+# A token id as a request carries it: the engine checks it against its vocabulary.
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)]
+_LOGPROBS_LIMIT = "At most the server's --max-logprobs (default 20)."
 
 
 def random_uuid() -> str:
@@ -28,7 +36,9 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StrictRequest(OpenAIBaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    # JSON has no NaN or Infinity, but Python's json (and pydantic's parser) read them, and
+    # 1e309 reads as infinity: no request setting means anything with them.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 # ---- errors ----
@@ -58,7 +68,8 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class JsonSchemaResponseFormat(StrictRequest):
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False,
+                              populate_by_name=True)
     name: str | None = None
     description: str | None = None
     # "schema" would shadow pydantic's BaseModel.schema.
@@ -79,32 +90,37 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 class _SamplingFields(StrictRequest):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N, description="At most the server's --max-num-seqs.")
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
+        = Field(None, description="Token id (as a string) -> a bias added to its logit.")
     user: str | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_COUNT,
+                              description="-1 or 0: no top-k.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
-    best_of: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_COUNT,
+                                        description=_LOGPROBS_LIMIT)
+    best_of: int | None = Field(None, ge=1, le=MAX_N,
+                                description="At least n; at most the server's --max-num-seqs.")
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: bool | Literal["never"] = False
-    priority: int = 0  # with --scheduling-policy priority: lower runs first
+    # with --scheduling-policy priority: lower runs first
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     # Prefix-cache isolation (vLLM's field): only requests with the same salt share blocks.
     cache_salt: str | None = None
     # Structured outputs and token constraints (OpenAI's response_format, vLLM's extras).
@@ -115,7 +131,7 @@ class _SamplingFields(StrictRequest):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
 
     def _unsupported(self) -> str | None:
@@ -160,12 +176,16 @@ class _SamplingFields(StrictRequest):
         return StructuredOutputsParams(**spec, source_field=source)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:
+                         prompt_logprobs: int | None, max_logprobs: int,
+                         logprobs_field: str = "logprobs") -> SamplingParams:
+        """max_logprobs: the engine's (-1: no limit here, the engine checks the vocabulary);
+        checked here so that the error names the request's field (chat's top_logprobs)."""
         if (msg := self._unsupported()) is not None:
             raise ValueError(msg)
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}.")
+        for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and 0 <= max_logprobs < value:
+                raise ValueError(f"{name} must be <= {max_logprobs} (the server's "
+                                 f"--max-logprobs), got {value}.")
         kwargs: dict[str, Any] = dict(
             n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
@@ -191,10 +211,10 @@ class _SamplingFields(StrictRequest):
 # ---- /v1/completions ----
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKEN_COUNT)
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_COUNT, description=_LOGPROBS_LIMIT)
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -203,11 +223,12 @@ class CompletionRequest(_SamplingFields):
             return "suffix is not supported."
         return super()._unsupported()
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs,
+                                     max_logprobs)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -318,10 +339,12 @@ class ChatCompletionNamedToolChoiceParam(StrictRequest):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    # deprecated by OpenAI in favour of max_completion_tokens
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_COUNT,
+                                     description=_LOGPROBS_LIMIT)
     tools: list[ChatCompletionToolsParam] | None = None
     # None: "auto" when tools are given (as vLLM), else "none"
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None \
@@ -338,13 +361,14 @@ class ChatCompletionRequest(_SamplingFields):
             return "add_generation_prompt and continue_final_message cannot both be true."
         return super()._unsupported()
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs and self.top_logprobs > 0:
             raise ValueError("top_logprobs needs logprobs set to true.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, max_logprobs,
+                                     logprobs_field="top_logprobs")
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -453,16 +477,17 @@ class ModelList(OpenAIBaseModel):
 
 class EmbeddingRequest(StrictRequest):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] = Field(
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description="A text, a list of texts, a token array, or a list of token arrays.")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(
-        None, description="Only for models trained for matryoshka representations.")
+        None, ge=1, le=MAX_TOKEN_COUNT,
+        description="Only for models trained for matryoshka representations.")
     user: str | None = None
     # vLLM's extras
     add_special_tokens: bool = True
     normalize: bool | None = Field(None, description="None: the server's pooler setting.")
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
 
 class EmbeddingData(OpenAIBaseModel):
@@ -519,7 +544,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(StrictRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId] = Field(description="Token ids of the server's vocabulary.")
 
 
 class DetokenizeResponse(OpenAIBaseModel):

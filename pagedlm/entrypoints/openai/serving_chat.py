@@ -59,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
             return err
         try:
             tools = plan_tools(request, self.tool_parser)
-            params = request.to_sampling_params()
+            params = request.to_sampling_params(self.max_logprobs)
             if tools.schema is not None:
                 params = constrain_to_json_schema(params, tools)
             prompt = await self.prompts.chat_prompt(
@@ -73,8 +73,10 @@ class OpenAIServingChat(OpenAIServing):
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
         request_id = f"chatcmpl-{random_uuid()}"
-        streams = await self.submit(request_id, [prompt], params, request.priority,
-                                    request.cache_salt, request.model)
+        streams = await self.submit(
+            request_id, [prompt], params, request.priority, request.cache_salt, request.model,
+            max_tokens_field="max_completion_tokens"
+            if request.max_completion_tokens is not None else "max_tokens")
         if isinstance(streams, JSONResponse):
             return streams
         model = self.model_name(request.model)

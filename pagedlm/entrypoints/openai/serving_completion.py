@@ -24,7 +24,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if (err := self.check_model(request.model)) is not None:
             return err
         try:
-            params = request.to_sampling_params()
+            params = request.to_sampling_params(self.max_logprobs)
             prompts = await self._prompts(request)
         except PromptError as e:
             return error_response(str(e), 400, e.param)

@@ -81,7 +81,12 @@ def param_from_message(message: str, known: set[str]) -> str | None:
     """SamplingParams' errors start with the field's name: report it as the error's param
     (a nested one as its dotted path, e.g. response_format.json_schema.schema)."""
     word = message.split(" ", 1)[0].strip(":,.()")
+    word = _ENGINE_NAMES.get(word, word)
     return word if word.split(".", 1)[0] in known else None
+
+
+# The engine's names in its errors, for what a request calls otherwise.
+_ENGINE_NAMES = {"prompt_token_ids": "prompt"}
 
 
 def clean_logprob(x: float | None) -> float | None:
@@ -161,6 +166,7 @@ class OpenAIServing:
         self.prompts = prompts
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.model_config.max_model_len
+        self.max_logprobs = engine.model_config.max_logprobs
         self.trust_request_chat_template = trust_request_chat_template
 
     def refuse_request_template(self, template: str | None) -> JSONResponse | None:
@@ -182,9 +188,11 @@ class OpenAIServing:
 
     async def submit(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
                      priority: int = 0, cache_salt: str | None = None,
-                     model: str | None = None) -> list[RequestStream] | JSONResponse:
-        """Add one engine request per prompt, all or nothing; an error becomes a response."""
-        if (too_long := self.check_context(prompts, params)) is not None:
+                     model: str | None = None, max_tokens_field: str = "max_tokens"
+                     ) -> list[RequestStream] | JSONResponse:
+        """Add one engine request per prompt, all or nothing; an error becomes a response.
+        max_tokens_field: the request's name for params.max_tokens (for the error)."""
+        if (too_long := self.check_context(prompts, params, max_tokens_field)) is not None:
             return too_long
         if cache_salt is not None:
             prompts = [{**p, "cache_salt": cache_salt} for p in prompts]
@@ -207,8 +215,8 @@ class OpenAIServing:
             raise
         return streams
 
-    def check_context(self, prompts: list[PromptType], params: SamplingParams
-                      ) -> JSONResponse | None:
+    def check_context(self, prompts: list[PromptType], params: SamplingParams,
+                      max_tokens_field: str = "max_tokens") -> JSONResponse | None:
         """As OpenAI and vLLM do: prompt plus max_tokens over the context is a 400, not a
         silently shortened completion."""
         for prompt in prompts:
@@ -220,8 +228,8 @@ class OpenAIServing:
                     f"This model's maximum context length is {self.max_model_len} tokens. "
                     f"However, you requested {len(ids) + params.max_tokens} tokens "
                     f"({len(ids)} in the prompt, {params.max_tokens} in the completion). "
-                    f"Please reduce the length of the prompt or of max_tokens.", 400,
-                    "max_tokens")
+                    f"Please reduce the length of the prompt or of {max_tokens_field}.", 400,
+                    max_tokens_field)
         return None
 
     def abort(self, streams: list[RequestStream]) -> None:
