@@ -4,9 +4,10 @@
 # sources. A wheel missing a .c or .h still runs, on the PyTorch fallbacks with a warning, so
 # this asserts the kernels are available rather than that the example exits 0.
 #
-# Offline: the wheel is built with .venv's setuptools and installed without dependencies; the
-# fresh environment sees .venv's packages (torch, transformers, ...) through a .pth file, after
-# its own site-packages, so `import pagedlm` finds the wheel's copy, never the editable one.
+# Offline (with a recent setuptools in .venv): the wheel is built with .venv's setuptools and
+# installed without dependencies; the fresh environment sees .venv's packages (torch,
+# transformers, ...) through a .pth file, after its own site-packages, so `import pagedlm`
+# finds the wheel's copy, never the editable one.
 # Needs scripts/setup.sh to have run. Takes about a minute.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +34,11 @@ for name in listed:
         (dst / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(name, dst / name)
 EOF
-"$VENV_PY" -m pip wheel --disable-pip-version-check -q --no-deps --no-build-isolation \
+# .venv's setuptools (torch pulls a recent one) builds wheels itself from 70.1 on: then no
+# download; an older one builds in an isolated environment from PyPI, as pyproject.toml says.
+isolation=--no-build-isolation
+"$VENV_PY" -c 'import setuptools.command.bdist_wheel' 2>/dev/null || isolation=
+"$VENV_PY" -m pip wheel --disable-pip-version-check -q --no-deps $isolation \
   -w "$work/dist" "$work/src"
 wheel=$(ls "$work"/dist/pagedlm-*.whl)
 echo "check_wheel: built $(basename "$wheel")"
