@@ -222,6 +222,18 @@ class LoRAConfig:
     max_cpu_loras: int = 1  # adapters kept loaded per worker (>= max_loras)
 
 
+@dataclass
+class RequestLimits:
+    """Caps on a request's lists. Each is walked when the request is added, and every step
+    after by the sampler (bad words, biases) or the stop check (stop strings), so one request
+    with a huge list would slow every other request down. Defaults: vLLM's limits where it has
+    them (1024 logit_bias entries, 128 stop_token_ids), else generous for any real use."""
+    max_bad_words: int = 1000
+    max_logit_bias: int = 1024
+    max_stop_strings: int = 256
+    max_stop_token_ids: int = 128
+
+
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
@@ -251,3 +263,6 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
     trace_file: str | None = None  # the step tracer's Chrome JSON (engine/tracer.py); None: off
     structured_outputs_backend: str = "xgrammar"  # compiles requests' grammars
+    # Seconds a new grammar may take to compile (in a child process, killed past it).
+    structured_outputs_compile_timeout: float = 10.0
+    request_limits: RequestLimits = field(default_factory=RequestLimits)

@@ -6,6 +6,12 @@ import enum
 import json
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedlm.structured_output.limits import check_spec_size, parse_json_schema
+
+if TYPE_CHECKING:
+    from pagedlm.model_executor.layers.token_constraints import TokenConstraints
 
 _SAMPLING_EPS = 1e-5
 
@@ -72,13 +78,7 @@ class StructuredOutputsParams:
                              f"{set_kinds or 'none'}.")
         name = self.source_field or "structured_outputs." + set_kinds[0]
         if self.json is not None:
-            if isinstance(self.json, str):
-                try:
-                    parsed = json.loads(self.json)
-                except ValueError as e:
-                    raise ValueError(f"{name} is not valid JSON: {e}.") from None
-            else:
-                parsed = self.json
+            parsed = parse_json_schema(name, self.json)  # within its size and depth bounds
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError(f"{name} must be a JSON schema (an object), got "
                                  f"{type(parsed).__name__}.")
@@ -100,6 +100,7 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise ValueError("structured_outputs.whitespace_pattern must be a string, got "
                              f"{self.whitespace_pattern!r}.")
+        check_spec_size(self, name)
 
     @property
     def kind(self) -> str:
@@ -159,8 +160,13 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     max_stop_len: int = field(init=False, repr=False)
     all_stop_token_ids: frozenset[int] = field(init=False, repr=False)
-    # bad_words as token id sequences; set by the engine (it needs the tokenizer).
+    # bad_words as token id sequences; set by the engine (it needs the tokenizer), or before the
+    # request reaches it (engine/request_prep.py).
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
+    # logit_bias, allowed_token_ids and bad_words as the sampler applies them (tensors, built
+    # once when the request is added: model_executor/layers/token_constraints.py).
+    token_constraints: TokenConstraints | None = field(default=None, init=False, repr=False,
+                                                       compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,13 +1,15 @@
 """EngineArgs: the user-facing engine settings (vLLM's names), turned into config dataclasses."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
 
 from pagedlm.core.block_hash import HASH_ALGOS
 from pagedlm.config import (EXECUTOR_BACKENDS, KV_CACHE_DTYPES, CacheConfig, EngineConfig,
-                            LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+                            LoRAConfig, ModelConfig, ParallelConfig, RequestLimits,
+                            SchedulerConfig)
 from pagedlm.model_executor.layers.quantization import (get_quantization_config,
                                                         verify_quantization)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
@@ -77,6 +79,12 @@ class EngineArgs:
         return pc
     trace_file: str | None = None  # record each step: Chrome trace JSON, .steps.jsonl beside it
     structured_outputs_backend: str = "xgrammar"  # grammar library for structured outputs
+    # A grammar compiles in a child process, killed past this: its request is then a 400.
+    structured_outputs_compile_timeout: float = 10.0  # seconds a request's new grammar may compile
+    max_bad_words: int = 1000  # most bad_words entries a request may give
+    max_logit_bias: int = 1024  # most logit_bias entries a request may give
+    max_stop_strings: int = 256  # most stop strings a request may give
+    max_stop_token_ids: int = 128  # most stop_token_ids a request may give
 
     def _lora_config(self) -> LoRAConfig | None:
         if not isinstance(self.enable_lora, bool):
@@ -226,7 +234,9 @@ class EngineArgs:
                                              else 0),
             lora_config=lora_config,
             trace_file=os.fspath(self.trace_file) if self.trace_file is not None else None,
-            structured_outputs_backend=self._structured_outputs_backend())
+            structured_outputs_backend=self._structured_outputs_backend(),
+            structured_outputs_compile_timeout=self._compile_timeout(),
+            request_limits=self._request_limits())
 
     def _structured_outputs_backend(self) -> str:
         if self.structured_outputs_backend not in SUPPORTED_BACKENDS:
@@ -234,3 +244,18 @@ class EngineArgs:
                              f"{list(SUPPORTED_BACKENDS)}, got "
                              f"{self.structured_outputs_backend!r}.")
         return self.structured_outputs_backend
+
+    def _compile_timeout(self) -> float:
+        t = self.structured_outputs_compile_timeout
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
+            raise ValueError(f"structured_outputs_compile_timeout must be a number of seconds "
+                             f"> 0, got {t!r}.")
+        return float(t)
+
+    def _request_limits(self) -> RequestLimits:
+        names = [f.name for f in dataclasses.fields(RequestLimits)]
+        for name in names:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}.")
+        return RequestLimits(**{name: getattr(self, name) for name in names})

@@ -21,6 +21,7 @@ restart it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import queue
@@ -34,6 +35,7 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.engine_view import EngineView, take_engine_view
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.metrics import EngineMetrics, EngineSnapshot
+from pagedlm.engine.request_prep import RequestPreparer
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
@@ -88,6 +90,7 @@ class _Add:
     ack: asyncio.Future
     priority: int = 0
     lora_request: object = None  # a LoRARequest
+    compilation: object = None  # its grammar's, prepared on the caller's side
 
 
 @dataclass
@@ -152,6 +155,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # orders "is it dead?" against queueing a command
         self._dead: BaseException | None = None
         self._tokenizer = None
+        self._preparer: RequestPreparer | None = None  # built on first use
         build = None if isinstance(engine, LLMEngine) else engine
         self.engine: LLMEngine = engine if build is None else None
         self._built = threading.Event()  # set by the engine thread once self.engine is there
@@ -220,11 +224,15 @@ class AsyncLLMEngine:
 
         Raises the engine's ValueError for an invalid request (too long, bad params, ...).
         """
+        if self._preparer is None:
+            self._preparer = RequestPreparer(self.engine)
+        # Lists capped and tokenized, grammar compiled: off the engine thread and event loop.
+        params, compilation = await self._preparer.prepare(params)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop)
         ack = loop.create_future()
         self._submit(_Add(request_id, prompt, params, arrival_time or time.time(), stream, ack,
-                          priority, lora_request))
+                          priority, lora_request, compilation))
         try:
             await ack
         except asyncio.CancelledError:
@@ -280,6 +288,8 @@ class AsyncLLMEngine:
             if self._dead is None:
                 self._commands.put(_SHUTDOWN)
         self._thread.join(timeout)
+        if self._preparer is not None:
+            self._preparer.shutdown()
         try:
             self.engine.shutdown()  # stop worker processes, if any
         except Exception:
@@ -342,8 +352,13 @@ class AsyncLLMEngine:
     def _add(self, cmd: _Add) -> None:
         error = None
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time,
-                                    priority=cmd.priority, lora_request=cmd.lora_request)
+            with contextlib.ExitStack() as stack:
+                if cmd.compilation is not None:
+                    stack.enter_context(self.engine.structured_output.adopted(
+                        cmd.params.structured_outputs, cmd.compilation))
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                        cmd.arrival_time, priority=cmd.priority,
+                                        lora_request=cmd.lora_request)
         except Exception as e:  # noqa: BLE001 - a bad request fails itself, not the loop
             error = e
         else:

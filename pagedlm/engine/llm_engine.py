@@ -21,11 +21,13 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.beam_search import BeamSearch
 from pagedlm.engine.output_processor import (OutputProcessor, make_embedding_output,
                                              make_request_output)
+from pagedlm.engine.request_prep import check_request_lists, tokenize_bad_words
 from pagedlm.engine.tracer import StepTimes, StepTracer, TraceMeta
 from pagedlm.executor.abstract import Executor
 from pagedlm.inputs.preprocess import InputPreprocessor, ProcessedPrompt, PromptType
 from pagedlm.lora.request import LoRARequest
 from pagedlm.lora.worker_manager import LoRAStats
+from pagedlm.model_executor.layers.token_constraints import TokenConstraints
 from pagedlm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -116,7 +118,7 @@ class LLMEngine:
         self.loras: dict[int, LoRARequest] = {}
         self.structured_output = StructuredOutputManager(
             config.structured_outputs_backend, self.tokenizer, mc.vocab_size,
-            self.eos_token_ids)
+            self.eos_token_ids, config.structured_outputs_compile_timeout)
         # Requests in the engine that have a grammar: while there are none, no step does any
         # structured-output work.
         self._structured_ids: set[str] = set()
@@ -273,23 +275,14 @@ class LLMEngine:
                 raise ValueError(f"{name} ({value}) must be <= {what}.")
 
     def _prepare_token_constraints(self, params: SamplingParams) -> None:
-        """Check token ids against the vocabulary; turn bad_words into token sequences."""
+        """Check the request's lists against the caps and token ids against the vocabulary;
+        tokenize bad_words unless the caller's side did (engine/request_prep.py); build the
+        sampler's tensors. Linear in the lists, once."""
         vocab = self.config.model_config.vocab_size
-        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
-            ids = getattr(params, name)
-            bad = [t for t in ids or () if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab}): "
-                                 f"{bad[:5]}.")
-        if params.bad_words:
-            # As a word, with and without a leading space: its token ids differ.
-            seqs = []
-            for word in params.bad_words:
-                for text in (word.lstrip(), " " + word.lstrip()):
-                    tokens = self.tokenizer.encode(text, add_special_tokens=False)
-                    if tokens and tokens not in seqs:
-                        seqs.append(tokens)
-            params.bad_words_token_ids = seqs
+        check_request_lists(params, self.config.request_limits, vocab)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
+        params.token_constraints = TokenConstraints.build(params, vocab)
 
     def _add_sequence_group(self, request_id: str, processed: ProcessedPrompt,
                             params: SamplingParams, arrival_time: float, priority: int,

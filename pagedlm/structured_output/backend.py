@@ -6,6 +6,7 @@ only sees these three classes and the shared bitmask layout (bitmask.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import torch
 
@@ -48,12 +49,24 @@ class StructuredOutputBackend(ABC):
     @classmethod
     @abstractmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
-        """A quick check (no tokenizer work) on the caller's thread: ValueError naming the
-        field (structured_outputs.json, ...) if the spec cannot compile."""
+        """A quick check (no parsing, no tokenizer work) on the caller's thread: ValueError
+        naming the field (structured_outputs.json, ...) for a spec this backend never takes."""
 
     @abstractmethod
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The token-level grammar: the costly part, run off the step loop."""
+        """The token-level grammar: the costly part, run off the step loop, on a spec that
+        sandbox_compiler's function compiled within the time limit."""
+
+    @abstractmethod
+    def sandbox_state(self) -> bytes:
+        """What a sandbox process (sandbox.py) needs to compile as this backend does: its
+        tokenizer data, serialized."""
+
+    @classmethod
+    @abstractmethod
+    def sandbox_compiler(cls, state: bytes) -> Callable[[StructuredOutputsParams], None]:
+        """In the sandbox process: a function that compiles a spec with one thread, raising
+        ValueError naming the field if the spec is invalid."""
 
     @abstractmethod
     def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,

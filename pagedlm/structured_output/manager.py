@@ -1,11 +1,24 @@
-"""The engine's side of structured outputs: compile off the step loop, match, fill bitmasks."""
+"""The engine's side of structured outputs: check and compile off the step loop, match, fill
+bitmasks.
+
+A new spec goes through two stages, each on its own low-priority thread: the check compiles it
+in a child process that is killed past the compile time limit (sandbox.py), then the compile
+builds the grammar in this process. prepare() starts them from any thread (the async engine
+calls it on the caller's side and awaits the grammar before the request reaches the engine
+thread); register() on the engine thread finds the result, or (offline, LLMEngine used directly)
+waits for the check alone, so that a bad spec is a ValueError from add_request and the request
+waits in the scheduler only for the compile.
+"""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -13,20 +26,46 @@ from pagedlm.sampling_params import StructuredOutputsParams
 from pagedlm.structured_output.backend import (CompiledGrammar, GrammarMatcher,
                                                StructuredOutputBackend)
 from pagedlm.structured_output.bitmask import GrammarBitmask, bitmask_width
+from pagedlm.structured_output.sandbox import GrammarSandbox
+from pagedlm.utils import lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_BACKENDS = ("xgrammar",)
-# Distinct specs whose compiled grammars are kept; a JSON schema's takes well under 1 MB.
+# Distinct specs whose compilations are kept (failed ones too: a spec that timed out is refused
+# again at once); a JSON schema's grammar takes 0.1 to 10 MB.
 _CACHE_SIZE = 256
 
 
-def _backend_class(name: str) -> type[StructuredOutputBackend]:
+def backend_class(name: str) -> type[StructuredOutputBackend]:
     if name == "xgrammar":
         from pagedlm.structured_output.xgrammar_backend import XGrammarBackend
         return XGrammarBackend
     raise ValueError(f"structured_outputs_backend must be one of {list(SUPPORTED_BACKENDS)}, "
                      f"got {name!r}.")
+
+
+def _new_future() -> Future:
+    # Running from the start: a caller that gives up waiting cannot cancel a compilation that
+    # other requests share.
+    fut: Future = Future()
+    fut.set_running_or_notify_cancel()
+    return fut
+
+
+@dataclass(eq=False)
+class Compilation:
+    """One spec's way to its grammar. `checked`: it compiled in the sandbox within the time
+    limit (or its ValueError); `grammar`: compiled here (or the same error)."""
+    checked: Future = field(default_factory=_new_future)
+    grammar: Future = field(default_factory=_new_future)
+
+    @property
+    def failed_for_the_server(self) -> bool:
+        """Failed for a reason other than the spec (the sandbox could not start, shutdown):
+        not kept, so that the spec is tried again."""
+        return (self.grammar.done() and self.grammar.exception() is not None
+                and not isinstance(self.grammar.exception(), ValueError))
 
 
 class StructuredOutputRequest:
@@ -75,45 +114,110 @@ class StructuredOutputRequest:
 class StructuredOutputManager:
 
     def __init__(self, backend: str, tokenizer, vocab_size: int,
-                 eos_token_ids: frozenset[int]) -> None:
-        self.backend_cls = _backend_class(backend)
+                 eos_token_ids: frozenset[int], compile_timeout: float = 10.0) -> None:
+        self.backend_cls = backend_class(backend)
         self._backend_args = (tokenizer, vocab_size, eos_token_ids)
         self._backend: StructuredOutputBackend | None = None
-        self._backend_lock = threading.Lock()
         self.vocab_size = vocab_size
-        # One thread: compilations queue behind each other, never behind the step loop (xgrammar
-        # compiles with its own threads and releases the GIL while it does).
-        self._pool: ThreadPoolExecutor | None = None
-        self._grammars: OrderedDict[tuple, Future] = OrderedDict()
+        self.compile_timeout = compile_timeout
+        # prepare() runs on callers' threads, register() on the engine thread.
+        self._lock = threading.RLock()
+        self._backend_lock = threading.Lock()  # held while the backend is built (a second)
+        self._check_pool: ThreadPoolExecutor | None = None
+        self._compile_pool: ThreadPoolExecutor | None = None
+        self._sandbox: GrammarSandbox | None = None
+        self._compilations: OrderedDict[tuple, Compilation] = OrderedDict()
+        self._unfinished: set[Compilation] = set()  # failed at shutdown, so none waits forever
+        self._adopted: dict[tuple, Compilation] = {}  # engine thread: see adopted()
         self._pending: list[tuple[str, StructuredOutputRequest]] = []  # (request id, ...)
+        self._closed = False
 
     @property
     def backend(self) -> StructuredOutputBackend:
-        # Built on first use, on the compile thread: the tokenizer's vocabulary scan takes a
-        # while and must not hold up the step loop.
+        # Built on first use, on the check or compile thread: the tokenizer's vocabulary scan
+        # takes a while and must not hold up the step loop.
         with self._backend_lock:
             if self._backend is None:
                 self._backend = self.backend_cls(*self._backend_args)
             return self._backend
 
+    def prepare(self, params: StructuredOutputsParams) -> Compilation:
+        """The spec's compilation: found, or started. Thread-safe; ValueError at once for a
+        spec the backend never takes (the size bounds were checked when params was built)."""
+        key = params.cache_key()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is shutting down")
+            found = self._compilations.get(key)
+            if found is not None and not found.failed_for_the_server:
+                self._compilations.move_to_end(key)
+                return found
+            self.backend_cls.validate(params)
+            if self._check_pool is None:
+                # One thread each: specs queue behind each other, never behind the step loop,
+                # and at most one is compiled in each place at a time.
+                self._check_pool = ThreadPoolExecutor(1, "pagedlm-grammar-check",
+                                                      initializer=lower_thread_priority)
+                self._compile_pool = ThreadPoolExecutor(1, "pagedlm-grammar",
+                                                        initializer=lower_thread_priority)
+            comp = Compilation()
+            self._compilations[key] = comp
+            while len(self._compilations) > _CACHE_SIZE:
+                self._compilations.popitem(last=False)
+            self._unfinished.add(comp)
+            comp.grammar.add_done_callback(lambda _: self._finished(comp))
+            self._check_pool.submit(self._check, params, comp)
+        return comp
+
+    def _finished(self, comp: Compilation) -> None:
+        with self._lock:
+            self._unfinished.discard(comp)
+
+    def _check(self, params: StructuredOutputsParams, comp: Compilation) -> None:
+        try:
+            if self._sandbox is None:
+                self._sandbox = GrammarSandbox(self.backend_cls.name,
+                                               lambda: self.backend.sandbox_state(),
+                                               self.compile_timeout)
+            seconds = self._sandbox.check(params)
+        except BaseException as e:  # noqa: BLE001 - every failure reaches the request
+            _fail(comp, e)
+            return
+        logger.debug("%s compiled in the sandbox in %.3fs", params.field_name, seconds)
+        comp.checked.set_result(None)
+        try:
+            self._compile_pool.submit(self._compile_into, params, comp)
+        except RuntimeError as e:  # shut down meanwhile
+            _fail(comp, e)
+
+    def _compile_into(self, params: StructuredOutputsParams, comp: Compilation) -> None:
+        try:
+            grammar = self._compile(params)
+        except BaseException as e:  # noqa: BLE001
+            _fail(comp, e)
+        else:
+            _settle(comp.grammar, grammar)
+
+    @contextlib.contextmanager
+    def adopted(self, params: StructuredOutputsParams, comp: Compilation) -> Iterator[None]:
+        """On the engine thread, around add_request: register() takes `comp` for params
+        (prepared on the caller's side), even if the cache has dropped it meanwhile."""
+        key = params.cache_key()
+        self._adopted[key] = comp
+        try:
+            yield
+        finally:
+            self._adopted.pop(key, None)
+
     def register(self, request_id: str, params: StructuredOutputsParams
                  ) -> StructuredOutputRequest:
-        """Validate (ValueError naming the field) and start compiling, unless the same spec was
-        compiled before."""
-        key = params.cache_key()
-        fut = self._grammars.get(key)
-        if fut is None or (fut.done() and fut.exception() is not None):
-            self.backend_cls.validate(params)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-grammar")
-            fut = self._pool.submit(self._compile, params)
-            self._grammars[key] = fut
-            while len(self._grammars) > _CACHE_SIZE:
-                self._grammars.popitem(last=False)
-        else:
-            self._grammars.move_to_end(key)
-        request = StructuredOutputRequest(params, fut)
-        if not fut.done():
+        """The request's grammar, compiled or compiling; ValueError naming the field for a spec
+        that does not compile (within the time limit). Waits for the sandbox's verdict unless
+        the spec was prepared: only LLMEngine's own callers (offline) wait here."""
+        comp = self._adopted.get(params.cache_key()) or self.prepare(params)
+        comp.checked.result()  # raises the spec's error
+        request = StructuredOutputRequest(params, comp.grammar)
+        if not comp.grammar.done():
             self._pending.append((request_id, request))
         return request
 
@@ -163,5 +267,27 @@ class StructuredOutputManager:
         return GrammarBitmask(rows, bitmask, self.vocab_size)
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            unfinished = list(self._unfinished)
+        for pool in (self._check_pool, self._compile_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        if self._sandbox is not None:
+            self._sandbox.close()
+        for comp in unfinished:  # queued ones were cancelled: their waiters must not hang
+            _fail(comp, RuntimeError("the engine shut down before the grammar was compiled"))
+
+
+def _settle(fut: Future, result) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+def _fail(comp: Compilation, error: BaseException) -> None:
+    for fut in (comp.checked, comp.grammar):
+        if not fut.done():
+            try:
+                fut.set_exception(error)
+            except cf.InvalidStateError:  # settled by another thread meanwhile
+                pass

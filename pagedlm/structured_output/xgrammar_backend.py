@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from typing import Callable
 
 import torch
 import xgrammar as xgr
@@ -20,21 +22,21 @@ def _choice_ebnf(choices: list[str]) -> str:
 # json_object means a JSON object (OpenAI's), not any JSON value as xgrammar's builtin grammar;
 # not strict, or only {} would match.
 _ANY_OBJECT = {"type": "object"}
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ", re.M)
 
 
-def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
-    kind = params.kind
+def _compile(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams
+             ) -> xgr.CompiledGrammar:
+    kind, any_ws = params.kind, not params.disable_any_whitespace
     if kind == "json":
-        return xgr.Grammar.from_json_schema(params.json,
-                                            any_whitespace=not params.disable_any_whitespace)
+        return compiler.compile_json_schema(params.json, any_whitespace=any_ws)
     if kind == "json_object":
-        return xgr.Grammar.from_json_schema(_ANY_OBJECT, strict_mode=False,
-                                            any_whitespace=not params.disable_any_whitespace)
+        return compiler.compile_json_schema(_ANY_OBJECT, strict_mode=False, any_whitespace=any_ws)
     if kind == "regex":
-        return xgr.Grammar.from_regex(params.regex)
+        return compiler.compile_grammar(xgr.Grammar.from_regex(params.regex))
     if kind == "choice":
-        return xgr.Grammar.from_ebnf(_choice_ebnf(params.choice))
-    return xgr.Grammar.from_ebnf(params.grammar)
+        return compiler.compile_grammar(xgr.Grammar.from_ebnf(_choice_ebnf(params.choice)))
+    return compiler.compile_grammar(xgr.Grammar.from_ebnf(params.grammar))
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -68,10 +70,11 @@ class XGrammarBackend(StructuredOutputBackend):
         super().__init__(tokenizer, vocab_size, eos_token_ids)
         # vocab_size is the model's (its logits' width before padding), which may exceed the
         # tokenizer's: xgrammar never allows the ids that have no token.
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(eos_token_ids))
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids))
         threads = max(1, min(8, os.cpu_count() or 1))
-        self.compiler = xgr.GrammarCompiler(info, max_threads=threads)
+        # Compiles run at low priority beside the engine (manager.py): half the cores at most.
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max(1, threads // 2))
         self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
 
     @classmethod
@@ -79,21 +82,31 @@ class XGrammarBackend(StructuredOutputBackend):
         if params.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is not supported by the "
                              "xgrammar backend (use disable_any_whitespace).")
-        try:
-            _grammar(params)
-        except Exception as e:  # noqa: BLE001 - xgrammar reports parse errors as RuntimeError
-            raise ValueError(f"{params.field_name} is invalid: {e}") from None
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarCompiled:
-        if params.kind == "json":
-            compiled = self.compiler.compile_json_schema(
-                params.json, any_whitespace=not params.disable_any_whitespace)
-        elif params.kind == "json_object":
-            compiled = self.compiler.compile_json_schema(
-                _ANY_OBJECT, strict_mode=False, any_whitespace=not params.disable_any_whitespace)
-        else:
-            compiled = self.compiler.compile_grammar(_grammar(params))
-        return XGrammarCompiled(compiled)
+        return XGrammarCompiled(_compile(self.compiler, params))
+
+    def sandbox_state(self) -> bytes:
+        return self.tokenizer_info.serialize_json().encode()
+
+    @classmethod
+    def sandbox_compiler(cls, state: bytes) -> Callable[[StructuredOutputsParams], None]:
+        info = xgr.TokenizerInfo.deserialize_json(state.decode())
+        # One thread, and no cache: each spec is compiled here once (the manager caches).
+        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+        def compile_spec(params: StructuredOutputsParams) -> None:
+            cls.validate(params)
+            try:
+                _compile(compiler, params)
+            except MemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - xgrammar reports bad specs as RuntimeError
+                # Without the C++ log prefix: "[12:00:00] /project/cpp/regex_converter.cc:83: ".
+                reason = _LOG_PREFIX.sub("", str(e)).strip()
+                raise ValueError(f"{params.field_name} is invalid: {reason}") from None
+
+        return compile_spec
 
     def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
                      rows: list[int]) -> None:

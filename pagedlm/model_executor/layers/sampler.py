@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.model_executor.layers.token_constraints import apply_token_constraints
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 
@@ -50,7 +51,7 @@ class Sampler(torch.nn.Module):
                for p, o in zip(meta.params, meta.output_token_ids)):
             logits = _mask_stop_tokens(logits, meta)
         if meta.any_token_constraints:
-            logits = _apply_token_constraints(logits, meta)
+            logits = apply_token_constraints(logits, meta.params, meta.output_token_ids)
         if meta.grammar_bitmask is not None:
             logits = apply_grammar_bitmask(logits, meta.grammar_bitmask)
         if meta.all_greedy:
@@ -135,43 +136,6 @@ def _mask_stop_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
     for i, (p, out) in enumerate(zip(meta.params, meta.output_token_ids)):
         if len(out) < p.min_tokens and meta.stop_ids[i]:
             logits[i, list(meta.stop_ids[i])] = float("-inf")
-    return logits
-
-
-def _apply_token_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """logit_bias, allowed_token_ids and bad_words: gathered over the rows, applied at once."""
-    logits = logits.clone()
-    bias_rows, bias_ids, bias_vals = [], [], []
-    allow_rows, allow_ids, allowed_rows = [], [], []
-    ban_rows, ban_ids = [], []
-    for i, p in enumerate(meta.params):
-        if p.logit_bias:
-            bias_rows += [i] * len(p.logit_bias)
-            bias_ids += p.logit_bias.keys()
-            bias_vals += p.logit_bias.values()
-        if p.allowed_token_ids:
-            allow_rows += [i] * len(p.allowed_token_ids)
-            allow_ids += p.allowed_token_ids
-            allowed_rows.append(i)
-        if p.bad_words_token_ids:
-            out = meta.output_token_ids[i]
-            for word in p.bad_words_token_ids:
-                # Its last token is banned where the output ends with the rest of it.
-                prefix = word[:-1]
-                if not prefix or out[len(out) - len(prefix):] == prefix:
-                    ban_rows.append(i)
-                    ban_ids.append(word[-1])
-    dev = logits.device
-    if bias_rows:
-        logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
-                          torch.tensor(bias_vals, dtype=logits.dtype, device=dev), accumulate=True)
-    if allowed_rows:
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        keep[torch.tensor(allow_rows, device=dev), torch.tensor(allow_ids, device=dev)] = True
-        rows = torch.tensor(allowed_rows, device=dev)
-        logits[rows] = logits[rows].masked_fill(~keep[rows], float("-inf"))
-    if ban_rows:
-        logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = float("-inf")
     return logits
 
 

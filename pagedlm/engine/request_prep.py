@@ -1,0 +1,111 @@
+"""A request's lists and grammar, checked and prepared before the request reaches the engine.
+
+The engine thread runs every step: anything it does for one request delays all of them. So a
+request's lists are capped (RequestLimits: each is walked every step, by the sampler or the
+stop check), and what takes time is done on the caller's side, off both the engine thread and
+the event loop: bad_words are tokenized on a low-priority thread with its own tokenizer copy,
+and a grammar is checked and compiled (structured_output/manager.py) before the request is
+queued. The engine thread then only checks the caps again (cheap) and builds the sampler's
+tensors (token_constraints.py), in time linear in the lists.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from pagedlm.config import RequestLimits
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.utils import lower_thread_priority
+
+if TYPE_CHECKING:
+    from pagedlm.engine.llm_engine import LLMEngine
+    from pagedlm.structured_output.manager import Compilation
+
+# A bad word is a word or a short phrase: 256 characters leave room for any, and bound what
+# max_bad_words of them cost to tokenize.
+MAX_BAD_WORD_CHARS = 256
+
+
+def check_request_lists(params: SamplingParams, limits: RequestLimits, vocab_size: int) -> None:
+    """ValueError, naming the field and the limit, for a list past its cap or a token id past
+    the vocabulary."""
+    caps = (("bad_words", params.bad_words, limits.max_bad_words, "max_bad_words"),
+            ("logit_bias", params.logit_bias, limits.max_logit_bias, "max_logit_bias"),
+            ("stop", params.stop, limits.max_stop_strings, "max_stop_strings"),
+            ("stop_token_ids", params.stop_token_ids, limits.max_stop_token_ids,
+             "max_stop_token_ids"))
+    for name, items, cap, setting in caps:
+        if items and len(items) > cap:
+            raise ValueError(f"{name} has {len(items)} entries, past the limit of {cap} "
+                             f"({setting}).")
+    if params.allowed_token_ids and len(params.allowed_token_ids) > vocab_size:
+        raise ValueError(f"allowed_token_ids has {len(params.allowed_token_ids)} entries, more "
+                         f"than the vocabulary's {vocab_size} tokens.")
+    for i, word in enumerate(params.bad_words or ()):
+        if len(word) > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"bad_words: entry {i} is {len(word)} characters long, past the "
+                             f"limit of {MAX_BAD_WORD_CHARS}.")
+    for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+        ids = getattr(params, name)
+        bad = [t for t in ids or () if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): "
+                             f"{bad[:5]}.")
+
+
+def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each word's token ids as it would appear, alone and after a space (they differ), in
+    order and without repeats: linear in the words."""
+    seqs: dict[tuple[int, ...], None] = {}  # an ordered set
+    for word in words:
+        word = word.lstrip()
+        for text in (word, " " + word):
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+            if tokens:
+                seqs.setdefault(tuple(tokens))
+    return [list(t) for t in seqs]
+
+
+class RequestPreparer:
+    """The async engine's caller side: prepare() before a request is queued."""
+
+    def __init__(self, engine: "LLMEngine") -> None:
+        self._engine = engine
+        self._pool: ThreadPoolExecutor | None = None
+        self._tokenizer = None  # the pool thread's own copy
+
+    async def prepare(self, params) -> tuple[object, "Compilation | None"]:
+        """(params, with bad_words tokenized; its grammar's compilation, done) or the
+        engine's ValueError. PoolingParams pass through."""
+        if not isinstance(params, SamplingParams):
+            return params, None
+        config = self._engine.config
+        check_request_lists(params, config.request_limits, config.model_config.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            words = list(params.bad_words)
+            tokens = await asyncio.wrap_future(self._executor().submit(self._tokenize, words))
+            params = params.clone()
+            params.bad_words_token_ids = tokens
+        compilation = None
+        if params.structured_outputs is not None:
+            compilation = self._engine.structured_output.prepare(params.structured_outputs)
+            # Its futures cannot be cancelled: a caller giving up leaves it to the others.
+            await asyncio.wrap_future(compilation.grammar)
+        return params, compilation
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, "pagedlm-request-prep",
+                                            initializer=lower_thread_priority)
+        return self._pool
+
+    def _tokenize(self, words: list[str]) -> list[list[int]]:
+        if self._tokenizer is None:  # a fast tokenizer must not be shared between threads
+            self._tokenizer = copy.deepcopy(self._engine.tokenizer)
+        return tokenize_bad_words(self._tokenizer, words)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
