@@ -15,6 +15,7 @@ import torch
 
 from pagedlm import LLM, EngineArgs, SamplingParams
 from pagedlm.sampling_params import StructuredOutputsParams
+from tests.compare_utils import assert_greedy_outputs_match
 from tests.structured_cases import (CHOICE_PROMPT, CHOICES, GRAMMAR, GRAMMAR_PROMPT, GRAMMAR_RE,
                                     REGEX, REGEX_PROMPT, SCHEMAS)
 
@@ -156,25 +157,38 @@ def test_max_tokens_and_stop_strings_cut_structured_output(llm):
 
 
 PREEMPT_SCHEMAS = [s for _, s in OFFLINE]
-PREEMPT_PARAMS = [json_params(s, n=2, temperature=1.0, seed=i)
-                  for i, s in enumerate(PREEMPT_SCHEMAS)]
+# Greedy, compared with the roomy cache's run. That one reads its prompts from the prefix cache
+# the earlier tests filled, the small cache computes them afresh: their logits differ in the
+# last bits, so the tokens match up to a near-tie (tests/compare_utils.py). Logprobs are the
+# raw distribution's, where a grammar's two best tokens may rank low: hence the top 20.
+PREEMPT_GREEDY = [json_params(s, logprobs=20) for s in PREEMPT_SCHEMAS]
+# Sampled, two sequences each (forks preempted and resumed): last-bit differences can move a
+# draw, so these are checked only to be valid, never against the other run.
+PREEMPT_SAMPLED = [json_params(s, n=2, temperature=1.0, seed=i)
+                   for i, s in enumerate(PREEMPT_SCHEMAS[:2])]
 
 
 @pytest.fixture(scope="module")
 def roomy_reference(llm):
-    return llm.chat([chat(p) for p, _ in OFFLINE], PREEMPT_PARAMS, use_tqdm=False)
+    return llm.chat([chat(p) for p, _ in OFFLINE], PREEMPT_GREEDY, use_tqdm=False)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_structured_outputs_valid(roomy_reference, mode):
-    """A cache too small for the batch: sequences are preempted mid-JSON and resumed; outputs
-    equal the roomy cache's and validate; every block comes back."""
+    """A cache too small for the batch: sequences are preempted mid-JSON and resumed; greedy
+    outputs equal the roomy cache's (up to a near-tie), every output validates, and every block
+    comes back."""
     small = LLM(num_gpu_blocks_override=14, preemption_mode=mode, swap_space=0.25)
-    outs = small.chat([chat(p) for p, _ in OFFLINE], PREEMPT_PARAMS, use_tqdm=False)
+    prompts = [chat(p) for p, _ in OFFLINE]
+    outs = small.chat(prompts + prompts[:len(PREEMPT_SAMPLED)], PREEMPT_GREEDY + PREEMPT_SAMPLED,
+                      use_tqdm=False)
     assert small.llm_engine.stats.num_preemptions > 0
-    assert [[c.token_ids for c in o.outputs] for o in outs] == \
-        [[c.token_ids for c in o.outputs] for o in roomy_reference]
-    assert_valid_json(outs, PREEMPT_SCHEMAS)
+    greedy, sampled = outs[:len(PREEMPT_GREEDY)], outs[len(PREEMPT_GREEDY):]
+    identical = assert_greedy_outputs_match([o.outputs[0] for o in roomy_reference],
+                                            [o.outputs[0] for o in greedy])
+    assert identical >= len(greedy) // 2
+    assert all(len(o.outputs) == 2 for o in sampled)
+    assert_valid_json(outs, PREEMPT_SCHEMAS + PREEMPT_SCHEMAS[:len(PREEMPT_SAMPLED)])
     assert_all_blocks_free(small)
     small.shutdown()
 
