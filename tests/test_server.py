@@ -115,15 +115,18 @@ def test_chat_stream_equals_non_stream(client, tokenizer):
                 {"role": "user", "content": "What is the capital of France?"}]
     kwargs = dict(model=MODEL, messages=messages, max_completion_tokens=20, temperature=0.8,
                   seed=7)
-    full = client.chat.completions.create(**kwargs)
+    # Seeded draws are compared on one compute path: a prefix-cache hit on the first call's
+    # blocks would change the logits' last bits, which can move a draw. Own salts: no hits.
+    full = client.chat.completions.create(**kwargs,
+                                          extra_body={"cache_salt": "chat-stream-test-full"})
     assert full.object == "chat.completion"
     (choice,) = full.choices
     assert choice.message.role == "assistant" and choice.message.content
     assert full.usage.prompt_tokens == chat_prompt_len(tokenizer, messages)
     text, roles, finish, usage = "", [], None, None
-    for chunk in client.chat.completions.create(stream=True,
-                                                stream_options={"include_usage": True},
-                                                **kwargs):
+    for chunk in client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"cache_salt": "chat-stream-test-stream"}, **kwargs):
         assert chunk.object == "chat.completion.chunk"
         if chunk.usage is not None:
             usage = chunk.usage

@@ -80,8 +80,12 @@ def test_ten_schemas_n3_streamed_and_not(server, client):
         for c in r.choices:
             assert c.finish_reason == "stop", c.message.content
             jsonschema.validate(json.loads(c.message.content), schema)
-        # Seeded: the stream reassembles to the same three replies.
-        assert [texts[i] for i in range(3)] == [c.message.content for c in r.choices]
+        # The stream reassembles to three valid replies. Not compared with the other call's:
+        # sharing a batch and the prefix cache by arrival order, the two run on other compute
+        # paths, whose last-bit differences can move a seeded draw (tests/compare_utils.py).
+        assert sorted(texts) == [0, 1, 2]
+        for text in texts.values():
+            jsonschema.validate(json.loads(text), schema)
     wait_until_idle(server.engine)
     assert_all_blocks_free(server.engine)
 

@@ -143,14 +143,18 @@ def _stream(client, **kwargs):
 # ---- auto, with the hermes parser ----
 
 def test_auto_hermes_tool_calls_match_the_raw_output(client, tokenizer):
+    # The three calls are compared on one compute path: a prefix-cache hit on another call's
+    # blocks changes the logits' last bits, which can flip a near-tie. Own salts: no hits.
     r = client.chat.completions.create(model=MODEL, messages=FEW_SHOT, tools=TOOLS,
-                                       tool_choice="auto", temperature=0, max_tokens=40)
+                                       tool_choice="auto", temperature=0, max_tokens=40,
+                                       extra_body={"cache_salt": "auto-chat"})
     (choice,) = r.choices
     # The tools went through the template: the prompt is the locally rendered one.
     prompt = _render(tokenizer, FEW_SHOT)
     assert r.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
     raw = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=40,
-                                    extra_body={"add_special_tokens": False}).choices[0].text
+                                    extra_body={"add_special_tokens": False,
+                                                "cache_salt": "auto-raw"}).choices[0].text
     expected = [json.loads(body) for body in
                 re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", raw, re.S)]
     assert expected, f"the model wrote no tool call: {raw!r}"
@@ -162,7 +166,8 @@ def test_auto_hermes_tool_calls_match_the_raw_output(client, tokenizer):
     assert (choice.message.content or "") == raw[:raw.index("<tool_call>")]
 
     calls, content, finish = _stream(client, messages=FEW_SHOT, tools=TOOLS, tool_choice="auto",
-                                     temperature=0, max_tokens=40)
+                                     temperature=0, max_tokens=40,
+                                     extra_body={"cache_salt": "auto-stream"})
     assert finish == "tool_calls" and content == (choice.message.content or "")
     assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == \
         _as_list(choice.message)
@@ -217,12 +222,17 @@ def test_required_arguments_validate(client):
             for call in partial.calls:
                 if call.done:
                     jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
+    # Streamed and not, compared on one compute path: a prefix-cache hit on the other call's
+    # blocks changes the logits' last bits, which can flip a near-tie. Own salts: no hits.
     greedy = client.chat.completions.create(model=MODEL, messages=question, tools=TOOLS,
                                             tool_choice="required", temperature=0,
-                                            max_tokens=120).choices[0]
+                                            max_tokens=120,
+                                            extra_body={"cache_salt": "required-full"}
+                                            ).choices[0]
     _validate(_as_list(greedy.message))
     calls, content, finish = _stream(client, messages=question, tools=TOOLS,
-                                     tool_choice="required", temperature=0, max_tokens=120)
+                                     tool_choice="required", temperature=0, max_tokens=120,
+                                     extra_body={"cache_salt": "required-stream"})
     assert finish == "tool_calls" and content == ""
     assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == \
         _as_list(greedy.message)
