@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
+from tests.compare_utils import assert_greedy_logprobs_match
 
 PROMPTS = [
     "The capital of France is a city that",
@@ -336,10 +337,6 @@ def test_tp_and_pp_match_one_worker(models, name, layouts):
     ref = run(models[name])
     for layout in layouts:
         got = run(models[name], distributed_executor_backend="mp", **layout)
-        for r, g in zip(ref, got):
-            assert g.token_ids == r.token_ids, layout
-            for pos_r, pos_g in zip(r.logprobs, g.logprobs):
-                assert pos_r.keys() == pos_g.keys()
-                for tid, lp in pos_r.items():
-                    assert pos_g[tid].logprob == pytest.approx(lp.logprob, abs=1e-3), layout
+        # Shards sum in another order: the same tokens up to a near-tie, logprobs to there.
+        assert_greedy_logprobs_match(ref, got)
     assert_no_workers_left()

@@ -13,8 +13,8 @@ import pytest
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.executor.abstract import WorkerFailedError
-from tests.test_distributed_executor import (PROMPTS, assert_same, run, seeded_alone,
-                                             seeded_mixed, tiny_models)  # noqa: F401
+from tests.test_distributed_executor import (  # noqa: F401
+    PROMPTS, assert_same, assert_seeded_draws_ignore_the_engine_seed, run, tiny_models)
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
@@ -46,8 +46,8 @@ def test_tp_over_ray_matches_one_worker(tiny_models, ray_cluster):
 
 def test_seeded_sampling_over_ray(tiny_models, ray_cluster):
     path = tiny_models["llama"]
-    assert seeded_mixed(path, tensor_parallel_size=2,
-                        distributed_executor_backend="ray") == seeded_alone(path)
+    assert_seeded_draws_ignore_the_engine_seed(path, tensor_parallel_size=2,
+                                               distributed_executor_backend="ray")
 
 
 def test_a_killed_actor_fails_generate_naming_the_rank(tiny_models, ray_cluster):
