@@ -15,12 +15,6 @@ if TYPE_CHECKING:
 
 _SAMPLING_EPS = 1e-5
 
-
-class RequestOutputKind(enum.Enum):
-    CUMULATIVE = 0  # every output carries everything so far
-    DELTA = 1  # only what is new since the last output
-    FINAL_ONLY = 2  # nothing until the request finishes
-
 # The ranges a request's values may take, so that none can fail inside an engine step (where
 # an error would end every request): each fits the type it reaches. The engine checks its own,
 # tighter limits where it knows them (max_num_seqs, max_logprobs, the vocabulary,
@@ -50,6 +44,12 @@ def short_repr(value, limit: int = 200) -> str:
     except ValueError:  # int -> str beyond sys.get_int_max_str_digits()
         return f"<{type(value).__name__} too large to print>"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # nothing until the request finishes
 
 
 @dataclass

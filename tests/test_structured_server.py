@@ -175,7 +175,7 @@ BAD = [
     ("completions", {"structured_outputs": {"regexp": "a"}}, "structured_outputs"),
     ("completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ("completions", {"logit_bias": {"abc": 5}}, "logit_bias"),
-    ("completions", {"logit_bias": {"5": 500}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 500}}, "logit_bias.5"),  # the entry out of range
     ("completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
     ("completions", {"allowed_token_ids": [99999999]}, "allowed_token_ids"),
     ("chat", {"bad_words": [""]}, "bad_words"),
