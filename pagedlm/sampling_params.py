@@ -6,12 +6,8 @@ import enum
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedlm.structured_output.limits import check_spec_size, parse_json_schema
-
-if TYPE_CHECKING:
-    from pagedlm.model_executor.layers.token_constraints import TokenConstraints
 
 _SAMPLING_EPS = 1e-5
 
@@ -164,9 +160,10 @@ class SamplingParams:
     # request reaches it (engine/request_prep.py).
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
     # logit_bias, allowed_token_ids and bad_words as the sampler applies them (tensors, built
-    # once when the request is added: model_executor/layers/token_constraints.py).
-    token_constraints: TokenConstraints | None = field(default=None, init=False, repr=False,
-                                                       compare=False)
+    # once when the request is added: model_executor/layers/token_constraints.py, a
+    # TokenConstraints; typed `object` because this module is a leaf that imports no layer).
+    token_constraints: object | None = field(default=None, init=False, repr=False,
+                                             compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.entrypoints.cli import make_parser
@@ -36,6 +37,9 @@ def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("PAGEDLM_API_KEY", None)
+    # The thread count conftest chose for this xdist worker: a child with a thread per core,
+    # beside the other worker's processes, spin-waits against them (a chat once ran past 300 s).
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     return env
 
 

@@ -14,7 +14,7 @@ from pagedlm.model_executor.layers.quantization import (get_quantization_config,
                                                         verify_quantization)
 from pagedlm.model_executor.model_loader.model_path import resolve_model
 from pagedlm.pooling_params import PoolerConfig
-from pagedlm.structured_output.manager import SUPPORTED_BACKENDS
+from pagedlm.structured_output.registry import SUPPORTED_BACKENDS
 
 
 # Tokens per step with chunked prefill: enough for GEMM efficiency on a prefill chunk, small

@@ -20,7 +20,6 @@ from pagedlm.sampling_params import SamplingParams
 from pagedlm.utils import lower_thread_priority
 
 if TYPE_CHECKING:
-    from pagedlm.engine.llm_engine import LLMEngine
     from pagedlm.structured_output.manager import Compilation
 
 # A bad word is a word or a short phrase: 256 characters leave room for any, and bound what
@@ -71,7 +70,8 @@ def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
 class RequestPreparer:
     """The async engine's caller side: prepare() before a request is queued."""
 
-    def __init__(self, engine: "LLMEngine") -> None:
+    def __init__(self, engine) -> None:
+        # An LLMEngine; not imported, not even for typing: llm_engine imports this module.
         self._engine = engine
         self._pool: ThreadPoolExecutor | None = None
         self._tokenizer = None  # the pool thread's own copy

@@ -13,10 +13,7 @@ error names the bound it failed.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pagedlm.sampling_params import StructuredOutputsParams
+from typing import Any
 
 # A JSON schema's text (or its dict serialized), in UTF-8 bytes: OpenAI's tool and response
 # schemas are a few KiB; "required" tool choice joins every tool's parameters into one.
@@ -88,7 +85,9 @@ def parse_json_schema(name: str, schema: str | dict | bool) -> Any:
     return parsed
 
 
-def check_spec_size(spec: "StructuredOutputsParams", name: str) -> None:
+# `spec` is a StructuredOutputsParams, not imported: sampling_params imports this module and must
+# stay a leaf of the import graph.
+def check_spec_size(spec: Any, name: str) -> None:
     """The regex, grammar and choice bounds (the JSON schema's are parse_json_schema's), on a
     spec whose fields already have the right types."""
     if spec.regex is not None and len(spec.regex) > MAX_REGEX_CHARS:

@@ -26,23 +26,15 @@ from pagedlm.sampling_params import StructuredOutputsParams
 from pagedlm.structured_output.backend import (CompiledGrammar, GrammarMatcher,
                                                StructuredOutputBackend)
 from pagedlm.structured_output.bitmask import GrammarBitmask, bitmask_width
+from pagedlm.structured_output.registry import backend_class
 from pagedlm.structured_output.sandbox import GrammarSandbox
 from pagedlm.utils import lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_BACKENDS = ("xgrammar",)
 # Distinct specs whose compilations are kept (failed ones too: a spec that timed out is refused
 # again at once); a JSON schema's grammar takes 0.1 to 10 MB.
 _CACHE_SIZE = 256
-
-
-def backend_class(name: str) -> type[StructuredOutputBackend]:
-    if name == "xgrammar":
-        from pagedlm.structured_output.xgrammar_backend import XGrammarBackend
-        return XGrammarBackend
-    raise ValueError(f"structured_outputs_backend must be one of {list(SUPPORTED_BACKENDS)}, "
-                     f"got {name!r}.")
 
 
 def _new_future() -> Future:

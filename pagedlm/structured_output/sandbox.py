@@ -217,7 +217,7 @@ def child_main() -> None:
     fd = sys.stdin.fileno()
     header = json.loads(_read_frame(fd))
     state = _read_frame(fd)
-    from pagedlm.structured_output.manager import backend_class
+    from pagedlm.structured_output.registry import backend_class
     compile_spec = backend_class(header["backend"]).sandbox_compiler(state)
     _limit_memory(header["memory_limit"])
     _set_soft_limit(resource.RLIMIT_CORE, 0)  # killed for its CPU time: no core file
