@@ -1,7 +1,10 @@
 """Shared fixtures: the default model through pagedlm and transformers, and tiny random models."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,31 @@ def pytest_configure(config):
     # spin against each other (a decode step ran 100x slower at load 25 here).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_module_engines():
+    """After each test module, free the engines its fixtures shut down. FastAPI 0.165 keeps
+    every route endpoint it has classified in module-level lru_caches (fastapi.dependencies.
+    models), and build_app's endpoints close over their AsyncLLMEngine: without this, every app a
+    module built kept its engine (model weights included) alive for the rest of the session, and
+    an xdist worker grew past 14 GiB and was OOM-killed. A served process builds one app, so only
+    the tests need it. malloc_trim hands the freed heap back (the worker's malloc settings keep up
+    to 1 GiB per arena otherwise)."""
+    yield
+    try:
+        import fastapi.dependencies.models as fastapi_models
+    except ImportError:
+        fastapi_models = None
+    for value in vars(fastapi_models).values() if fastapi_models else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 @pytest.fixture(scope="session")
