@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pagedlm.attention import kernels  # noqa: E402
 from pagedlm.attention.backends.torch_sdpa import prefill_attention as sdpa_prefill  # noqa: E402
-from pagedlm.attention.paged_attention import PrefillChunk  # noqa: E402
+from pagedlm.attention.metadata import PrefillChunk  # noqa: E402
 
 LAYERS, HQ, HKV, D, BLOCK = 30, 9, 3, 64, 16  # SmolLM2-135M
 

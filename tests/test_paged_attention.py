@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pagedlm.attention import kernels
 from pagedlm.attention.backends import paged_attention
-from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk
+from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
 
 # The kernel is optional only where there is no C compiler; with one, a failed build must fail.
 needs_kernel = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk
+from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
 from pagedlm.config import ModelConfig
 from pagedlm.distributed import parallel_state as ps
 from pagedlm.distributed.parallel_state import (GroupCoordinator, _merge_tensor_dict,

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pagedlm.attention.backends import AttentionBackend, get_attn_backend
-from pagedlm.attention.paged_attention import AttentionMetadata
+from pagedlm.attention.metadata import AttentionMetadata
 
 
 class Attention(nn.Module):

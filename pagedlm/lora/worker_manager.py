@@ -93,6 +93,3 @@ class WorkerLoRAManager:
         s = self.stats
         return LoRAStats(s.num_loads, s.num_evictions, self.manager.num_slot_loads,
                          list(self._cache), list(self.manager.slot_ids))
-
-    def list_adapters(self) -> list[int]:
-        return list(self._cache)

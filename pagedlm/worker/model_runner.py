@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk
+from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
 from pagedlm.config import ModelConfig
 from pagedlm.core.sched_output import ExecuteModelRequest
 from pagedlm.core.scheduler import is_decode

@@ -6,7 +6,7 @@ import torch
 from pagedlm.attention.backends.abstract import AttentionBackend
 from pagedlm.attention.backends.native import NativeKernelBackend
 from pagedlm.attention.backends.torch_sdpa import TorchSDPABackend
-from pagedlm.attention.paged_attention import AttentionMetadata
+from pagedlm.attention.metadata import AttentionMetadata
 
 # In order of preference: the first that supports the dtype and device is used.
 _BACKENDS: tuple[type[AttentionBackend], ...] = (NativeKernelBackend, TorchSDPABackend)

@@ -5,11 +5,11 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from pagedlm.attention.paged_attention import AttentionMetadata
+from pagedlm.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(ABC):
-    """Writes the step's K/V into the paged cache and attends (see paged_attention.py for the
+    """Writes the step's K/V into the paged cache and attends (see attention/metadata.py for the
     batch and cache layout). Stateless across steps: anything it precomputes per step lives on
     the AttentionMetadata, which the layers of one step share."""
 

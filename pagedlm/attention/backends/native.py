@@ -18,7 +18,7 @@ import torch
 from pagedlm.attention import kernels
 from pagedlm.attention.backends.abstract import AttentionBackend
 from pagedlm.attention.backends.torch_sdpa import prefill_attention
-from pagedlm.attention.paged_attention import AttentionMetadata, PrefillChunk, write_kv
+from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk, write_kv
 
 # Longer chunks go to the prefill kernel (or SDPA): the decode kernel handles each query token on
 # its own (dot products), which is faster for decodes and short chunks but loses to blocked

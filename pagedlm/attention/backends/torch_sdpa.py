@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.attention.backends.abstract import AttentionBackend
-from pagedlm.attention.paged_attention import (AttentionMetadata, PrefillChunk, gather_blocks,
-                                               write_kv)
+from pagedlm.attention.metadata import (AttentionMetadata, PrefillChunk, gather_blocks,
+                                       write_kv)
 
 
 class TorchSDPABackend(AttentionBackend):

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedlm.attention.backends import AttentionBackend, get_attn_backend
 from pagedlm.attention.layer import Attention
-from pagedlm.attention.paged_attention import AttentionMetadata
+from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.distributed.parallel_state import get_pp_group
 from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices

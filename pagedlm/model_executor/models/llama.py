@@ -31,7 +31,7 @@ from pagedlm.attention import kernels as attn_kernels
 from pagedlm.attention.backends import AttentionBackend, get_attn_backend
 from pagedlm.attention.backends import native
 from pagedlm.attention.layer import Attention
-from pagedlm.attention.paged_attention import AttentionMetadata
+from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.distributed.parallel_state import get_pp_group
 from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
@@ -45,7 +45,7 @@ from pagedlm.model_executor.layers.quantization.base import PackedLinearMethod
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
-from pagedlm.model_executor.models.utils import CausalLMBase
+from pagedlm.model_executor.models.base import CausalLMBase
 from pagedlm.utils import env_flag
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedlm.attention.backends import AttentionBackend, get_attn_backend
 from pagedlm.attention.layer import Attention
-from pagedlm.attention.paged_attention import AttentionMetadata
+from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.distributed.parallel_state import get_pp_group
 from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
@@ -32,7 +32,7 @@ from pagedlm.model_executor.layers.linear import (ColumnParallelLinear, QKVParal
                                                   ReplicatedLinear, RowParallelLinear)
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
-from pagedlm.model_executor.models.utils import CausalLMBase
+from pagedlm.model_executor.models.base import CausalLMBase
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagedlm.attention.backends import AttentionBackend, get_attn_backend
-from pagedlm.attention.paged_attention import AttentionMetadata
+from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.distributed.parallel_state import get_pp_group
 from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
@@ -29,7 +29,7 @@ from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
 from pagedlm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
-from pagedlm.model_executor.models.utils import CausalLMBase
+from pagedlm.model_executor.models.base import CausalLMBase
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

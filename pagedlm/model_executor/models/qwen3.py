@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pagedlm.attention.backends import AttentionBackend
-from pagedlm.attention.paged_attention import AttentionMetadata
+from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding

@@ -1,4 +1,5 @@
-"""Paged attention: the per-step metadata, the cache layout, and the helpers every backend shares.
+"""Paged-attention metadata: what one step tells the backends, the cache layout, and the
+helpers every backend shares.
 
 The flat batch holds decode tokens first (one query each), then prefill chunks. K/V of every
 token are written into the paged cache through the slot mapping; decodes then read their whole
