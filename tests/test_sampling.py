@@ -56,6 +56,25 @@ def assert_frequencies(counts, expected, draws, tol=0.03):
         assert abs(counts[t] / draws - p) < tol, (t, counts[t] / draws, p)
 
 
+def chi_square_p_value(counts, expected, draws):
+    """Pearson's goodness-of-fit p-value of `counts` against the distribution `expected`
+    (token -> probability, every token of the support listed)."""
+    assert set(counts) <= set(expected), (counts, expected)
+    stat = sum((counts[t] - draws * p) ** 2 / (draws * p) for t, p in expected.items())
+    dof = torch.tensor((len(expected) - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(dof, torch.tensor(stat / 2, dtype=torch.float64)).item()
+
+
+def assert_distribution(counts, expected, draws, wrong):
+    """The draws fit `expected`, and the same draws reject each distribution in `wrong`, so the
+    check could not pass with that mistake in the sampler. The draws are seeded: the p-values are
+    fixed numbers, the thresholds only say how far from the edge they are."""
+    assert_frequencies(counts, expected, draws)
+    assert chi_square_p_value(counts, expected, draws) > 1e-3, (counts, expected)
+    for name, alternative in wrong.items():
+        assert chi_square_p_value(counts, alternative, draws) < 1e-9, name
+
+
 @pytest.fixture(scope="module")
 def perm_logits():
     """50 logits spread over [0, 3] in a random order, so the top ids are not just 0..k-1."""
@@ -65,11 +84,14 @@ def perm_logits():
 
 
 def test_top_k_restricts_support_and_renormalises(perm_logits):
-    k, draws = 5, 6000
+    # The top-5 probabilities all lie within 0.025 of 0.2: enough draws that a uniform pick among
+    # the top k (no renormalised softmax) is rejected by the chi-square test.
+    k, draws = 5, 40000
     counts = sample_many(perm_logits, SamplingParams(temperature=1.0, top_k=k), draws)
     top = perm_logits.topk(k).indices.tolist()
-    probs = perm_logits[top].softmax(-1).tolist()
-    assert_frequencies(counts, dict(zip(top, probs)), draws)
+    probs = perm_logits[top].double().softmax(-1).tolist()
+    assert_distribution(counts, dict(zip(top, probs)), draws,
+                        wrong={"uniform over the top k": dict.fromkeys(top, 1 / k)})
     # Without top_k the support is much wider.
     wide = sample_many(perm_logits, SamplingParams(temperature=1.0), draws)
     assert len(set(wide) - set(top)) > 20
@@ -77,11 +99,16 @@ def test_top_k_restricts_support_and_renormalises(perm_logits):
 
 def test_top_k_with_temperature(perm_logits):
     # temperature 0.5 sharpens the renormalised top-k distribution: logits / T then softmax.
-    k, draws = 3, 6000
+    # The whole effect of T=0.5 against T=1 here is at most 0.021 per token: enough draws that
+    # the T=1 distribution (temperature ignored) is rejected by the chi-square test.
+    k, draws = 3, 40000
     counts = sample_many(perm_logits, SamplingParams(temperature=0.5, top_k=k), draws, seed=1)
     top = perm_logits.topk(k).indices.tolist()
-    probs = (perm_logits[top] / 0.5).softmax(-1).tolist()
-    assert_frequencies(counts, dict(zip(top, probs)), draws)
+    probs = (perm_logits[top].double() / 0.5).softmax(-1).tolist()
+    ignored = perm_logits[top].double().softmax(-1).tolist()
+    assert_distribution(counts, dict(zip(top, probs)), draws,
+                        wrong={"temperature ignored": dict(zip(top, ignored)),
+                               "uniform over the top k": dict.fromkeys(top, 1 / k)})
 
 
 def test_top_p_keeps_smallest_nucleus():
