@@ -1,12 +1,21 @@
-"""Engine configuration: one dataclass per concern, built from EngineArgs."""
+"""Engine configuration: one frozen dataclass per concern, built once from EngineArgs.
+
+Each config checks its own fields in __post_init__ (a ValueError naming the setting), and
+EngineConfig checks how they fit together, so a config that exists is a valid one whoever built
+it. EngineArgs only turns the user's settings into these (defaults that depend on the model,
+names looked up in registries above this module).
+"""
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
+from pagedlm import envs
 from pagedlm.distributed.utils import get_pp_indices
 from pagedlm.model_executor.models.registry import resolve_architecture
 from pagedlm.pooling_params import PoolerConfig
@@ -15,8 +24,23 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16}
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
-@dataclass
+
+def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}.")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model: str  # what the user asked for (None -> default)
     model_dir: str  # resolved HF-format directory
@@ -38,7 +62,36 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_config, dict):  # tests and tools may pass plain keys
-            self.hf_config = PretrainedConfig(**self.hf_config)
+            object.__setattr__(self, "hf_config", PretrainedConfig(**self.hf_config))
+        if self.dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(set(map(str, _DTYPES.values())))}, "
+                             f"got {self.dtype!r}.")
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got "
+                             f"{self.max_model_len!r}.")
+        if self.max_model_len > self.derived_max_model_len:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
+                             f"context length ({self.derived_max_model_len}).")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (the vocabulary), "
+                             f"got {self.max_logprobs!r}.")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a method name or None, got "
+                             f"{self.quantization!r}.")
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}.")
+        if (self.runner == "pooling") != (self.pooler_config is not None):
+            raise ValueError(f"pooler_config is set exactly when runner is 'pooling' (runner "
+                             f"{self.runner!r}, pooler_config {self.pooler_config!r}).")
+        for i in range(self.num_layers):  # a bad window fails here, not inside a layer
+            self.get_sliding_window(i)
+
+    @property
+    def derived_max_model_len(self) -> int:
+        """The model's own context length (max_position_embeddings; 2048 if it has none)."""
+        return self.get_hf("max_position_embeddings") or 2048
 
     def get_hf(self, key: str, default: Any = None) -> Any:
         """A config value, or `default` when the config lacks it or sets it to None."""
@@ -131,9 +184,8 @@ class ModelConfig:
 
         The vocabulary needs no check: it is padded to a multiple of the TP size."""
         tp, pp = tensor_parallel_size, pipeline_parallel_size
-        for field, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}.")
+        _check_positive_int("tensor_parallel_size", tp)
+        _check_positive_int("pipeline_parallel_size", pp)
         if self.num_heads % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's "
                              f"num_attention_heads ({self.num_heads}).")
@@ -146,7 +198,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model: str | None, model_dir: str, dtype: str, max_model_len: int | None,
-                 seed: int) -> "ModelConfig":
+                 seed: int, **settings: Any) -> "ModelConfig":
+        """The config of the HF-format model in `model_dir`; `settings` are the remaining
+        fields (quantization, runner, pooler_config, max_logprobs)."""
         from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
         try:
@@ -159,22 +213,23 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}.")
         # float32 by default: CPU matmuls gain nothing from fp16 and lose accuracy.
         torch_dtype = torch.float32 if dtype == "auto" else _DTYPES[dtype]
-        derived = getattr(hf, "max_position_embeddings", None) or 2048
         if max_model_len is None:
-            max_model_len = derived
-        elif not isinstance(max_model_len, int) or max_model_len < 1:
-            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}.")
-        elif max_model_len > derived:
-            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
-                             f"context length ({derived}).")
-        config = cls(model=model, model_dir=model_dir, dtype=torch_dtype,
-                     max_model_len=max_model_len, architecture=arch, hf_config=hf, seed=seed)
-        for i in range(config.num_layers):  # a bad window fails here, not inside a layer
-            config.get_sliding_window(i)
-        return config
+            max_model_len = getattr(hf, "max_position_embeddings", None) or 2048
+        return cls(model=model, model_dir=model_dir, dtype=torch_dtype,
+                   max_model_len=max_model_len, architecture=arch, hf_config=hf, seed=seed,
+                   **settings)
 
 
-@dataclass
+# The prefix-cache block hash algorithms (core/block_hash.py implements them).
+HASH_ALGOS = ("sha256", "builtin")
+
+# kv_cache_dtype's values and the KV-cache element types they name: "auto" is the model's dtype.
+# (The native kernels read each of these types: kernels/kv_types.py.)
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     # Either an explicit byte budget, an exact block count, or (neither) a share of free RAM.
@@ -188,6 +243,25 @@ class CacheConfig:
     # per block (more blocks in the same budget) at the cost of rounding K/V once.
     cache_dtype: torch.dtype | None = None
 
+    def __post_init__(self) -> None:
+        _check_positive_int("block_size", self.block_size)
+        _check_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        _check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override,
+                            allow_none=True)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}.")
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {list(HASH_ALGOS)}, got "
+                             f"{self.prefix_caching_hash_algo!r}.")
+        if not _is_int(self.swap_space_bytes) or self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be an integer >= 0, got "
+                             f"{self.swap_space_bytes!r}.")
+        if self.cache_dtype not in KV_CACHE_DTYPES.values():
+            raise ValueError(f"cache_dtype must be one of {list(KV_CACHE_DTYPES.values())} "
+                             f"(None: the model's dtype), got {self.cache_dtype!r}.")
+
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return self.cache_dtype or model_dtype
 
@@ -199,30 +273,56 @@ class CacheConfig:
         return self.kv_cache_memory_bytes is not None or self.num_gpu_blocks_override is not None
 
 
-# kv_cache_dtype values: "auto" is the model's dtype.
-KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
-                   "float16": torch.float16}
-
-
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
     enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # or "priority"
+    policy: str = "fcfs"  # or "priority" (EngineArgs' scheduling_policy)
     max_loras: int = 0  # distinct adapters per step (0: LoRA disabled)
     preemption_mode: str = "recompute"  # or "swap"
 
+    def __post_init__(self) -> None:
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive_int("max_model_len", self.max_model_len)
+        _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
+                             f"{self.policy!r}.")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
+                             f"{self.preemption_mode!r}.")
+        if not _is_int(self.max_loras) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}.")
+        batched, max_len = self.max_num_batched_tokens, self.max_model_len
+        # Without chunked prefill a whole prompt must fit in one step's token budget.
+        if batched < max_len and not self.enable_chunked_prefill:
+            raise ValueError(f"max_num_batched_tokens ({batched}) is smaller than max_model_len "
+                             f"({max_len}): a long prompt could never be scheduled. Raise "
+                             f"max_num_batched_tokens, lower max_model_len, or enable "
+                             f"chunked prefill.")
+        if batched < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}).")
 
-@dataclass
+
+@dataclass(frozen=True)
 class LoRAConfig:
     max_loras: int = 1  # adapters in one step (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int = 1  # adapters kept loaded per worker (>= max_loras)
 
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            _check_positive_int(name, getattr(self, name))
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras}).")
 
-@dataclass
+
+@dataclass(frozen=True)
 class RequestLimits:
     """Caps on a request's lists. Each is walked when the request is added, and every step
     after by the sampler (bad words, biases) or the stop check (stop strings), so one request
@@ -233,27 +333,58 @@ class RequestLimits:
     max_stop_strings: int = 256
     max_stop_token_ids: int = 128
 
+    def __post_init__(self) -> None:
+        for name in ("max_bad_words", "max_logit_bias", "max_stop_strings",
+                     "max_stop_token_ids"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}.")
+
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # "uni" (in-process), "mp" (worker processes on this node), "ray"; resolved from None by
-    # EngineArgs: uni for one worker, ray when RAY_ADDRESS names a cluster, else mp.
-    distributed_executor_backend: str = "uni"
+    # "uni" (in-process), "mp" (worker processes on this node), "ray". None is resolved here,
+    # once: uni for one worker, ray when RAY_ADDRESS names a cluster, else mp.
+    distributed_executor_backend: str | None = None
     # Cores each worker may use (torch and kernel threads): the node's cores split between the
-    # workers on it, so N workers never oversubscribe it. None: torch's default.
+    # workers on it, so N workers never oversubscribe it. None: torch's default in-process;
+    # for worker processes it is resolved here to their share of the cores.
     threads_per_worker: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            _check_positive_int(name, getattr(self, name))
+        world = self.world_size
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "uni" if world == 1 else ("ray" if envs.RAY_ADDRESS else "mp")
+            object.__setattr__(self, "distributed_executor_backend", backend)
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{list(EXECUTOR_BACKENDS)} or None, got {backend!r}.")
+        if backend == "uni" and world > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one worker, but "
+                             f"tensor_parallel_size x pipeline_parallel_size is {world}: use "
+                             f"'mp' or 'ray'.")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install "
+                             "'pagedlm[ray]'.")
+        _check_positive_int("threads_per_worker", self.threads_per_worker, allow_none=True)
+        if self.threads_per_worker is None and backend != "uni":  # workers share the cores
+            object.__setattr__(self, "threads_per_worker",
+                               max(1, (os.cpu_count() or 1) // world))
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -261,8 +392,38 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
-    trace_file: str | None = None  # the step tracer's Chrome JSON (engine/tracer.py); None: off
+    trace_file: str | None = None  # the step tracer's Chrome JSON (metrics/tracer.py); None: off
     structured_outputs_backend: str = "xgrammar"  # compiles requests' grammars
     # Seconds a new grammar may take to compile (in a child process, killed past it).
     structured_outputs_compile_timeout: float = 10.0
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+
+    def __post_init__(self) -> None:
+        if self.trace_file is not None:
+            if not isinstance(self.trace_file, (str, os.PathLike)) or not str(self.trace_file):
+                raise ValueError(f"trace_file must be a file path, got {self.trace_file!r}.")
+            parent = os.path.dirname(os.path.abspath(self.trace_file))
+            if not os.path.isdir(parent):
+                raise ValueError(f"trace_file {str(self.trace_file)!r}: its directory "
+                                 f"{parent!r} does not exist.")
+            object.__setattr__(self, "trace_file", os.fspath(self.trace_file))
+        t = self.structured_outputs_compile_timeout
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
+            raise ValueError(f"structured_outputs_compile_timeout must be a number of seconds "
+                             f"> 0, got {t!r}.")
+        object.__setattr__(self, "structured_outputs_compile_timeout", float(t))
+        # How the configs fit together.
+        model, quantization = self.model_config, self.model_config.quantization
+        if quantization is not None and self.lora_config is not None:
+            raise ValueError(f"quantization={quantization!r} cannot be combined with "
+                             f"enable_lora: LoRA adapters need the float base weights.")
+        pc = self.parallel_config
+        model.verify_with_parallel_config(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        sc = self.scheduler_config
+        if sc.max_model_len != model.max_model_len:
+            raise ValueError(f"scheduler_config.max_model_len ({sc.max_model_len}) differs from "
+                             f"model_config.max_model_len ({model.max_model_len}).")
+        max_loras = self.lora_config.max_loras if self.lora_config is not None else 0
+        if sc.max_loras != max_loras:
+            raise ValueError(f"scheduler_config.max_loras ({sc.max_loras}) differs from the "
+                             f"LoRA config's max_loras ({max_loras}; 0 without LoRA).")

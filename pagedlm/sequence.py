@@ -16,7 +16,7 @@ from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedlm.structured_output.manager import StructuredOutputRequest
+    from pagedlm.structured_output.request import StructuredOutputRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -129,7 +129,7 @@ class SequenceGroup:
     # pass over the prompt) and, once the prompt has run, its embedding.
     pooling_params: PoolingParams | None = None
     embedding: list[float] | None = None
-    # Its grammar and per-sequence matchers (structured_output/manager.py), if it has one.
+    # Its grammar and per-sequence matchers (structured_output/request.py), if it has one.
     structured_output: "StructuredOutputRequest | None" = None
 
     @property

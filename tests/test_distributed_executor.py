@@ -16,6 +16,7 @@ import httpx
 import openai
 import psutil
 import pytest
+import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.arg_utils import EngineArgs
@@ -233,7 +234,7 @@ def test_bad_parallel_settings_fail_before_any_process_starts(tiny_models, monke
             LLM(path, **kwargs)
     # KV heads: 12 heads, 4 KV heads; 3 divides the heads but neither divides the other.
     from pagedlm.config import ModelConfig
-    cfg = ModelConfig(None, path, None, 64, "LlamaForCausalLM",
+    cfg = ModelConfig(None, path, torch.float32, 64, "LlamaForCausalLM",
                       {"num_attention_heads": 12, "num_key_value_heads": 4,
                        "num_hidden_layers": 2, "hidden_size": 48, "vocab_size": 100})
     with pytest.raises(ValueError, match="num_key_value_heads"):

@@ -18,7 +18,8 @@ def make_group(rid: str, prompt_len: int, seq_id: int, n: int = 1) -> SequenceGr
 def make_scheduler(num_blocks=64, budget=64, max_seqs=8, block_size=4, chunked=False,
                    **config):
     bm = BlockManager(num_blocks, block_size, watermark=0.0)
-    return Scheduler(SchedulerConfig(budget, max_seqs, 1024, enable_chunked_prefill=chunked,
+    # max_model_len: the budget, the most SchedulerConfig allows without chunked prefill.
+    return Scheduler(SchedulerConfig(budget, max_seqs, budget, enable_chunked_prefill=chunked,
                                      **config), bm), bm
 
 

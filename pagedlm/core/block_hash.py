@@ -19,9 +19,10 @@ import hashlib
 import struct
 from typing import Callable
 
+from pagedlm.config import HASH_ALGOS
+
 BlockHash = bytes | int
 ExtraKeys = tuple[str | int, ...]
-HASH_ALGOS = ("sha256", "builtin")
 
 
 def _encode_extra(extra_keys: ExtraKeys) -> bytes:

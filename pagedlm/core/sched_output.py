@@ -1,75 +1,14 @@
-"""What crosses from the engine to the workers each step: ids and diffs, not live objects.
+"""ExecuteModelRequestBuilder: each SchedulerOutput -> the workers' message (model_io.py).
 
-A request's sampling settings and prompt go to the workers once (NewRequestData); a sequence
-goes once in full (NewSequenceData: a new prompt, a fork, or one whose block table was rewritten
-by a copy-on-write or a swap); afterwards a step carries only what changed: the tokens appended
-since the workers last saw it, the blocks appended to its table, and its computed-token count
-(CachedSequenceData). The workers keep the rest (worker/model_runner.py: tokens, block tables,
-the request's seeded generator), so a decode step costs a few integers per sequence however long
-the sequences are, and crossing a process boundary pickles no detokenizer or metrics.
-
-This mirrors vLLM v1's NewRequestData / CachedRequestData, with sequences as the unit since a
-request's n > 1 sequences fork from one prefilled prompt here.
+It remembers what the workers already hold (the requests sent, each sequence's synced tokens and
+block table), so a step sends only ids and diffs: a request once, a sequence in full once (or
+again after its table was rewritten), and afterwards only what changed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from pagedlm.core.scheduler import SchedulerOutput
-from pagedlm.lora.request import LoRARequest
-from pagedlm.sampling_params import SamplingParams
+from pagedlm.model_io import ExecuteModelRequest, NewRequestData, NewSequenceData
 from pagedlm.sequence import Sequence, SequenceGroup
-from pagedlm.structured_output.bitmask import GrammarBitmask
-
-
-@dataclass
-class NewRequestData:
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    # Workers load the adapter themselves from its path (each TP rank its own slices).
-    lora_request: LoRARequest | None = None
-
-
-@dataclass
-class NewSequenceData:
-    seq_id: int
-    req_id: str
-    token_ids: list[int]  # prompt and output so far
-    block_ids: list[int]
-
-
-@dataclass
-class CachedSequenceData:
-    seq_ids: list[int] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)  # appended since last sent
-    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to its table
-
-
-@dataclass
-class ExecuteModelRequest:
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    new_seqs: list[NewSequenceData] = field(default_factory=list)
-    cached_seqs: CachedSequenceData = field(default_factory=CachedSequenceData)
-    # The step, one entry per scheduled sequence, in scheduling order (aligned lists).
-    seq_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_samples: list[int] = field(default_factory=list)  # 0 mid-prompt, best_of at a fork
-    # Requests whose scheduled prompt chunk should also return prompt logprobs.
-    prompt_logprobs_req_ids: list[str] = field(default_factory=list)
-    # State the workers can drop (finished or aborted since the last step).
-    finished_req_ids: list[str] = field(default_factory=list)
-    finished_seq_ids: list[int] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on device
-    # Structured outputs: the allowed tokens of the samples that have a grammar (None: none do).
-    grammar_bitmask: GrammarBitmask | None = None
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.seq_ids)
 
 
 class ExecuteModelRequestBuilder:

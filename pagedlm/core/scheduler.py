@@ -26,12 +26,8 @@ from dataclasses import dataclass, field
 
 from pagedlm.config import SchedulerConfig
 from pagedlm.core.block_manager import BlockManager
+from pagedlm.model_io import is_decode
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdates
-
-
-def is_decode(num_computed_tokens: int, num_new_tokens: int) -> bool:
-    """One new token after a cached context: attention batches these; the rest are prefills."""
-    return num_new_tokens == 1 and num_computed_tokens > 0
 
 
 @dataclass

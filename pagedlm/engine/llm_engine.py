@@ -16,7 +16,7 @@ from typing import Iterable
 from pagedlm.config import EngineConfig
 from pagedlm.core.block_manager import BlockManager
 from pagedlm.core.sched_output import ExecuteModelRequestBuilder
-from pagedlm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats, is_decode
+from pagedlm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.beam_search import BeamSearch
 from pagedlm.engine.output_processor import (OutputProcessor, make_embedding_output,
@@ -26,8 +26,8 @@ from pagedlm.engine.tracer import StepTimes, StepTracer, TraceMeta
 from pagedlm.executor.abstract import Executor
 from pagedlm.inputs.preprocess import InputPreprocessor, ProcessedPrompt, PromptType
 from pagedlm.lora.request import LoRARequest
-from pagedlm.lora.worker_manager import LoRAStats
 from pagedlm.model_executor.layers.token_constraints import TokenConstraints
+from pagedlm.model_io import LoRAStats, is_decode
 from pagedlm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams

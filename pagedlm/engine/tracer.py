@@ -203,7 +203,7 @@ class StepTracer:
     def scheduled(self, t_start: float, sched: "SchedulerOutput", scheduler: "Scheduler",
                   before: tuple[set[int], set[int]], prefix_hits: int) -> StepRecord:
         """The record of a step just scheduled (its sequences' counts are still pre-step)."""
-        from pagedlm.core.scheduler import is_decode  # the engine's own prefill/decode rule
+        from pagedlm.model_io import is_decode  # the engine's own prefill/decode rule
 
         running, swapped = before
         rec = StepRecord(step=self.num_steps, start=t_start - self.t0, duration=0.0,

@@ -16,8 +16,8 @@ import re
 import types
 import typing
 
-from pagedlm.config import EXECUTOR_BACKENDS
-from pagedlm.core.block_hash import HASH_ALGOS
+from pagedlm import envs
+from pagedlm.config import EXECUTOR_BACKENDS, HASH_ALGOS, KV_CACHE_DTYPES
 from pagedlm.engine.arg_utils import EngineArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -79,7 +79,7 @@ _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcf
             "dtype": ["auto", "float32", "float", "bfloat16", "float16", "half"],
             "quantization": ["int8", "int4", "gguf"],
             "runner": ["generate", "pooling"], "pooling_type": ["LAST", "MEAN"],
-            "kv_cache_dtype": ["auto", "float32", "bfloat16", "float16"]}
+            "kv_cache_dtype": list(KV_CACHE_DTYPES)}
 # Extra spellings, as vLLM users know them.
 _ALIASES = {"kv_cache_memory_bytes": ["--kv-cache-memory"], "tensor_parallel_size": ["-tp"],
             "pipeline_parallel_size": ["-pp"]}
@@ -240,7 +240,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, metavar="N",
                        help="Port to listen on; 0 picks a free one (logged). (default: 8000)")
-    group.add_argument("--api-key", default=os.environ.get("PAGEDLM_API_KEY"), metavar="KEY",
+    group.add_argument("--api-key", default=envs.PAGEDLM_API_KEY, metavar="KEY",
                        help="Require `Authorization: Bearer KEY` on every route but /health "
                             "and the web page (default: $PAGEDLM_API_KEY, else no key).")
     group.add_argument("--max-request-body-bytes", type=parse_size,

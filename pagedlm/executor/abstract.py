@@ -14,8 +14,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from pagedlm.config import EngineConfig
-from pagedlm.core.sched_output import ExecuteModelRequest
-from pagedlm.worker.model_runner import ModelRunnerOutput
+from pagedlm.model_io import ExecuteModelRequest, ModelRunnerOutput
 
 
 _EXECUTORS = {"uni": "pagedlm.executor.uniproc_executor:UniProcExecutor",

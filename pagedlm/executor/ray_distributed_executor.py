@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any
 
+from pagedlm import envs
 from pagedlm.config import EngineConfig
 from pagedlm.executor.abstract import Executor, WorkerFailedError
 
@@ -56,7 +57,7 @@ class RayDistributedExecutor(Executor):
         pc = self.config.parallel_config
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            address = os.environ.get("RAY_ADDRESS")
+            address = envs.RAY_ADDRESS
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      **({} if address else {"num_cpus": max(pc.world_size, os.cpu_count() or 1)}))
         self.placement_group = placement_group([{"CPU": 1}] * pc.world_size, strategy="PACK")

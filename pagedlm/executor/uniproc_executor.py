@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedlm.core.sched_output import ExecuteModelRequest
 from pagedlm.executor.abstract import Executor
-from pagedlm.worker.model_runner import ModelRunnerOutput
+from pagedlm.model_io import ExecuteModelRequest, ModelRunnerOutput
 from pagedlm.worker.worker import Worker
 
 

@@ -4,23 +4,13 @@ puts each step's adapters into the device slots."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from pagedlm.lora.models import LoRAModel, LoRAModelManager, SlotWeights
 from pagedlm.lora.request import LoRARequest
-
-
-@dataclass
-class LoRAStats:
-    """Counters of one worker since start-up."""
-    num_loads: int = 0  # adapters read from disk (reloads after an eviction included)
-    num_evictions: int = 0  # adapters dropped from the cache to make room
-    num_slot_loads: int = 0  # adapters copied into a device slot
-    cached_ids: list[int] = field(default_factory=list)  # least recently used first
-    slot_ids: list[int | None] = field(default_factory=list)
+from pagedlm.model_io import LoRAStats
 
 
 class WorkerLoRAManager:

@@ -23,10 +23,10 @@ from typing import Iterator
 import torch
 
 from pagedlm.sampling_params import StructuredOutputsParams
-from pagedlm.structured_output.backend import (CompiledGrammar, GrammarMatcher,
-                                               StructuredOutputBackend)
+from pagedlm.structured_output.backend import CompiledGrammar, StructuredOutputBackend
 from pagedlm.structured_output.bitmask import GrammarBitmask, bitmask_width
 from pagedlm.structured_output.registry import backend_class
+from pagedlm.structured_output.request import StructuredOutputRequest
 from pagedlm.structured_output.sandbox import GrammarSandbox
 from pagedlm.utils import lower_thread_priority
 
@@ -58,49 +58,6 @@ class Compilation:
         not kept, so that the spec is tried again."""
         return (self.grammar.done() and self.grammar.exception() is not None
                 and not isinstance(self.grammar.exception(), ValueError))
-
-
-class StructuredOutputRequest:
-    """A request's grammar (being compiled, or ready) and one matcher per sequence."""
-
-    def __init__(self, params: StructuredOutputsParams, grammar: Future) -> None:
-        self.params = params
-        self._grammar = grammar
-        self._matchers: dict[int, GrammarMatcher] = {}
-
-    @property
-    def ready(self) -> bool:
-        """Compiled: it may be scheduled. (One that failed never is: the engine aborts it.)"""
-        return self._grammar.done() and self._grammar.exception() is None
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._grammar.exception() if self._grammar.done() else None
-
-    def matcher(self, seq) -> GrammarMatcher:
-        """seq's matcher. A sequence seen for the first time (the first, or one forked from it)
-        starts at the grammar's start and replays its output so far."""
-        m = self._matchers.get(seq.seq_id)
-        if m is None:
-            grammar: CompiledGrammar = self._grammar.result()
-            m = self._matchers[seq.seq_id] = grammar.new_matcher()
-            for t in seq.output_token_ids:
-                if not m.accept_token(t):
-                    raise RuntimeError(f"sequence {seq.seq_id}: its own output token {t} "
-                                       f"does not match its grammar")
-        return m
-
-    def accept_token(self, seq, token_id: int) -> bool:
-        """Advance seq's matcher by the token it just sampled (before it is appended). True:
-        the sequence must end here (its grammar is complete, or, where something else masked
-        what the grammar wanted, the token breaks it)."""
-        m = self.matcher(seq)
-        if not m.accept_token(token_id):
-            logger.warning("structured output: sequence %d sampled token %d, which its grammar "
-                           "does not allow (min_tokens or another mask conflicts with it); "
-                           "ending it", seq.seq_id, token_id)
-            return True
-        return m.is_terminated()
 
 
 class StructuredOutputManager:

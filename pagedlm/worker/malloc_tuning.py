@@ -18,7 +18,7 @@ import ctypes
 import logging
 import sys
 
-from pagedlm.utils import env_flag
+from pagedlm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ _SETTINGS = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TO
 
 def keep_freed_memory() -> bool:
     """Apply the settings to this process; whether they took (glibc on Linux only)."""
-    if env_flag("PAGEDLM_DEFAULT_MALLOC") or not sys.platform.startswith("linux"):
+    if envs.PAGEDLM_DEFAULT_MALLOC or not sys.platform.startswith("linux"):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

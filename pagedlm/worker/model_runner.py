@@ -2,7 +2,7 @@
 
 It keeps each request's and sequence's state between steps (tokens, block table, sampling
 settings, the seeded generator), updated from the ids and diffs the engine sends
-(core/sched_output.py), so the same runner serves in-process and in worker processes. Its output
+(model_io.py), so the same runner serves in-process and in worker processes. Its output
 maps sequence ids to rows of the sampler's output.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ import torch
 
 from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
 from pagedlm.config import ModelConfig
-from pagedlm.core.sched_output import ExecuteModelRequest
-from pagedlm.core.scheduler import is_decode
 from pagedlm.distributed import IntermediateTensors
 from pagedlm.lora.request import LoRARequest
 from pagedlm.model_executor.layers.pooler import Pooler
-from pagedlm.model_executor.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagedlm.model_executor.layers.sampler import Sampler, SamplingMetadata
+from pagedlm.model_io import (ExecuteModelRequest, ModelRunnerOutput, PromptLogprobs,
+                              SamplerOutput, StepTimings, is_decode)
 from pagedlm.sampling_params import SamplingParams
 
 
@@ -58,36 +58,6 @@ class ModelInput:
     prompt_logprobs: list[PromptLogprobsRequest]
     first_sample_row: dict[int, int]  # seq id -> its first row of sample_rows
     last_row: dict[int, int] | None = None  # seq id -> its last row of the flat batch
-
-
-@dataclass
-class PromptLogprobs:
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
-    top_token_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
-@dataclass
-class StepTimings:
-    prepare_s: float  # building the flat batch
-    forward_s: float  # model forward and logits (communication inside included)
-    sample_s: float  # sampler and prompt logprobs
-    comm_s: float = 0.0  # of the above, in collectives and pipeline transfers (this rank)
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampler_output: SamplerOutput
-    # seq id -> its first row in sampler_output; a sequence sampled k times has k rows from
-    # there (k > 1 where a prompt forks into best_of sequences).
-    first_sample_row: dict[int, int]
-    prompt_logprobs: dict[str, PromptLogprobs]  # req id -> this step's prompt positions
-    timings: StepTimings
-    # Pooling runner: seq id -> its prompt's pooled final hidden state (float32, on the host),
-    # for the sequences whose prompt completed this step; nothing is sampled.
-    pooled: dict[int, torch.Tensor] | None = None
 
 
 def _num_logprobs(sp: SamplingParams) -> int:

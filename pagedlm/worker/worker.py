@@ -16,18 +16,18 @@ import torch
 
 from pagedlm.attention import kernels
 from pagedlm.config import EngineConfig
-from pagedlm.core.sched_output import ExecuteModelRequest
 from pagedlm.distributed import (IntermediateTensors, default_backend,
                                  ensure_model_parallel_initialized, get_pp_group, get_tp_group,
                                  init_distributed_environment)
 from pagedlm.distributed.parallel_state import destroy_distributed_environment
 from pagedlm.lora.request import LoRARequest
-from pagedlm.lora.worker_manager import LoRAStats, WorkerLoRAManager
+from pagedlm.lora.worker_manager import WorkerLoRAManager
 from pagedlm.model_executor.model_loader.loader import get_model
+from pagedlm.model_io import ExecuteModelRequest, LoRAStats, ModelRunnerOutput
 from pagedlm.utils import available_memory_bytes, cdiv
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagedlm.worker.malloc_tuning import keep_freed_memory
-from pagedlm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedlm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.model_executor.layers.token_constraints import apply_token_constraints
+from pagedlm.model_io import SamplerOutput
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 
@@ -26,15 +27,6 @@ class SamplingMetadata:
     max_num_logprobs: int  # -1 when no row wants logprobs
     any_token_constraints: bool = False  # some row has logit_bias, allowed_token_ids, bad_words
     grammar_bitmask: GrammarBitmask | None = None  # rows with a grammar: their allowed tokens
-
-
-@dataclass
-class SamplerOutput:
-    sampled_token_ids: list[int]
-    sampled_logprobs: list[float] | None  # None unless some row wants logprobs
-    ranks: list[int] | None
-    top_token_ids: list[list[int]] | None
-    top_logprobs: list[list[float]] | None
 
 
 class Sampler(torch.nn.Module):

