@@ -209,3 +209,46 @@ def test_serve_stops_cleanly_on_sigint(served):
     proc = served[1]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
+
+
+def test_configs_check_their_own_fields_and_are_frozen(monkeypatch):
+    """Each config refuses a bad value itself, whoever builds it, and cannot change after."""
+    from pagedlm import envs
+    from pagedlm.config import (CacheConfig, LoRAConfig, ParallelConfig, RequestLimits,
+                                SchedulerConfig)
+    cases = [(lambda: CacheConfig(block_size=0), "block_size must be a positive integer"),
+             (lambda: CacheConfig(prefix_caching_hash_algo="md5"), "prefix_caching_hash_algo"),
+             (lambda: CacheConfig(cache_dtype=torch.int8), "cache_dtype"),
+             (lambda: SchedulerConfig(8, 16, 8), r"max_num_batched_tokens \(8\) must be >= "),
+             (lambda: SchedulerConfig(64, 8, 128, enable_chunked_prefill=False),
+              r"max_num_batched_tokens \(64\) is smaller than max_model_len \(128\)"),
+             (lambda: SchedulerConfig(64, 8, 64, policy="lifo"), "scheduling_policy"),
+             (lambda: LoRAConfig(max_loras=2, max_cpu_loras=1), r"max_cpu_loras \(1\) must be"),
+             (lambda: RequestLimits(max_bad_words=-1), "max_bad_words must be an integer >= 0"),
+             (lambda: ParallelConfig(2, 1, "uni"), "distributed_executor_backend 'uni'"),
+             (lambda: ParallelConfig(0), "tensor_parallel_size must be a positive integer")]
+    for make, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make()
+    # A backend left to ParallelConfig is resolved once, with the workers' share of the cores.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    pc = ParallelConfig(2, 1)
+    assert pc.distributed_executor_backend == "mp"
+    assert pc.threads_per_worker == max(1, (os.cpu_count() or 1) // 2)
+    assert ParallelConfig().distributed_executor_backend == "uni"
+    # EngineArgs only assembles: what it is given reaches the configs' constructors.
+    config = EngineArgs(max_model_len=256, max_logprobs=5, max_num_seqs=4).create_engine_config()
+    assert (config.model_config.max_logprobs, config.model_config.runner) == (5, "generate")
+    assert config.scheduler_config.max_num_seqs == 4
+    for part in (config, config.model_config, config.cache_config, config.scheduler_config,
+                 config.parallel_config, config.request_limits):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(part, dataclasses.fields(part)[0].name, None)
+    # Environment variables are read when asked for, not at import.
+    monkeypatch.setenv("PAGEDLM_DISABLE_ONEDNN", "yes")
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "yes")  # vLLM takes 1/true only
+    assert envs.PAGEDLM_DISABLE_ONEDNN and not envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    monkeypatch.delenv("PAGEDLM_DISABLE_ONEDNN")
+    assert not envs.PAGEDLM_DISABLE_ONEDNN
+    with pytest.raises(AttributeError):
+        envs.PAGEDLM_NOT_A_SETTING
