@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pagedlm.attention import kernels  # noqa: E402
+from pagedlm.kernels import attention as kernels  # noqa: E402
 from pagedlm.attention.backends.torch_sdpa import prefill_attention as sdpa_prefill  # noqa: E402
 from pagedlm.attention.metadata import PrefillChunk  # noqa: E402
 

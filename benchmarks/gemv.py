@@ -5,7 +5,7 @@ batches its time is how fast the weights stream. This script loads the model the
 does and runs each of its linear layers (and the LM head) once per pass, at each `--rows`, through
 each path that can run it, reporting the median pass time and the weight bandwidth it implies:
 
-  float32: gemv (pagedlm's row-major kernel, layers/gemv.py), panels (its panel kernel, which
+  float32: gemv (pagedlm's row-major kernel, kernels/gemv.py), panels (its panel kernel, which
            the layers use past gemv.GEMV_MAX_ROWS on AVX-512), onednn (oneDNN's pre-packed GEMM,
            their path where the panel kernel does not run), torch (plain F.linear);
   quantized: the layer's own path (its LinearMethod.apply).
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pagedlm import LLM  # noqa: E402
-from pagedlm.model_executor.layers import gemv  # noqa: E402
+from pagedlm.kernels import gemv  # noqa: E402
 from pagedlm.model_executor.layers.linear import LinearMethodBase, pack_weight  # noqa: E402
 
 

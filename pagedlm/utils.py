@@ -2,6 +2,18 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+from pagedlm import envs
+
+
+def cache_root() -> Path:
+    """Where converted models and built kernels live: ``$PAGEDLM_CACHE_DIR``, else
+    ``~/.cache/pagedlm``."""
+    configured = envs.PAGEDLM_CACHE_DIR
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "pagedlm"
 
 
 def available_memory_bytes() -> int:
@@ -18,10 +30,6 @@ def available_memory_bytes() -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
 # The nice value of background work a request can make long (compiling its grammar,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedlm.attention import kernels
+from pagedlm.kernels import loader
 from pagedlm.model_executor.model_loader.model_path import CONVERSION_MARKER, resolve_model
 from pagedlm.staging import staging_prefix
 from tests.test_model_loading import _tiny_hf_state, write_tiny_gguf
@@ -36,8 +36,8 @@ model_path.resolve_model(sys.argv[1])
 STALLED_BUILD = """
 import sys
 from pathlib import Path
-from pagedlm.attention import kernels
-kernels._build((Path(sys.argv[1]),), name="stalled")
+from pagedlm.kernels import loader
+loader.build((Path(sys.argv[1]),), name="stalled")
 """
 
 
@@ -138,12 +138,12 @@ def test_killed_kernel_build_is_removed_and_a_live_one_kept(cache, tmp_path):
     try:
         [temporary] = wait_for(temporaries, "temporary library", child)
         # Another library built (for real) while the child compiles: its temporary stays.
-        built = kernels._build((source,), name="other")
+        built = loader.build((source,), name="other")
         assert built.is_file() and temporary.is_file()
         kill_group(child)
         assert temporary.is_file()
         # The next build, here a cache hit, removes it.
-        assert kernels._build((source,), name="other") == built
+        assert loader.build((source,), name="other") == built
         assert temporaries() == []
     finally:
         kill_group(child)
@@ -162,5 +162,5 @@ def test_old_style_kernel_temporaries_are_removed_once_stale(cache, tmp_path):
     fresh.write_bytes(b"\x7fELF")
     two_hours_ago = time.time() - 7200
     os.utime(old, (two_hours_ago, two_hours_ago))
-    kernels._build((source,), name="k")
+    loader.build((source,), name="k")
     assert not old.exists() and fresh.exists()

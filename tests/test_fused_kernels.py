@@ -13,14 +13,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedlm.attention import kernels
+from pagedlm import kernels
 from pagedlm.attention.backends import NativeKernelBackend, TorchSDPABackend, paged_attention
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from tests.test_paged_attention import CASES, _dense_reference, _scenario
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
+# Not module-wide: the PyTorch paths production takes without a compiler run the same checks.
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
+
+
+@pytest.fixture(params=[pytest.param("native", marks=needs_gcc), "disabled"])
+def kernel_path(request, monkeypatch) -> str:
+    """The layers' native kernels, or their PyTorch path (PAGEDLM_DISABLE_KERNELS=1)."""
+    if request.param == "disabled":
+        monkeypatch.setenv("PAGEDLM_DISABLE_KERNELS", "1")
+    return request.param
 
 # Token counts: a decode, a small ragged batch, and one large enough to take the threaded path.
 TOKENS = [1, 7, 300]
@@ -33,11 +42,11 @@ def _torch_rms(x, w, eps, residual=None):
 
 
 @pytest.mark.parametrize("tokens,hidden", [(1, 576), (7, 576), (300, 576), (7, 64)])
-def test_rms_norm(tokens, hidden):
+def test_rms_norm(tokens, hidden, kernel_path):
     g = torch.Generator().manual_seed(tokens * hidden)
     norm = RMSNorm(hidden, 1e-5)
     norm.weight.data = torch.randn(hidden, generator=g)
-    assert norm.native
+    assert norm.native == (kernel_path == "native")
     wide = torch.randn(tokens, hidden + 32, generator=g) * 3
     x = wide[:, :hidden]  # a view with a row stride, as a split of a wider output is
     residual = torch.randn(tokens, hidden, generator=g)
@@ -51,17 +60,18 @@ def test_rms_norm(tokens, hidden):
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 1536), (7, 1536), (300, 1536), (3, 8)])
-def test_silu_and_mul(tokens, inter):
+def test_silu_and_mul(tokens, inter, kernel_path):
     g = torch.Generator().manual_seed(tokens + inter)
     # Wide range: both sigmoid branches, saturation, and exact zeros.
     x = torch.randn(tokens, 2 * inter, generator=g) * 8
     x[0, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])
     act = SiluAndMul()
-    assert act.native
+    assert act.native == (kernel_path == "native")
     ref = F.silu(x[:, :inter]) * x[:, inter:]
     torch.testing.assert_close(act(x), ref, rtol=2e-6, atol=1e-6)
 
 
+@needs_gcc
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [
     (9, 3, 64, None),    # the default model (GQA 3:1)
@@ -89,7 +99,8 @@ def test_rotary_in_place(tokens, heads, kv_heads, head_dim, rotary_dim):
     assert torch.equal(v, v_before)
 
 
-@pytest.mark.parametrize("cache_dtype", kernels.KV_CACHE_DTYPES)
+@needs_gcc
+@pytest.mark.parametrize("cache_dtype", kernels.kv_types.KERNEL_KV_DTYPES)
 def test_write_kv_rounds_like_torch(cache_dtype):
     g = torch.Generator().manual_seed(3)
     num_blocks, block_size, kv_heads, head_dim, tokens = 9, 16, 3, 64, 21
@@ -102,7 +113,7 @@ def test_write_kv_rounds_like_torch(cache_dtype):
     slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
     caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
               for _ in range(4)]
-    kernels.write_kv(key, value, caches[0], caches[1], slots)
+    kernels.fused_ops.write_kv(key, value, caches[0], caches[1], slots)
     flat = [c.view(-1, kv_heads, head_dim) for c in caches]
     flat[2][slots] = key.to(cache_dtype)
     flat[3][slots] = value.to(cache_dtype)
@@ -120,7 +131,8 @@ def _rounded_scenario(scenario, dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", [NativeKernelBackend, TorchSDPABackend])
+@pytest.mark.parametrize("backend", [pytest.param(NativeKernelBackend, marks=needs_gcc),
+                                     TorchSDPABackend])
 # Decodes only, decodes with a context chunk, fresh prompts around one, long (SDPA) chunks.
 @pytest.mark.parametrize("case", [1, 4, 5, 6, 8])
 # 40: off the AVX-512 loops' multiple of 16, so the kernel widens rows into its portable copy.
@@ -141,6 +153,7 @@ def test_attention_over_narrow_cache(cache_dtype, backend, case, head_dim):
     assert torch.equal(written, key.to(cache_dtype))
 
 
+@needs_gcc
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 def test_narrow_cache_window_and_soft_cap(cache_dtype):
     """Sliding window and soft-capping read the narrow cache the same way in both backends."""

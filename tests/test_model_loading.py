@@ -12,10 +12,10 @@ from pagedlm.model_executor.model_loader import gguf_loader, model_path
 from pagedlm.model_executor.model_loader.gguf_loader import convert_gguf
 from pagedlm.model_executor.model_loader.model_path import (
     CONVERSION_MARKER,
-    cache_root,
     default_model_file,
     resolve_model,
 )
+from pagedlm.utils import cache_root
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

@@ -34,9 +34,12 @@ def native_sources(root: Path) -> set[Path]:
 
 def test_wheel_ships_every_c_source_and_header(monkeypatch):
     native = native_sources(ROOT)
-    # The headers the kernels include and the sources each builder compiles, at the least.
-    assert {"kv_types.h", "vec_math.h", "gemv_f32.c", "quant_matmul.c",
-            "llama_decode.c"} <= {p.name for p in native}
+    # What the loader compiles (every .c in pagedlm/csrc) and the headers they include.
+    csrc = ROOT / "pagedlm" / "csrc"
+    assert {csrc / "include" / h for h in ("pagedlm_ops.h", "kv_types.h", "vec_math.h",
+                                            "parallel.h")} <= native
+    assert {csrc / c for c in ("paged_attention.c", "prefill_attention.c", "fused_ops.c",
+                               "gemv_f32.c", "quant_matmul.c", "llama_decode.c")} <= native
     assert sorted(map(str, native - package_data_files(ROOT, monkeypatch))) == []
 
 

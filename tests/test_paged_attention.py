@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedlm.attention import kernels
+from pagedlm import kernels
 from pagedlm.attention.backends import paged_attention
 from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
+from pagedlm.kernels import attention as attn
+from pagedlm.kernels import loader
 
 # The kernel is optional only where there is no C compiler; with one, a failed build must fail.
 needs_kernel = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
@@ -190,7 +192,7 @@ def test_kernel_block_sizes(block_size, monkeypatch):
 
 @needs_kernel
 def test_kernel_direct_api_and_threads():
-    """kernels.paged_attention on hand-built inputs; results independent of the thread count."""
+    """The decode kernel on hand-built inputs; results independent of the thread count."""
     g = torch.Generator().manual_seed(0)
     k_cache = torch.randn(40, 16, 2, 64, generator=g)
     v_cache = torch.randn(40, 16, 2, 64, generator=g)
@@ -198,7 +200,7 @@ def test_kernel_direct_api_and_threads():
     query = torch.randn(6, 8, 64, generator=g)
     token_seq = torch.tensor([3, 0, 2, 2, 1, 3], dtype=torch.int32)
     ctx = torch.tensor([144, 1, 17, 18, 100, 5], dtype=torch.int32)
-    out = kernels.paged_attention(query, k_cache, v_cache, tables, token_seq, ctx, 0.125)
+    out = attn.paged_attention(query, k_cache, v_cache, tables, token_seq, ctx, 0.125)
     for t in range(6):
         pos = torch.arange(int(ctx[t]))
         blocks = tables[token_seq[t].item()].long()[pos // 16]
@@ -210,16 +212,16 @@ def test_kernel_direct_api_and_threads():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = kernels.paged_attention(query, k_cache, v_cache, tables, token_seq, ctx, 0.125)
+        single = attn.paged_attention(query, k_cache, v_cache, tables, token_seq, ctx, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(single, out)
     # Bad inputs are rejected instead of being read as garbage.
     with pytest.raises(ValueError):
-        kernels.paged_attention(query, k_cache, v_cache, tables.long(), token_seq, ctx, 0.125)
+        attn.paged_attention(query, k_cache, v_cache, tables.long(), token_seq, ctx, 0.125)
     with pytest.raises(ValueError):
-        kernels.paged_attention(query.transpose(0, 1), k_cache, v_cache, tables, token_seq,
-                                ctx, 0.125)
+        attn.paged_attention(query.transpose(0, 1), k_cache, v_cache, tables, token_seq,
+                             ctx, 0.125)
 
 
 @needs_kernel
@@ -228,7 +230,7 @@ def test_prefill_kernel_plan_and_tiles(cache_dtype):
     """Prompts of many row tiles (and one row) through the prefill kernel, against the dense
     reference; which chunks it takes; its result does not depend on the thread count."""
     from pagedlm.attention.backends.native import NativeKernelBackend, prefill_plan
-    runs = kernels.prefill_attention_runs(64)  # False only in a build without AVX-512
+    runs = attn.prefill_attention_runs(64)  # False only in a build without AVX-512
     # A fresh 300-token prompt (900 query rows), a long chunk after context, a 1-token prompt,
     # and a short context chunk (the decode kernel's).
     chunks = [(0, 300), (70, 45), (0, 1), (40, 9)]
@@ -266,8 +268,8 @@ def test_prefill_kernel_plan_and_tiles(cache_dtype):
         torch.set_num_threads(threads)
     assert torch.equal(single, out)
     with pytest.raises(ValueError, match="key/value"):
-        kernels.prefill_attention(query, key.transpose(0, 1), value, k_cache, v_cache,
-                                  plan.chunks, plan.block_tables, 0.125, out)
+        attn.prefill_attention(query, key.transpose(0, 1), value, k_cache, v_cache,
+                               plan.chunks, plan.block_tables, 0.125, out)
 
 
 def test_disable_env_and_build_failure(monkeypatch, tmp_path):
@@ -276,13 +278,13 @@ def test_disable_env_and_build_failure(monkeypatch, tmp_path):
     # A compiler that fails means "no kernel" (one warning), never an exception.
     monkeypatch.delenv("PAGEDLM_DISABLE_KERNELS")
     monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_COMPILER", "definitely-not-a-compiler")
-    kernels.load_library.cache_clear()
+    monkeypatch.setattr(loader, "COMPILER", "definitely-not-a-compiler")
+    loader.load_library.cache_clear()
     try:
-        assert kernels.load_library() is None
+        assert loader.load_library() is None
         assert not kernels.available()
     finally:
-        kernels.load_library.cache_clear()
+        loader.load_library.cache_clear()
 
 
 @needs_kernel

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.attention import kernels
 from pagedlm.attention.backends import paged_attention
+from pagedlm.kernels import attention as attn
 from tests.test_paged_attention import _scenario
 
 needs_kernel = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
@@ -103,16 +103,16 @@ def test_kernel_skips_keys_outside_the_window():
     query = torch.randn(3, 4, 64, generator=g)
     token_seq = torch.tensor([0, 1, 1], dtype=torch.int32)
     ctx = torch.tensor([96, 70, 71], dtype=torch.int32)  # windows start at 76, 50, 51
-    ref = kernels.paged_attention(query, k_cache, v_cache, tables, token_seq, ctx, 0.125,
-                                  sliding_window=window)
+    ref = attn.paged_attention(query, k_cache, v_cache, tables, token_seq, ctx, 0.125,
+                               sliding_window=window)
     poisoned_k, poisoned_v, bad_tables = k_cache.clone(), v_cache.clone(), tables.clone()
     for row, first_needed in ((0, 76 // bs), (1, 50 // bs)):
         for b in range(first_needed):
             poisoned_k[tables[row, b]] = float("nan")
             poisoned_v[tables[row, b]] = float("nan")
             bad_tables[row, b] = 10**6  # out of range: reading it would crash or be garbage
-    got = kernels.paged_attention(query, poisoned_k, poisoned_v, bad_tables, token_seq, ctx,
-                                  0.125, sliding_window=window)
+    got = attn.paged_attention(query, poisoned_k, poisoned_v, bad_tables, token_seq, ctx,
+                               0.125, sliding_window=window)
     assert torch.equal(got, ref)
 
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pagedlm.attention import kernels
+from pagedlm import kernels
 from pagedlm.config import EngineConfig
 from pagedlm.distributed import (IntermediateTensors, default_backend,
                                  ensure_model_parallel_initialized, get_pp_group, get_tp_group,

@@ -1,5 +1,5 @@
-"""Paged attention through the native C + OpenMP kernel (``attention/kernels.py``), float32 CPU
-queries over a float32, bfloat16 or float16 cache.
+"""Paged attention through the native C + OpenMP kernels (``pagedlm/kernels/attention.py``),
+float32 CPU queries over a float32, bfloat16 or float16 cache.
 
 The rows that read the cache (decodes, and prefill chunks of at most KERNEL_MAX_CHUNK_TOKENS
 tokens with earlier context) go through the kernel in one call per layer: it reads each
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedlm.attention import kernels
+from pagedlm import kernels
 from pagedlm.attention.backends.abstract import AttentionBackend
 from pagedlm.attention.backends.torch_sdpa import prefill_attention
 from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk, write_kv
@@ -39,7 +39,7 @@ class NativeKernelBackend(AttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, meta, scale, sliding_window=None,
                 logits_soft_cap=None) -> torch.Tensor:
         if _native_write(key, value, meta.slot_mapping):
-            kernels.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+            kernels.fused_ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         else:
             write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -54,9 +54,9 @@ class NativeKernelBackend(AttentionBackend):
                 # K/V whether it is computed fresh or read back.
                 key = key.to(k_cache.dtype).to(key.dtype)
                 value = value.to(v_cache.dtype).to(value.dtype)
-            kernels.prefill_attention(query, key, value, k_cache, v_cache, plan.chunks,
-                                      plan.block_tables, scale, out, sliding_window,
-                                      logits_soft_cap)
+            kernels.attention.prefill_attention(query, key, value, k_cache, v_cache,
+                                                plan.chunks, plan.block_tables, scale, out,
+                                                sliding_window, logits_soft_cap)
         for p in plan.sdpa:
             prefill_attention(query, key, value, k_cache, v_cache, p, scale, out,
                               sliding_window, logits_soft_cap)
@@ -92,7 +92,7 @@ class _PrefillPlan:
 
 def _prefill_kernel_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     d = query.shape[-1]
-    return (kernels.prefill_attention_runs(d) and query.dtype == torch.float32
+    return (kernels.attention.prefill_attention_runs(d) and query.dtype == torch.float32
             and query.stride()[1:] == (d, 1) and key.dtype == value.dtype == torch.float32
             and key.stride()[1:] == (d, 1) and value.stride() == key.stride())
 
@@ -148,21 +148,23 @@ def _kernel_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if plan.token_seq.numel() == 0:
         return
     if isinstance(plan.rows, slice):
-        kernels.paged_attention(query[plan.rows].contiguous(), k_cache, v_cache,
-                                plan.block_tables, plan.token_seq, plan.ctx_lens, scale,
-                                out=out[plan.rows], sliding_window=sliding_window,
-                                logits_soft_cap=logits_soft_cap)
+        kernels.attention.paged_attention(query[plan.rows].contiguous(), k_cache, v_cache,
+                                          plan.block_tables, plan.token_seq, plan.ctx_lens,
+                                          scale, out=out[plan.rows],
+                                          sliding_window=sliding_window,
+                                          logits_soft_cap=logits_soft_cap)
     else:
-        o = kernels.paged_attention(query.index_select(0, plan.rows), k_cache, v_cache,
-                                    plan.block_tables, plan.token_seq, plan.ctx_lens, scale,
-                                    sliding_window=sliding_window,
-                                    logits_soft_cap=logits_soft_cap)
+        o = kernels.attention.paged_attention(query.index_select(0, plan.rows), k_cache,
+                                              v_cache, plan.block_tables, plan.token_seq,
+                                              plan.ctx_lens, scale,
+                                              sliding_window=sliding_window,
+                                              logits_soft_cap=logits_soft_cap)
         out.index_copy_(0, plan.rows, o)
 
 
 def kernel_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> _KernelPlan:
     """The step's kernel inputs for caches shaped like k_cache: built and checked once, then
-    shared by every layer (and by fused decoder stacks such as llama.py's)."""
+    shared by every layer (and by the fused decode stack, layers/fused_decode.py)."""
     block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
     plan = meta._kernel_plan
     if plan is None or plan.key != (block_size, num_blocks):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlm.attention import kernels
+from pagedlm import kernels
 
 
 class SiluAndMul(nn.Module):
@@ -17,12 +17,12 @@ class SiluAndMul(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.native = kernels.fused_ops_enabled()
+        self.native = kernels.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.native and x.dtype is torch.float32 and x.dim() == 2 and x.stride(1) == 1
                 and x.device.type == "cpu"):
-            return kernels.silu_and_mul(x)
+            return kernels.fused_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

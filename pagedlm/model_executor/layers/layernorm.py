@@ -1,15 +1,15 @@
 """RMSNorm, optionally fused with the residual add that precedes it; Gemma's (1 + w) variant.
 
-float32 rows go through the native library's one-call kernel (attention/kernels.py) where it
-is available: the PyTorch form is eight dispatches (add, float, pow, mean, add, rsqrt, mul,
-mul), which at batch 1 cost far more than the arithmetic (figures in attention/kernels.py).
+float32 rows go through the native library's one-call kernel (pagedlm/kernels/fused_ops.py)
+where it is available: the PyTorch form is eight dispatches (add, float, pow, mean, add, rsqrt,
+mul, mul), which at batch 1 cost far more than the arithmetic (figures in that module).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pagedlm.attention import kernels
+from pagedlm import kernels
 
 
 class RMSNorm(nn.Module):
@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         # Decided once: the library builds (or not) for the whole process.
-        self.native = kernels.fused_ops_enabled()
+        self.native = kernels.available()
 
     def _native_ok(self, x: torch.Tensor) -> bool:
         return (self.native and x.dtype is torch.float32 and self.weight.dtype is torch.float32
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self._native_ok(x) and (residual is None or self._native_ok(residual)):
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+            return kernels.fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from pagedlm.attention import kernels
+from pagedlm import kernels
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -19,7 +19,8 @@ def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - low) / (high - low)
@@ -97,7 +98,7 @@ class RotaryEmbedding(nn.Module):
                 freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
                 self.cos, self.sin = freqs.cos(), freqs.sin()
         self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
-        self.native = kernels.fused_ops_enabled()
+        self.native = kernels.available()
 
     def _native_ok(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
         d = q.shape[-1]
@@ -112,7 +113,7 @@ class RotaryEmbedding(nn.Module):
         (one native call for both, instead of about twenty dispatches) and returned; other
         dtypes get new tensors. Positions must be below the max_position it was built for."""
         if self._native_ok(positions, q, k):
-            kernels.rotary_(positions, q, k, self.cos, self.sin)
+            kernels.fused_ops.rotary_(positions, q, k, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)

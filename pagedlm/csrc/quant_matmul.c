@@ -14,12 +14,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+
+#include "include/pagedlm_ops.h"
+#include "include/parallel.h"
+#include "include/vec_math.h"
 
 #define QK 32
 #define Q4_1_BYTES 20
@@ -51,15 +49,6 @@ static inline float fp16_to_f32(uint16_t h) {
 }
 
 static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-
-#ifdef __AVX2__
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 /* Parallelising a tiny matmul costs more in thread wake-ups than it saves. */
 #define PAR_MIN_WEIGHTS (1 << 15)
@@ -103,7 +92,7 @@ void dequant_q8_0(float *out, const uint8_t *w, int N, int K, int nthreads) {
  *
  * Each weight block is decoded to floats in registers (w = d*q + m, or d*q: the values
  * dequantize_reference gives, up to one rounding of the fma) and used for every x row of a
- * tile. The work is laid out as in layers/csrc/gemv_f32.c: groups of QROWS weight rows, one
+ * tile. The work is laid out as in gemv_f32.c: groups of QROWS weight rows, one
  * contiguous run of groups per thread (a group's blocks are adjacent in memory, so each thread
  * reads one stream) and the next group prefetched explicitly. Against the earlier kernel (one
  * row at a time, a static OpenMP loop over rows, x * q summed before scaling by d), on
@@ -175,7 +164,8 @@ static inline __attribute__((always_inline)) void decode_block(qvec *w, const ui
         w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d, m);
 #else
         const __m256i f = _mm256_set1_epi32(0x0f);
-        const __m256i b0 = _mm256_cvtepu8_epi32(raw), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+        const __m256i b0 = _mm256_cvtepu8_epi32(raw);
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
         w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, f)), d, m);
         w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, f)), d, m);
         w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), d, m);
@@ -184,8 +174,10 @@ static inline __attribute__((always_inline)) void decode_block(qvec *w, const ui
     } else {
         const int8_t *qs = (const int8_t *)(blk + 2);
 #ifdef __AVX512F__
-        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))), d);
-        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))), d);
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)qs);
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(qs + 16));
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
 #else
         for (int v = 0; v < 4; v++)
             w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -287,15 +279,8 @@ static void qmm(float *y, const float *x, const uint8_t *w, int M, int N, int K,
     }
 #pragma omp parallel num_threads(nthreads)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        /* Whole groups per thread, so only the last thread has a ragged end. */
-        const int groups = (N + QROWS - 1) / QROWS, per = (groups + nt - 1) / nt;
-        const int lo = t * per * QROWS < N ? t * per * QROWS : N;
-        const int hi = lo + per * QROWS < N ? lo + per * QROWS : N;
+        int lo, hi;
+        omp_thread_rows(N, QROWS, &lo, &hi); /* whole groups per thread */
         qrows_range(y, x, w, M, N, K, lo, hi, fmt);
     }
 }
@@ -320,8 +305,10 @@ static void i8_row(float *y, const float *x, const int8_t *w, float s, int mt, i
     __m256 acc[MTILE];
     for (int r = 0; r < mt; r++) acc[r] = _mm256_setzero_ps();
     for (; k + 16 <= K; k += 16) {
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k))));
-        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k + 8))));
+        const __m128i b0 = _mm_loadl_epi64((const __m128i *)(w + k));
+        const __m128i b1 = _mm_loadl_epi64((const __m128i *)(w + k + 8));
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
         for (int r = 0; r < mt; r++) {
             const float *xr = x + (size_t)r * K + k;
             acc[r] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xr), acc[r]);

@@ -10,51 +10,32 @@ row-major GEMV kernel and oneDNN's packed GEMM: 19.5 / 20.7 / 22.8 ms at 1 row, 
 run on the GEMV kernel up to GEMV_MAX_ROWS rows (it streams the row-major weight as fast as
 oneDNN or faster there, see the C file) and on oneDNN's packed GEMM past them.
 
-Built and cached like the attention kernels (`pagedlm.attention.kernels._build`);
-`PAGEDLM_DISABLE_KERNELS=1` or a failed build leaves every layer on its GEMM path.
+`PAGEDLM_DISABLE_KERNELS=1` or a failed build (pagedlm/kernels/loader.py) leaves every layer
+on its GEMM path.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
-from pathlib import Path
 
 import torch
 
-from pagedlm.attention.kernels import _build, kernels_disabled
+from pagedlm.kernels.loader import available, typed_library
 
-logger = logging.getLogger(__name__)
+_p, _i = ctypes.c_void_p, ctypes.c_int
+library = typed_library({
+    "gemv_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "gemm_panels_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "gemm_panel_width": ([], _i),
+})
 
-_SOURCE = Path(__file__).parent / "csrc" / "gemv_f32.c"
 # Measured (benchmarks/gemv.py: every matrix of SmolLM2-135M once, float32, 2 threads): on an
 # AVX2-only EPYC the kernel against oneDNN's pre-packed GEMM took 30 vs 43 ms at 1 row, 42 vs 49
 # at 4, 63 vs 69 at 8 and 100 vs 105 at 16; on an AVX-512 EPYC the two tie at 1 to 4 rows and
-# oneDNN wins at 8 (24 vs 34 ms). 8 is kept because the fused decode stack (models/llama.py),
-# which saves more than that per step, runs on this kernel where the panel kernel does not run;
-# it is also the most rows the stack takes off the panel kernel.
+# oneDNN wins at 8 (24 vs 34 ms). 8 is kept because the fused decode stack
+# (model_executor/layers/fused_decode.py), which saves more than that per step, runs on this
+# kernel where the panel kernel does not run; it is also the most rows the stack takes off the
+# panel kernel.
 GEMV_MAX_ROWS = 8
-
-
-@functools.lru_cache(maxsize=None)
-def load_library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(_build((_SOURCE,), name="pagedlm_gemv")))
-    except Exception as exc:  # noqa: BLE001 - any failure means "use the GEMM path"
-        logger.warning("pagedlm float32 GEMV kernel unavailable, using the GEMM path: %s", exc)
-        return None
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.gemv_f32.argtypes = [p, p, p, i, i, i, i]
-    lib.gemv_f32.restype = None
-    lib.gemm_panels_f32.argtypes = [p, p, p, i, i, i, i]
-    lib.gemm_panels_f32.restype = None
-    lib.gemm_panel_width.argtypes = []
-    lib.gemm_panel_width.restype = i
-    return lib
-
-
-def available() -> bool:
-    return not kernels_disabled() and load_library() is not None
 
 
 def runs(weight: torch.Tensor) -> bool:
@@ -68,7 +49,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N]; `weight` must pass `runs`, and x be
     float32 [M, K] (copied to a contiguous tensor if it is not)."""
     n, k = weight.shape
-    return _call("gemv", load_library().gemv_f32, x, weight, n, k, bias)
+    return _call("gemv", library().gemv_f32, x, weight, n, k, bias)
 
 
 def _call(name: str, fn, x: torch.Tensor, weight: torch.Tensor, n: int, k: int,
@@ -86,7 +67,7 @@ def _call(name: str, fn, x: torch.Tensor, weight: torch.Tensor, n: int, k: int,
 
 def panel_width() -> int:
     """Output columns per panel of the panel kernel; 0 where it is unavailable."""
-    return load_library().gemm_panel_width() if available() else 0
+    return library().gemm_panel_width() if available() else 0
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
@@ -110,4 +91,4 @@ def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
     if not (num_panels - 1) * width < n <= num_panels * width:
         raise ValueError(f"gemm_panels: {n} output columns do not fit {num_panels} panels of "
                          f"{width}")
-    return _call("gemm_panels", load_library().gemm_panels_f32, x, panels, n, k, bias)
+    return _call("gemm_panels", library().gemm_panels_f32, x, panels, n, k, bias)

@@ -5,9 +5,9 @@
  * The decode kernel (paged_attention.c) scores one query token at a time with dot products. A
  * prompt's rows share their keys, so here the rows are taken MR at a time (the G query heads of
  * one kv head at consecutive positions) and scored as a small matrix product, the way the panel
- * GEMM (model_executor/layers/csrc/gemv_f32.c) multiplies: the keys of a (chunk, kv head) are
- * first transposed once, in blocks of KW keys, so that 32 keys lie along two vectors; each query
- * element is broadcast against them, and an MR x 32 block of scores stays in registers. The
+ * GEMM (gemv_f32.c) multiplies: the keys of a (chunk, kv head) are first transposed once, in
+ * blocks of KW keys, so that 32 keys lie along two vectors; each query element is broadcast
+ * against them, and an MR x 32 block of scores stays in registers. The
  * weighted sum of V then broadcasts each weight against V's rows as they lie in memory. The
  * softmax is exact: two passes over a tile's row of scores (at most ctx + n keys).
  *
@@ -32,8 +32,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "kv_types.h"
-#include "vec_math.h"
+#include "include/kv_types.h"
+#include "include/pagedlm_ops.h"
+#include "include/vec_math.h"
 
 #ifdef __AVX512F__
 #define MR 12 /* query rows per tile: 24 sums + 2 key vectors + 1 broadcast of 32 registers */
@@ -302,7 +303,8 @@ int prefill_attention_f32(float* out, const float* query, int64_t q_stride, cons
 #else
     (void)out, (void)query, (void)q_stride, (void)key, (void)value, (void)kv_stride, (void)k_cache;
     (void)v_cache, (void)kv_type, (void)chunk_start, (void)chunk_len, (void)chunk_ctx;
-    (void)block_tables, (void)max_blocks, (void)num_chunks, (void)num_q_heads, (void)num_kv_heads, (void)head_dim;
+    (void)block_tables, (void)max_blocks, (void)num_chunks, (void)num_q_heads,
+        (void)num_kv_heads, (void)head_dim;
     (void)block_size, (void)scale, (void)window, (void)soft_cap, (void)num_threads;
     return -1; /* no AVX-512 in this build: callers keep SDPA */
 #endif

@@ -1,12 +1,12 @@
-/* Small float32 math shared by the kernels: the reassociation attribute and exp(x) for x <= 0,
- * scalar and on 16 lanes. */
+/* Small float32 math shared by the kernels: the reassociation attribute, exp(x) for x <= 0
+ * (scalar and on 16 lanes) and the horizontal sum of 8 lanes. */
 #ifndef PAGEDLM_VEC_MATH_H
 #define PAGEDLM_VEC_MATH_H
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
@@ -58,6 +58,15 @@ static inline __m512 exp_neg16(__m512 x) {
 
 static inline __mmask16 tail_mask(int left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+#endif
+
+#ifdef __AVX2__
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 #endif
 

@@ -35,8 +35,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "kv_types.h"
-#include "vec_math.h"
+#include "include/kv_types.h"
+#include "include/pagedlm_ops.h"
+#include "include/vec_math.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif

@@ -16,12 +16,10 @@
  * so results differ from a sequential dot product only by float32 rounding.
  */
 #include <stddef.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+
+#include "include/pagedlm_ops.h"
+#include "include/parallel.h"
+#include "include/vec_math.h"
 
 /* x rows sharing one pass over a W row: their XTILE x UNROLL sums and the loaded vectors must
  * stay in registers, 16 of them with AVX2, 32 with AVX-512. */
@@ -48,15 +46,6 @@ typedef __m256 vec;
 #endif
 /* Below this many weights one thread finishes before a second one would have woken. */
 #define PAR_MIN_WEIGHTS (1L << 16)
-
-#ifdef __AVX2__
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 /* One W row against mt x rows (1..XTILE). UNROLL independent sums per x row over K hide the
  * FMA latency; the row is read front to back, so a thread's loads form one sequential stream. */
@@ -118,13 +107,8 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
     }
 #pragma omp parallel num_threads(nthreads)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const int per = (N + nt - 1) / nt;
-        const int lo = t * per < N ? t * per : N, hi = lo + per < N ? lo + per : N;
+        int lo, hi;
+        omp_thread_rows(N, 1, &lo, &hi);
         rows_range(y, x, w, M, N, K, lo, hi);
     }
 }
@@ -215,11 +199,8 @@ void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, in
     }
 #pragma omp parallel num_threads(nthreads < P ? nthreads : P)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
+        int t, nt;
+        omp_team(&t, &nt);
         panels_rows(y, x, wp, M, N, K, (int)((long)P * t / nt), (int)((long)P * (t + 1) / nt));
     }
 }

@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Must match kernels.py's _KV_TYPES. */
+/* Must match pagedlm/kernels/kv_types.py's KV_TYPE_CODES. */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 
 static inline size_t kv_elem_size(int kv_type) { return kv_type == KV_F32 ? 4 : 2; }
