@@ -1,0 +1,96 @@
+/* Every function the kernel library exports, declared once.
+ *
+ * Each .c that defines or calls one includes this header, so the compiler checks every
+ * definition and call against the same prototype. The ctypes argtypes that mirror them sit
+ * next to each op's Python wrapper in pagedlm/kernels/ (one module per family, named after
+ * the .c file); a change here needs the matching change there.
+ */
+#ifndef PAGEDLM_OPS_H
+#define PAGEDLM_OPS_H
+
+#include <stdint.h>
+
+/* ---------------------------------------------------------------- paged_attention.c */
+
+void paged_attention_f32(float *out, const float *query, const void *k_cache,
+                         const void *v_cache, int kv_type, const int32_t *block_tables,
+                         const int32_t *token_seq, const int32_t *token_ctx_len, int num_tokens,
+                         int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                         int max_blocks_per_seq, float scale, int window, float soft_cap,
+                         int num_threads);
+
+/* ---------------------------------------------------------------- prefill_attention.c */
+
+int prefill_attention_runs(int head_dim);
+int prefill_attention_f32(float *out, const float *query, int64_t q_stride, const float *key,
+                          const float *value, int64_t kv_stride, const void *k_cache,
+                          const void *v_cache, int kv_type, const int32_t *chunk_start,
+                          const int32_t *chunk_len, const int32_t *chunk_ctx,
+                          const int32_t *block_tables, int max_blocks, int num_chunks,
+                          int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                          float scale, int window, float soft_cap, int num_threads);
+
+/* ---------------------------------------------------------------- fused_ops.c */
+
+void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_stride,
+                  const float *residual, int64_t res_stride, const float *weight, int T, int H,
+                  float eps);
+void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int T, int I);
+void rotary_f32(float *q, int64_t q_stride, int Hq, float *k, int64_t k_stride, int Hk,
+                const int64_t *positions, const float *cos_table, const float *sin_table, int T,
+                int D, int half);
+void write_kv_f32(void *k_cache, void *v_cache, int kv_type, const float *k, int64_t k_stride,
+                  const float *v, int64_t v_stride, const int64_t *slots, int T, int row);
+
+/* ---------------------------------------------------------------- gemv_f32.c */
+
+void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int nthreads);
+int gemm_panel_width(void);
+void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
+                     int nthreads);
+
+/* ---------------------------------------------------------------- quant_matmul.c */
+
+int qmm_vector_bits(void);
+void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm_i8(float *y, const float *x, const int8_t *w, const float *scale, int M, int N, int K,
+            int nthreads);
+void dequant_q4_1(float *out, const uint8_t *w, int N, int K, int nthreads);
+void dequant_q8_0(float *out, const uint8_t *w, int N, int K, int nthreads);
+void dequant_i8(float *out, const int8_t *w, const float *scale, int N, int K, int nthreads);
+
+/* ---------------------------------------------------------------- llama_decode.c */
+
+/* The fused decode driver (model_executor/layers/fused_decode.py) fills these through ctypes
+ * Structures of the same fields in the same order; layers/linear.py's WeightFormat mirrors
+ * this enum. */
+enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3, W_F32_PANELS = 4 };
+
+typedef struct {
+    int64_t fmt;
+    const void *weight;
+    const float *scale; /* W_I8: one per output row */
+    const float *bias;  /* NULL: none */
+} linear_t;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    linear_t qkv, o, gate_up, down;
+    void *k_cache, *v_cache;
+    int64_t window; /* sliding window in keys, 0: none */
+} layer_t;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t kv_type, block_size, rotary_half;
+    const float *cos, *sin;
+    float eps, scale;
+} dims_t;
+
+int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *residual,
+                     int has_residual, int M, const int64_t *positions, const int64_t *slots,
+                     const int32_t *block_tables, int max_blocks, const int32_t *ctx_lens,
+                     int nthreads);
+
+#endif

@@ -1,0 +1,69 @@
+"""Weight-only quantized matmul and dequantization kernels (csrc/quant_matmul.c) over the
+q4_1, q8_0 and i8 layouts that model_executor/layers/quantization/kernels.py defines."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pagedlm.kernels.loader import typed_library
+
+_p, _i = ctypes.c_void_p, ctypes.c_int
+library = typed_library({
+    "qmm_q4_1": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm_q8_0": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm_i8": ([_p, _p, _p, _p, _i, _i, _i, _i], None),
+    "dequant_q4_1": ([_p, _p, _i, _i, _i], None),
+    "dequant_q8_0": ([_p, _p, _i, _i, _i], None),
+    "dequant_i8": ([_p, _p, _p, _i, _i, _i], None),
+    "qmm_vector_bits": ([], _i),
+})
+
+# From how many input rows on dequantizing the whole matrix once and running the float GEMM
+# beats the kernels, by the kernels' vector width (qmm_vector_bits: 512, 256, 0 = scalar) and
+# format. The kernels decode each weight block once per tile of x rows (4 rows with AVX-512, 2
+# with AVX2), so their cost grows with the rows at a rate close to the GEMM's, while
+# dequantizing costs a pass writing N*K floats. Measured on SmolLM2's gate_up (N=3072, K=576)
+# and down (576, 1536) shapes, 2 threads, AVX-512 EPYC, kernel vs dequantize+GEMM in ms:
+# q4_1 at 128 rows 3.0 vs 3.6 and 1.5 vs 3.6, at 256 rows 6.0 vs 6.0 and 3.0 vs 4.8; q8_0 at 256
+# 5.7 vs 7.5; i8 at 128 5.2 vs 5.3, at 192 7.4 vs 6.5. The same source built for AVX2 only:
+# q4_1 at 32 rows 1.3 vs 1.7, at 64 2.6 vs 2.4; q8_0 and i8 even at 32 (1.1 vs 1.1).
+_DEQUANT_GEMM_MIN_ROWS = {512: {"q4_1": 256, "q8_0": 256, "i8": 160},
+                          256: {"q4_1": 48, "q8_0": 32, "i8": 32}}
+_SCALAR_DEQUANT_GEMM_MIN_ROWS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def dequant_gemm_min_rows(fmt: str) -> int:
+    """Inputs of this many rows or more run faster as dequantize + float GEMM than through
+    `matmul`."""
+    lib = library()
+    bits = lib.qmm_vector_bits() if lib is not None else 0
+    return _DEQUANT_GEMM_MIN_ROWS.get(bits, {}).get(fmt, _SCALAR_DEQUANT_GEMM_MIN_ROWS)
+
+
+def matmul(fmt: str, y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor,
+           scale: torch.Tensor | None) -> None:
+    """y [M, N] = x [M, K] @ W^T for W = (qweight, scale) in format `fmt`; every tensor
+    contiguous and already checked against the format by the caller."""
+    m, n = y.shape
+    k = x.shape[1]
+    lib, threads = library(), torch.get_num_threads()
+    if fmt == "i8":
+        lib.qmm_i8(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), m, n, k,
+                   threads)
+    else:
+        getattr(lib, f"qmm_{fmt}")(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), m, n, k,
+                                   threads)
+
+
+def dequantize(fmt: str, out: torch.Tensor, qweight: torch.Tensor,
+               scale: torch.Tensor | None) -> None:
+    """out [N, K] float32 = W for W = (qweight, scale) in format `fmt`."""
+    n, k = out.shape
+    lib, threads = library(), torch.get_num_threads()
+    if fmt == "i8":
+        lib.dequant_i8(out.data_ptr(), qweight.data_ptr(), scale.data_ptr(), n, k, threads)
+    else:
+        getattr(lib, f"dequant_{fmt}")(out.data_ptr(), qweight.data_ptr(), n, k, threads)
