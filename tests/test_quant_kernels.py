@@ -39,9 +39,14 @@ def native():
         pytest.fail("the native quantized kernels did not build (see the warning above)")
 
 
+@pytest.mark.parametrize("path", ["native", "disabled"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "i8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_matmul_matches_reference(fmt, shape):
+def test_matmul_matches_reference(fmt, shape, path, monkeypatch):
+    """The kernels, and the dequantize + float GEMM path every row count takes without them
+    (PAGEDLM_DISABLE_KERNELS=1, or no compiler), against the same float64 reference."""
+    if path == "disabled":
+        monkeypatch.setenv("PAGEDLM_DISABLE_KERNELS", "1")
     n, k = shape
     gen = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=gen) * 0.05
