@@ -18,9 +18,12 @@ import pytest
 
 from pagedlm import EngineArgs
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
-from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                 DetokenizeRequest, EmbeddingRequest,
-                                                 TokenizeChatRequest, TokenizeCompletionRequest)
+from pagedlm.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from pagedlm.entrypoints.openai.protocol_completion import CompletionRequest
+from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from pagedlm.entrypoints.openai.protocol_tokenization import (DetokenizeRequest,
+                                                              TokenizeChatRequest,
+                                                              TokenizeCompletionRequest)
 from tests.conftest import make_tiny_model
 from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
 

@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over an AsyncLLMEngine, run by uvicorn.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (with --runner
-pooling), POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
-GET /metrics (Prometheus), GET /version; with runtime LoRA updating (--enable-runtime-lora-updating
-or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true), POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter. With an API key, every route but /health and the page needs
-`Authorization: Bearer KEY`. A body over --max-request-body-bytes is a 413. Errors are OpenAI's
-JSON: {"error": {"message", "type", "param", "code"}}.
+Routes (in routes.py): POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings
+(with --runner pooling), POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
+GET /metrics (Prometheus), GET /version; with runtime LoRA updating
+(--enable-runtime-lora-updating or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true),
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter. With an API key, every route but
+/health and the page needs `Authorization: Bearer KEY`. A body over --max-request-body-bytes is a
+413. Errors are OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
 GET / is a web page (static files in ./static): a chat with the served model and a live engine
 view fed by GET /engine/events (server-sent events; it needs the API key like /v1/*).
 
@@ -17,60 +17,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import hmac
-import json
 import logging
-import os
 import socket
-from typing import Awaitable
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import (FileResponse, JSONResponse, PlainTextResponse, Response,
-                               StreamingResponse)
+from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedlm
 from pagedlm import envs
-from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.entrypoints.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
-from pagedlm.entrypoints.openai.openapi import (SSE_CONTENT, install_openapi, json_body,
-                                                responses, sse_content)
-from pagedlm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                                 CompletionRequest, CompletionResponse,
-                                                 DetokenizeRequest, DetokenizeResponse,
-                                                 EmbeddingRequest, EmbeddingResponse,
-                                                 LoadLoRAAdapterRequest, ModelCard, ModelList,
-                                                 TokenizeChatRequest, TokenizeCompletionRequest,
-                                                 TokenizeResponse, UnloadLoRAAdapterRequest,
-                                                 VersionResponse)
+from pagedlm.entrypoints.openai.openapi import install_openapi
+from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
+from pagedlm.entrypoints.openai.routes import (API_BODY_MODELS, LORA_BODY_MODELS, STATIC_DIR,
+                                               ServingState, api_router, lora_router,
+                                               server_router)
 from pagedlm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from pagedlm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedlm.entrypoints.openai.serving_engine import error_body, error_response
 from pagedlm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from pagedlm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
-from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
-from pagedlm.entrypoints.openai.serving_engine import (error_body, error_response, loads_json,
-                                                       validation_error_response)
 
 logger = logging.getLogger(__name__)
-
-STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-# The engine view's refresh rate: each view is a scan of the queues and block reference counts
-# on the engine thread, taken only while a page is connected.
-ENGINE_EVENTS_PER_S = 4.0
-# Each events response ends after this long and the page reconnects at once: uvicorn's graceful
-# shutdown waits for open responses, so an endless stream would hold up Ctrl-C for as long as a
-# page stays open.
-ENGINE_EVENTS_MAX_S = 5.0
 
 
 # Open with an API key: the load balancer's probe, and the page, which then asks for the key.
@@ -155,39 +132,6 @@ class BodySizeLimitMiddleware:
             await self._response()(scope, receive, send)
 
 
-async def _listen_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def with_cancellation(handler: Awaitable[Response], request: Request) -> Response:
-    """Run a handler, cancelling it if the client disconnects first (its requests abort)."""
-    handler_task = asyncio.ensure_future(handler)
-    disconnect_task = asyncio.ensure_future(_listen_for_disconnect(request))
-    try:
-        await asyncio.wait([handler_task, disconnect_task],
-                           return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect_task.cancel()
-        if not handler_task.done():
-            handler_task.cancel()
-    if handler_task.done() and not handler_task.cancelled():
-        return handler_task.result()
-    logger.debug("client disconnected before the response was ready")
-    return Response(status_code=499)  # nobody reads it
-
-
-async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
-    # pydantic's JSON parser has its own depth limit: deep nesting is a json_invalid 400.
-    try:
-        request = model.model_validate_json(await raw.body())
-    except ValidationError as e:
-        return validation_error_response(e)
-    if request.model_extra:
-        logger.info("ignoring unknown request fields: %s", sorted(request.model_extra))
-    return request
-
-
 # How often the server looks at its engine, and how long responses still open when the engine
 # failed get to finish (they have their error already) before the server closes them.
 ENGINE_WATCH_INTERVAL_S = 0.5
@@ -256,22 +200,16 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 
     app = FastAPI(title="pagedlm OpenAI-compatible server", version=pagedlm.__version__,
                   lifespan=lifespan)
-    app.state.engine = engine
-    app.state.served_model_names = names
-    app.state.models = models
     shared = dict(prompts=prompts, trust_request_chat_template=trust_request_chat_template)
-    completion = OpenAIServingCompletion(engine, names, models, **shared)
-    chat = OpenAIServingChat(engine, names, models, chat_template=chat_template,
-                             tool_parser=auto_parser if enable_auto_tool_choice else None,
-                             **shared)
-    embedding = OpenAIServingEmbedding(engine, names, models, **shared)
-    tokenization = OpenAIServingTokenization(engine, names, models, chat_template=chat_template,
-                                             **shared)
-    body_models: list[type[BaseModel]] = []  # the request bodies the OpenAPI document shows
-
-    def body(*request_models: type[BaseModel]) -> dict:
-        body_models.extend(request_models)
-        return json_body(*request_models)
+    app.state.serving = ServingState(
+        engine=engine, models=models,
+        completion=OpenAIServingCompletion(engine, names, models, **shared),
+        chat=OpenAIServingChat(engine, names, models, chat_template=chat_template,
+                               tool_parser=auto_parser if enable_auto_tool_choice else None,
+                               **shared),
+        embedding=OpenAIServingEmbedding(engine, names, models, **shared),
+        tokenization=OpenAIServingTokenization(engine, names, models,
+                                               chat_template=chat_template, **shared))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(_, exc: StarletteHTTPException):
@@ -282,141 +220,14 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         logger.exception("unhandled error: %r", exc)
         return error_response(f"Internal server error: {exc!r}", 500)
 
-    @app.get("/health", response_class=Response,
-             responses=responses(None, 503, ok_description="The engine is running (no body)."))
-    async def health() -> Response:
-        if engine.is_running:
-            return Response(status_code=200)
-        # 503, as vLLM answers for a dead engine: a failed one never comes back, and the
-        # server is on its way out (see stop_server_when_engine_fails).
-        return error_response(f"The engine is not running: {engine.dead_error!r}", 503)
-
-    @app.get("/version", response_model=VersionResponse, responses=responses(None, 401, 500))
-    async def version() -> dict:
-        return {"version": pagedlm.__version__}
-
-    @app.get("/metrics", responses=responses(None, 401, 500, ok_content={
-        CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
-        ok_description="Prometheus metrics (text exposition format)."))
-    async def metrics() -> Response:
-        return Response(generate_latest(engine.metrics.registry),
-                        media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/", include_in_schema=False)
-    async def index() -> Response:
-        return FileResponse(os.path.join(STATIC_DIR, "index.html"),
-                            headers={"Cache-Control": "no-cache"})
-
+    app.include_router(server_router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-
-    @app.get("/engine/events", responses=responses(
-        None, 401, 500, ok_content=sse_content(
-            "One event per engine view: `data:` is the view as JSON (queues, KV block map, "
-            "tokens per step)."),
-        ok_description="The engine view as server-sent events, a few per second; the stream "
-                       "ends after a few seconds and the page reconnects."))
-    async def engine_events() -> Response:
-        async def events():
-            end = loop.time() + ENGINE_EVENTS_MAX_S
-            while loop.time() < end:
-                try:
-                    view = await engine.engine_view()
-                except AsyncEngineDeadError:  # the stream ends; /health says why
-                    return
-                yield f"data: {json.dumps(dataclasses.asdict(view), separators=(',', ':'))}\n\n"
-                await asyncio.sleep(1 / ENGINE_EVENTS_PER_S)
-
-        if not engine.is_running:
-            return error_response(f"The engine is not running: {engine.dead_error!r}", 500)
-        loop = asyncio.get_running_loop()
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
-    @app.get("/v1/models", response_model=ModelList, responses=responses(None, 401, 500))
-    async def list_models() -> dict:
-        return ModelList(data=models.cards()).model_dump()
-
+    # The request bodies the OpenAPI document shows: those of the routes this app serves.
+    body_models = list(API_BODY_MODELS)
     if enable_runtime_lora_updating:
-        async def _json_body(raw: Request) -> dict | Response:
-            try:
-                body = loads_json(await raw.body() or b"{}")
-            except ValueError as e:  # bad JSON, too deep, or bytes that are not UTF-8 at all
-                return error_response(f"Invalid JSON body: {e}", 400)
-            if not isinstance(body, dict):
-                return error_response("The body must be a JSON object.", 400)
-            return body
-
-        lora_ok = {"text/plain": {"schema": {"type": "string"}}}
-
-        @app.post("/v1/load_lora_adapter", openapi_extra=body(LoadLoRAAdapterRequest),
-                  responses=responses(None, 400, 401, 413, 500, ok_content=lora_ok))
-        async def load_lora_adapter(raw: Request) -> Response:
-            body = await _json_body(raw)
-            if isinstance(body, Response):
-                return body
-            err = await models.load_lora(body.get("lora_name"), body.get("lora_path"),
-                                         body.get("base_model_name"))
-            return err or PlainTextResponse(
-                f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
-
-        @app.post("/v1/unload_lora_adapter", openapi_extra=body(UnloadLoRAAdapterRequest),
-                  responses=responses(None, 400, 401, 404, 413, 500, ok_content=lora_ok))
-        async def unload_lora_adapter(raw: Request) -> Response:
-            body = await _json_body(raw)
-            if isinstance(body, Response):
-                return body
-            err = await models.unload_lora(body.get("lora_name"))
-            return err or PlainTextResponse(
-                f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
-
-    @app.post("/v1/completions", openapi_extra=body(CompletionRequest),
-              responses=responses(CompletionResponse, 400, 401, 404, 413, 500,
-                                  ok_content=SSE_CONTENT))
-    async def create_completion(raw: Request) -> Response:
-        request = await _parse(raw, CompletionRequest)
-        if isinstance(request, Response):
-            return request
-        return await with_cancellation(completion.create_completion(request), raw)
-
-    @app.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest),
-              responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 500,
-                                  ok_content=SSE_CONTENT))
-    async def create_chat_completion(raw: Request) -> Response:
-        request = await _parse(raw, ChatCompletionRequest)
-        if isinstance(request, Response):
-            return request
-        return await with_cancellation(chat.create_chat_completion(request), raw)
-
-    @app.post("/v1/embeddings", openapi_extra=body(EmbeddingRequest),
-              responses=responses(EmbeddingResponse, 400, 401, 404, 413, 500))
-    async def create_embedding(raw: Request) -> Response:
-        request = await _parse(raw, EmbeddingRequest)
-        if isinstance(request, Response):
-            return request
-        return await with_cancellation(embedding.create_embedding(request), raw)
-
-    @app.post("/tokenize", openapi_extra=body(TokenizeCompletionRequest, TokenizeChatRequest),
-              responses=responses(TokenizeResponse, 400, 401, 404, 413, 500))
-    async def tokenize(raw: Request) -> Response:
-        # A body with `messages` is a conversation (rendered by the chat template).
-        try:
-            is_chat = "messages" in loads_json(await raw.body())
-        except (ValueError, TypeError):  # bad JSON (too deep too), not UTF-8, not a container
-            is_chat = False  # the parse below reports the bad body
-        request = await _parse(raw, TokenizeChatRequest if is_chat
-                               else TokenizeCompletionRequest)
-        if isinstance(request, Response):
-            return request
-        return await tokenization.tokenize(request)
-
-    @app.post("/detokenize", openapi_extra=body(DetokenizeRequest),
-              responses=responses(DetokenizeResponse, 400, 401, 404, 413, 500))
-    async def detokenize(raw: Request) -> Response:
-        request = await _parse(raw, DetokenizeRequest)
-        if isinstance(request, Response):
-            return request
-        return await tokenization.detokenize(request)
-
+        app.include_router(lora_router)
+        body_models[:0] = LORA_BODY_MODELS
+    app.include_router(api_router)
     install_openapi(app, body_models)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:  # outside the size limit: a request without the key is not read at all

@@ -1,4 +1,8 @@
-"""The OpenAI API's request and response bodies (pydantic), with vLLM's extra sampling fields.
+"""The OpenAI API's shared request and response pieces (pydantic), with vLLM's extra sampling
+fields: the base models, errors, usage, the conversation message, the sampling fields that
+completions and chat share (SamplingRequest), and the bodies of the server's own routes (models,
+version, LoRA adapters). Each endpoint's bodies are in protocol_<endpoint>.py, next to its
+serving_<endpoint>.py.
 
 Requests are validated strictly from JSON (a string is not an integer), and fields this server
 does not know are accepted and ignored, as in vLLM. Every number has the range SamplingParams
@@ -24,7 +28,7 @@ MAX_LOGPROBS = 20
 
 # A token id as a request carries it: the engine checks it against its vocabulary.
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)]
-_LOGPROBS_LIMIT = "At most the server's --max-logprobs (default 20)."
+LOGPROBS_LIMIT = "At most the server's --max-logprobs (default 20)."
 
 
 def random_uuid() -> str:
@@ -67,6 +71,60 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+# ---- the conversation (chat, tokenize) ----
+
+class ChatContentPart(StrictRequest):
+    type: str
+    text: str | None = None
+
+
+class FunctionCallParam(StrictRequest):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ChatMessageToolCall(StrictRequest):
+    """A tool call of an earlier assistant turn, sent back in `messages`."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class ChatMessage(StrictRequest):
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ChatMessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
+
+    def to_template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"messages: content parts of type {part.type!r} are not "
+                                     f"supported; only 'text'.")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        msg = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                # Templates read the arguments as a mapping (transformers' chat-template
+                # convention), so the JSON text is parsed; checked by check_tool_messages.
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name,
+                              "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
+
+
+# ---- the sampling fields completions and chat share ----
+
 class JsonSchemaResponseFormat(StrictRequest):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False,
                               populate_by_name=True)
@@ -87,7 +145,7 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
-class _SamplingFields(StrictRequest):
+class SamplingRequest(StrictRequest):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N, description="At most the server's --max-num-seqs.")
@@ -113,7 +171,7 @@ class _SamplingFields(StrictRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_COUNT,
-                                        description=_LOGPROBS_LIMIT)
+                                        description=LOGPROBS_LIMIT)
     best_of: int | None = Field(None, ge=1, le=MAX_N,
                                 description="At least n; at most the server's --max-num-seqs.")
     use_beam_search: bool = False
@@ -208,254 +266,6 @@ class _SamplingFields(StrictRequest):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-# ---- /v1/completions ----
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKEN_COUNT)
-    echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_COUNT, description=_LOGPROBS_LIMIT)
-    suffix: str | None = None
-    add_special_tokens: bool = True
-
-    def _unsupported(self) -> str | None:
-        if self.suffix:
-            return "suffix is not supported."
-        return super()._unsupported()
-
-    def to_sampling_params(self, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
-        prompt_logprobs = self.prompt_logprobs
-        if self.echo and self.logprobs is not None:
-            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs,
-                                     max_logprobs)
-
-
-class CompletionLogProbs(OpenAIBaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-
-
-class CompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None
-
-
-# ---- /v1/chat/completions ----
-
-class ChatContentPart(StrictRequest):
-    type: str
-    text: str | None = None
-
-
-class FunctionCallParam(StrictRequest):
-    name: str
-    arguments: str  # a JSON object, as text (OpenAI's shape)
-
-
-class ChatMessageToolCall(StrictRequest):
-    """A tool call of an earlier assistant turn, sent back in `messages`."""
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallParam
-
-
-class ChatMessage(StrictRequest):
-    role: str
-    content: str | list[ChatContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ChatMessageToolCall] | None = None  # assistant turns
-    tool_call_id: str | None = None  # tool turns: the call this is the result of
-
-    def to_template_dict(self) -> dict:
-        content = self.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise ValueError(f"messages: content parts of type {part.type!r} are not "
-                                     f"supported; only 'text'.")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        msg = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            msg["name"] = self.name
-        if self.tool_calls:
-            msg["tool_calls"] = [
-                # Templates read the arguments as a mapping (transformers' chat-template
-                # convention), so the JSON text is parsed; checked by check_tool_messages.
-                {"id": c.id, "type": c.type,
-                 "function": {"name": c.function.name,
-                              "arguments": json.loads(c.function.arguments)}}
-                for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            msg["tool_call_id"] = self.tool_call_id
-        return msg
-
-
-class FunctionDefinition(StrictRequest):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatCompletionToolsParam(StrictRequest):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(StrictRequest):
-    name: str
-
-
-class ChatCompletionNamedToolChoiceParam(StrictRequest):
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    # deprecated by OpenAI in favour of max_completion_tokens
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_COUNT,
-                                     description=_LOGPROBS_LIMIT)
-    tools: list[ChatCompletionToolsParam] | None = None
-    # None: "auto" when tools are given (as vLLM), else "none"
-    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None \
-        = None
-    # vLLM's chat extras
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False  # the chat template already holds them
-
-    def _unsupported(self) -> str | None:
-        if self.add_generation_prompt and self.continue_final_message:
-            return "add_generation_prompt and continue_final_message cannot both be true."
-        return super()._unsupported()
-
-    def to_sampling_params(self, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
-        if self.top_logprobs is not None and not self.logprobs and self.top_logprobs > 0:
-            raise ValueError("top_logprobs needs logprobs set to true.")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, max_logprobs,
-                                     logprobs_field="top_logprobs")
-
-
-class ChatLogProb(OpenAIBaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogProbsContent(ChatLogProb):
-    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(OpenAIBaseModel):
-    content: list[ChatLogProbsContent] | None = None
-
-
-class FunctionCall(OpenAIBaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(OpenAIBaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class DeltaFunctionCall(OpenAIBaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(OpenAIBaseModel):
-    """One streamed piece of a call: the first has id, type and name; later ones add
-    argument text to the call at `index`."""
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class ChatResponseMessage(OpenAIBaseModel):
-    role: str = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class DeltaMessage(OpenAIBaseModel):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-
-
-class ChatCompletionStreamChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-
-
 # ---- /v1/models ----
 
 class ModelCard(OpenAIBaseModel):
@@ -471,84 +281,6 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
-
-
-# ---- /v1/embeddings (a server started with --runner pooling) ----
-
-class EmbeddingRequest(StrictRequest):
-    model: str | None = None
-    input: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
-        description="A text, a list of texts, a token array, or a list of token arrays.")
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(
-        None, ge=1, le=MAX_TOKEN_COUNT,
-        description="Only for models trained for matryoshka representations.")
-    user: str | None = None
-    # vLLM's extras
-    add_special_tokens: bool = True
-    normalize: bool | None = Field(None, description="None: the server's pooler setting.")
-    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
-
-
-class EmbeddingData(OpenAIBaseModel):
-    index: int
-    object: Literal["embedding"] = "embedding"
-    embedding: list[float] | str = Field(
-        description="Floats, or with encoding_format 'base64' their little-endian float32 "
-                    "bytes in base64.")
-
-
-class EmbeddingUsage(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-
-
-class EmbeddingResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[EmbeddingData]
-    usage: EmbeddingUsage
-
-
-# ---- /tokenize and /detokenize (vLLM's shapes) ----
-
-class TokenizeCompletionRequest(StrictRequest):
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool | None = False
-
-
-class TokenizeChatRequest(StrictRequest):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False  # the chat template already holds them
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool | None = False
-
-
-TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
-
-
-class TokenizeResponse(OpenAIBaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(StrictRequest):
-    model: str | None = None
-    tokens: list[TokenId] = Field(description="Token ids of the server's vocabulary.")
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str
 
 
 # ---- the other routes' bodies (for the OpenAPI document) ----

@@ -6,14 +6,14 @@ import time
 import jinja2
 from fastapi.responses import JSONResponse, Response
 
-from pagedlm.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCompletionRequest,
-                                                 ChatCompletionResponse,
-                                                 ChatCompletionResponseChoice,
-                                                 ChatCompletionStreamChoice,
-                                                 ChatCompletionStreamResponse, ChatLogProb,
-                                                 ChatLogProbsContent, ChatResponseMessage,
-                                                 DeltaMessage, FunctionCall, ToolCall,
-                                                 UsageInfo, random_uuid)
+from pagedlm.entrypoints.openai.protocol import UsageInfo, random_uuid
+from pagedlm.entrypoints.openai.protocol_chat import (ChatCompletionLogProbs, ChatCompletionRequest,
+                                                      ChatCompletionResponse,
+                                                      ChatCompletionResponseChoice,
+                                                      ChatCompletionStreamChoice,
+                                                      ChatCompletionStreamResponse, ChatLogProb,
+                                                      ChatLogProbsContent, ChatResponseMessage,
+                                                      DeltaMessage, FunctionCall, ToolCall)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError, render_chat
 from pagedlm.entrypoints.openai.serving_engine import (OpenAIServing, clean_logprob,
                                                        error_response, merge_streams,

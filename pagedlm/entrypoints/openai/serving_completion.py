@@ -5,10 +5,11 @@ import time
 
 from fastapi.responses import JSONResponse, Response
 
-from pagedlm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
-                                                 CompletionResponse, CompletionResponseChoice,
-                                                 CompletionStreamResponse, UsageInfo,
-                                                 random_uuid)
+from pagedlm.entrypoints.openai.protocol import UsageInfo, random_uuid
+from pagedlm.entrypoints.openai.protocol_completion import (CompletionLogProbs, CompletionRequest,
+                                                            CompletionResponse,
+                                                            CompletionResponseChoice,
+                                                            CompletionStreamResponse)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import (OpenAIServing, clean_logprob,
                                                        error_response, merge_streams,

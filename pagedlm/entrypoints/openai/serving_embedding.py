@@ -7,8 +7,9 @@ import numpy as np
 from fastapi.responses import JSONResponse, Response
 
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, RequestStream
-from pagedlm.entrypoints.openai.protocol import (EmbeddingData, EmbeddingRequest,
-                                                 EmbeddingResponse, EmbeddingUsage, random_uuid)
+from pagedlm.entrypoints.openai.protocol import random_uuid
+from pagedlm.entrypoints.openai.protocol_embedding import (EmbeddingData, EmbeddingRequest,
+                                                           EmbeddingResponse, EmbeddingUsage)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
 from pagedlm.inputs.preprocess import PromptType

@@ -260,7 +260,8 @@ class OpenAIServing:
 
 
 def _known_params() -> set[str]:
-    from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from pagedlm.entrypoints.openai.protocol_chat import ChatCompletionRequest
+    from pagedlm.entrypoints.openai.protocol_completion import CompletionRequest
     return (set(SamplingParams.__dataclass_fields__) | set(CompletionRequest.model_fields)
             | set(ChatCompletionRequest.model_fields))
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import jinja2
 from fastapi.responses import JSONResponse, Response
 
-from pagedlm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse,
-                                                 TokenizeChatRequest, TokenizeCompletionRequest,
-                                                 TokenizeResponse)
+from pagedlm.entrypoints.openai.protocol_tokenization import (DetokenizeRequest, DetokenizeResponse,
+                                                              TokenizeChatRequest,
+                                                              TokenizeCompletionRequest,
+                                                              TokenizeResponse)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
 

@@ -9,8 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from pagedlm.entrypoints.openai.protocol import (ChatCompletionNamedToolChoiceParam,
-                                                 ChatCompletionRequest, ChatMessage)
+from pagedlm.entrypoints.openai.protocol import ChatMessage
+from pagedlm.entrypoints.openai.protocol_chat import (ChatCompletionNamedToolChoiceParam,
+                                                      ChatCompletionRequest)
 from pagedlm.entrypoints.openai.tool_parsers import ToolParser
 from pagedlm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedlm.entrypoints.openai.tool_parsers.constrained import (NamedFunctionParser,

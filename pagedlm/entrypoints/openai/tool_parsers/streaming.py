@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedlm.entrypoints.openai.protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-                                                 random_uuid)
+from pagedlm.entrypoints.openai.protocol import random_uuid
+from pagedlm.entrypoints.openai.protocol_chat import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from pagedlm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 
 

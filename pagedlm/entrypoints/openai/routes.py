@@ -1,0 +1,272 @@
+"""The server's routes, as FastAPI routers that build_app includes (see api_server.py).
+
+The handlers find what they serve with on `app.state.serving` (a ServingState, built once per
+app), so one router serves every app. Three routers, included in this order: the server's own
+routes (health, version, metrics, the page, the engine view, the model list), the runtime LoRA
+routes (only when runtime updating is on), and the OpenAI API (completions, chat, embeddings,
+tokenizing). The POST routes read their JSON bodies themselves (see openapi.py); the bodies each
+router's routes read are listed next to it for the OpenAPI document.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Awaitable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+import pagedlm
+from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from pagedlm.entrypoints.openai.openapi import SSE_CONTENT, json_body, responses, sse_content
+from pagedlm.entrypoints.openai.protocol import (LoadLoRAAdapterRequest, ModelList,
+                                                 UnloadLoRAAdapterRequest, VersionResponse)
+from pagedlm.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
+from pagedlm.entrypoints.openai.protocol_completion import CompletionRequest, CompletionResponse
+from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
+from pagedlm.entrypoints.openai.protocol_tokenization import (DetokenizeRequest, DetokenizeResponse,
+                                                              TokenizeChatRequest,
+                                                              TokenizeCompletionRequest,
+                                                              TokenizeResponse)
+from pagedlm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedlm.entrypoints.openai.serving_engine import (error_response, loads_json,
+                                                       validation_error_response)
+from pagedlm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedlm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+# The engine view's refresh rate: each view is a scan of the queues and block reference counts
+# on the engine thread, taken only while a page is connected.
+ENGINE_EVENTS_PER_S = 4.0
+# Each events response ends after this long and the page reconnects at once: uvicorn's graceful
+# shutdown waits for open responses, so an endless stream would hold up Ctrl-C for as long as a
+# page stays open.
+ENGINE_EVENTS_MAX_S = 5.0
+
+
+@dataclass(frozen=True)
+class ServingState:
+    """What the routes serve with: one app's engine and its serving objects."""
+    engine: AsyncLLMEngine
+    models: OpenAIServingModels
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    embedding: OpenAIServingEmbedding
+    tokenization: OpenAIServingTokenization
+
+
+def _serving(raw: Request) -> ServingState:
+    return raw.app.state.serving
+
+
+async def _listen_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def with_cancellation(handler: Awaitable[Response], request: Request) -> Response:
+    """Run a handler, cancelling it if the client disconnects first (its requests abort)."""
+    handler_task = asyncio.ensure_future(handler)
+    disconnect_task = asyncio.ensure_future(_listen_for_disconnect(request))
+    try:
+        await asyncio.wait([handler_task, disconnect_task],
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect_task.cancel()
+        if not handler_task.done():
+            handler_task.cancel()
+    if handler_task.done() and not handler_task.cancelled():
+        return handler_task.result()
+    logger.debug("client disconnected before the response was ready")
+    return Response(status_code=499)  # nobody reads it
+
+
+async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
+    # pydantic's JSON parser has its own depth limit: deep nesting is a json_invalid 400.
+    try:
+        request = model.model_validate_json(await raw.body())
+    except ValidationError as e:
+        return validation_error_response(e)
+    if request.model_extra:
+        logger.info("ignoring unknown request fields: %s", sorted(request.model_extra))
+    return request
+
+
+# --- The server's own routes --------------------------------------------------------------
+
+server_router = APIRouter()
+
+
+@server_router.get("/health", response_class=Response,
+                   responses=responses(None, 503,
+                                       ok_description="The engine is running (no body)."))
+async def health(raw: Request) -> Response:
+    engine = _serving(raw).engine
+    if engine.is_running:
+        return Response(status_code=200)
+    # 503, as vLLM answers for a dead engine: a failed one never comes back, and the server is
+    # on its way out (see stop_server_when_engine_fails).
+    return error_response(f"The engine is not running: {engine.dead_error!r}", 503)
+
+
+@server_router.get("/version", response_model=VersionResponse,
+                   responses=responses(None, 401, 500))
+async def version() -> dict:
+    return {"version": pagedlm.__version__}
+
+
+@server_router.get("/metrics", responses=responses(None, 401, 500, ok_content={
+    CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+    ok_description="Prometheus metrics (text exposition format)."))
+async def metrics(raw: Request) -> Response:
+    return Response(generate_latest(_serving(raw).engine.metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)
+
+
+@server_router.get("/", include_in_schema=False)
+async def index() -> Response:
+    return FileResponse(os.path.join(STATIC_DIR, "index.html"),
+                        headers={"Cache-Control": "no-cache"})
+
+
+@server_router.get("/engine/events", responses=responses(
+    None, 401, 500, ok_content=sse_content(
+        "One event per engine view: `data:` is the view as JSON (queues, KV block map, "
+        "tokens per step)."),
+    ok_description="The engine view as server-sent events, a few per second; the stream "
+                   "ends after a few seconds and the page reconnects."))
+async def engine_events(raw: Request) -> Response:
+    engine = _serving(raw).engine
+
+    async def events():
+        end = loop.time() + ENGINE_EVENTS_MAX_S
+        while loop.time() < end:
+            try:
+                view = await engine.engine_view()
+            except AsyncEngineDeadError:  # the stream ends; /health says why
+                return
+            yield f"data: {json.dumps(dataclasses.asdict(view), separators=(',', ':'))}\n\n"
+            await asyncio.sleep(1 / ENGINE_EVENTS_PER_S)
+
+    if not engine.is_running:
+        return error_response(f"The engine is not running: {engine.dead_error!r}", 500)
+    loop = asyncio.get_running_loop()
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+@server_router.get("/v1/models", response_model=ModelList, responses=responses(None, 401, 500))
+async def list_models(raw: Request) -> dict:
+    return ModelList(data=_serving(raw).models.cards()).model_dump()
+
+
+# --- Runtime LoRA updating ----------------------------------------------------------------
+
+lora_router = APIRouter()
+LORA_BODY_MODELS: tuple[type[BaseModel], ...] = (LoadLoRAAdapterRequest,
+                                                 UnloadLoRAAdapterRequest)
+_LORA_OK = {"text/plain": {"schema": {"type": "string"}}}
+
+
+async def _json_object(raw: Request) -> dict | Response:
+    try:
+        body = loads_json(await raw.body() or b"{}")
+    except ValueError as e:  # bad JSON, too deep, or bytes that are not UTF-8 at all
+        return error_response(f"Invalid JSON body: {e}", 400)
+    if not isinstance(body, dict):
+        return error_response("The body must be a JSON object.", 400)
+    return body
+
+
+@lora_router.post("/v1/load_lora_adapter", openapi_extra=json_body(LoadLoRAAdapterRequest),
+                  responses=responses(None, 400, 401, 413, 500, ok_content=_LORA_OK))
+async def load_lora_adapter(raw: Request) -> Response:
+    body = await _json_object(raw)
+    if isinstance(body, Response):
+        return body
+    err = await _serving(raw).models.load_lora(body.get("lora_name"), body.get("lora_path"),
+                                               body.get("base_model_name"))
+    return err or PlainTextResponse(
+        f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+
+@lora_router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UnloadLoRAAdapterRequest),
+                  responses=responses(None, 400, 401, 404, 413, 500, ok_content=_LORA_OK))
+async def unload_lora_adapter(raw: Request) -> Response:
+    body = await _json_object(raw)
+    if isinstance(body, Response):
+        return body
+    err = await _serving(raw).models.unload_lora(body.get("lora_name"))
+    return err or PlainTextResponse(
+        f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+
+
+# --- The OpenAI API -----------------------------------------------------------------------
+
+api_router = APIRouter()
+API_BODY_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeCompletionRequest,
+    TokenizeChatRequest, DetokenizeRequest)
+
+
+@api_router.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
+                 responses=responses(CompletionResponse, 400, 401, 404, 413, 500,
+                                     ok_content=SSE_CONTENT))
+async def create_completion(raw: Request) -> Response:
+    request = await _parse(raw, CompletionRequest)
+    if isinstance(request, Response):
+        return request
+    return await with_cancellation(_serving(raw).completion.create_completion(request), raw)
+
+
+@api_router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
+                 responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 500,
+                                     ok_content=SSE_CONTENT))
+async def create_chat_completion(raw: Request) -> Response:
+    request = await _parse(raw, ChatCompletionRequest)
+    if isinstance(request, Response):
+        return request
+    return await with_cancellation(_serving(raw).chat.create_chat_completion(request), raw)
+
+
+@api_router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest),
+                 responses=responses(EmbeddingResponse, 400, 401, 404, 413, 500))
+async def create_embedding(raw: Request) -> Response:
+    request = await _parse(raw, EmbeddingRequest)
+    if isinstance(request, Response):
+        return request
+    return await with_cancellation(_serving(raw).embedding.create_embedding(request), raw)
+
+
+@api_router.post("/tokenize",
+                 openapi_extra=json_body(TokenizeCompletionRequest, TokenizeChatRequest),
+                 responses=responses(TokenizeResponse, 400, 401, 404, 413, 500))
+async def tokenize(raw: Request) -> Response:
+    # A body with `messages` is a conversation (rendered by the chat template).
+    try:
+        is_chat = "messages" in loads_json(await raw.body())
+    except (ValueError, TypeError):  # bad JSON (too deep too), not UTF-8, not a container
+        is_chat = False  # the parse below reports the bad body
+    request = await _parse(raw, TokenizeChatRequest if is_chat else TokenizeCompletionRequest)
+    if isinstance(request, Response):
+        return request
+    return await _serving(raw).tokenization.tokenize(request)
+
+
+@api_router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest),
+                 responses=responses(DetokenizeResponse, 400, 401, 404, 413, 500))
+async def detokenize(raw: Request) -> Response:
+    request = await _parse(raw, DetokenizeRequest)
+    if isinstance(request, Response):
+        return request
+    return await _serving(raw).tokenization.detokenize(request)
