@@ -235,13 +235,13 @@ class OpTimes:
         self.flops[key] = self.flops.get(key, 0.0) + flops
 
     def __enter__(self) -> "OpTimes":
-        from pagedlm.attention import kernels
+        from pagedlm.kernels import attention as kernels
         from pagedlm.attention.backends import native
         from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
-        from pagedlm.model_executor.models.llama import LlamaFusedDecode
-        self._patched = (UnquantizedLinearMethod, kernels, LlamaFusedDecode, native)
+        from pagedlm.model_executor.layers.fused_decode import FusedDecodeStack
+        self._patched = (UnquantizedLinearMethod, kernels, FusedDecodeStack, native)
         apply, attention = UnquantizedLinearMethod.apply, kernels.paged_attention
-        fused = LlamaFusedDecode.run
+        fused = FusedDecodeStack.run
         prefill, sdpa = kernels.prefill_attention, native.prefill_attention
         self._saved = (apply, attention, fused, prefill, sdpa)
 
@@ -271,7 +271,7 @@ class OpTimes:
 
         UnquantizedLinearMethod.apply = timed_apply
         kernels.paged_attention = timer("paged attention", attention)
-        LlamaFusedDecode.run = timed_fused
+        FusedDecodeStack.run = timed_fused
         kernels.prefill_attention = timer("prefill attention", prefill)
         native.prefill_attention = timer("prefill SDPA", sdpa)
         return self

@@ -22,18 +22,20 @@ decode stack can call from C (gemv.py).
 """
 from __future__ import annotations
 
+import enum
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm import envs
 from pagedlm.distributed.parallel_state import get_tp_group
-from pagedlm.model_executor.layers import gemv
+from pagedlm.kernels import gemv
 from pagedlm.model_executor.model_loader.weight_utils import check_shape, default_weight_loader
-from pagedlm.utils import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ def divide(numerator: int, denominator: int) -> int:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's blocked layout, or None where that is unavailable or disabled."""
-    if (env_flag("PAGEDLM_DISABLE_ONEDNN") or weight.device.type != "cpu"
+    if (envs.PAGEDLM_DISABLE_ONEDNN or weight.device.type != "cpu"
             or weight.dtype not in (torch.float32, torch.bfloat16)
             or not torch.backends.mkldnn.is_available()):
         return None
@@ -62,6 +64,25 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError) as e:
         logger.warning("oneDNN weight packing unavailable, using F.linear: %s", e)
         return None
+
+
+class WeightFormat(enum.IntEnum):
+    """A weight layout one of the native matmul kernels multiplies by; the values are the
+    fused decode stack's (llama_decode.c's weight formats)."""
+    FLOAT = 0  # float32 [out, in], gemv_f32
+    Q4_1 = 1  # quantization/kernels.py's formats, qmm_<format>
+    Q8_0 = 2
+    I8 = 3  # with a float32 scale per output row
+    FLOAT_PANELS = 4  # float32 panels of gemv.pack_panels, gemm_panels_f32
+
+
+@dataclass(frozen=True)
+class NativeLinear:
+    """A linear layer's weight as a native kernel reads it: `apply` at decode batch sizes
+    computes what that kernel computes on these tensors (the layer's bias comes on top)."""
+    fmt: WeightFormat
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None  # WeightFormat.I8's per-row scales
 
 
 class LinearMethodBase(ABC):
@@ -82,6 +103,12 @@ class LinearMethodBase(ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Convert the loaded weights into the format `apply` runs on (once, after loading)."""
+
+    def native_form(self, layer: nn.Module) -> NativeLinear | None:
+        """The weight as a native kernel that computes what `apply` does reads it (for callers
+        such as the fused decode stack that run the kernel themselves), or None where `apply`
+        runs something else. Valid after process_weights_after_loading."""
+        return None
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -115,6 +142,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none",
                                                       [], "")
         return F.linear(x, layer.weight, bias)
+
+    def native_form(self, layer) -> NativeLinear | None:
+        if type(self).apply is not UnquantizedLinearMethod.apply:
+            return None  # a subclass that multiplies another way describes its own form
+        panels = getattr(layer, "panel_weight", None)
+        if panels is not None:
+            return NativeLinear(WeightFormat.FLOAT_PANELS, panels)
+        if getattr(layer, "use_gemv", False):
+            return NativeLinear(WeightFormat.FLOAT, layer.weight)
+        return None  # oneDNN or F.linear
 
 
 class LinearBase(nn.Module):

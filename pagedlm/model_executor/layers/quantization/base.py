@@ -9,7 +9,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from pagedlm.model_executor.layers.linear import (LinearMethodBase, NativeLinear,
+                                                  UnquantizedLinearMethod, WeightFormat)
 import pagedlm.model_executor.layers.quantization.kernels as kernels
 
 
@@ -53,6 +54,10 @@ class QuantizationConfig(ABC):
         yield from float_weights
 
 
+# The packed formats (kernels.FORMATS) as the native matmul kernels name them.
+_NATIVE_FORMATS = {"q4_1": WeightFormat.Q4_1, "q8_0": WeightFormat.Q8_0, "i8": WeightFormat.I8}
+
+
 class PackedLinearMethod(UnquantizedLinearMethod):
     """The float weight is loaded as usual; `pack` turns it into (format, qweight, scale) once
     after loading, and the matmul runs on that through `kernels.quantized_matmul`."""
@@ -74,6 +79,12 @@ class PackedLinearMethod(UnquantizedLinearMethod):
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         return kernels.quantized_matmul(layer.quant_format, x, layer.qweight_data, layer.qscale,
                                         bias)
+
+    def native_form(self, layer) -> NativeLinear | None:
+        fmt = _NATIVE_FORMATS.get(layer.quant_format)
+        if type(self).apply is not PackedLinearMethod.apply or fmt is None:
+            return None  # a subclass that multiplies another way describes its own form
+        return NativeLinear(fmt, layer.qweight_data, layer.qscale)
 
 
 def weight_formats(model: nn.Module) -> Counter:
