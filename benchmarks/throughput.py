@@ -19,7 +19,7 @@ float32), with the bytes of weights a decode step reads and the bandwidth that i
 the measured memory bandwidth (a large tensor copy), e.g. single-stream decode:
     python benchmarks/throughput.py --num-prompts 1 --input-len 32 --output-len 256 \
         --temperature 0 --quantization none gguf int8 int4
-With ``--trace-file FILE`` pagedlm records every step (engine/tracer.py); ``--baseline no-trace``
+With ``--trace-file FILE`` pagedlm records every step (metrics/tracer.py); ``--baseline no-trace``
 runs the same workload untraced, for the tracer's cost (the trace is written at shutdown, outside
 the timed part):
     python benchmarks/throughput.py --num-prompts 64 --input-len 32:256 --output-len 16:128 \
@@ -60,7 +60,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 # Make `python benchmarks/throughput.py` work from a plain checkout (no pip install).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from commit_baseline import run_script_at_commit, run_script_fresh, strip_flag, strip_option  # noqa: E402
+from commit_baseline import (run_script_at_commit, run_script_fresh,  # noqa: E402
+                             strip_flag, strip_option)
 from pagedlm import LLM, SamplingParams  # noqa: E402
 from pagedlm.model_executor.model_loader.model_path import default_model_file  # noqa: E402
 from quality import linear_weight_bytes  # noqa: E402
@@ -77,7 +78,8 @@ def parse_len(text):
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="GGUF file or HF dir (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF dir (default: embedded SmolLM2-135M)")
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=parse_len, default=(128, 128), help="N or LO:HI")
     p.add_argument("--output-len", type=parse_len, default=(128, 128), help="N or LO:HI")
@@ -309,7 +311,8 @@ def run_hf(requests, args, model_file, tokenizer):
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
     load_s = time.perf_counter() - start
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+              else tokenizer.eos_token_id)
 
     torch.manual_seed(args.seed)
     bs = args.hf_batch_size

@@ -10,23 +10,24 @@ from collections import Counter
 import pytest
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.entrypoints.beam_search import BeamSearchDriver
 from pagedlm.sequence import SequenceStatus
 from tests.conftest import make_tiny_model
 
 
 def check_pools(engine) -> None:
     bm, sched = engine.block_manager, engine.scheduler
-    refs = {"gpu": Counter(), "cpu": Counter()}
+    refs = {"device": Counter(), "cpu": Counter()}
     for group in sched.waiting + sched.running + sched.swapped:
         for seq in group.unfinished_seqs():
             if seq.status is SequenceStatus.SWAPPED:
                 refs["cpu"].update(seq.block_table)
             else:
-                refs["gpu"].update(seq.block_table)
+                refs["device"].update(seq.block_table)
                 assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
             if seq.status is SequenceStatus.WAITING:
                 assert not seq.block_table and seq.num_computed_tokens == 0
-    for name, pool in (("gpu", bm.gpu), ("cpu", bm.cpu)):
+    for name, pool in (("device", bm.device), ("cpu", bm.cpu)):
         assert pool.ref_counts == [refs[name][b] for b in range(pool.num_blocks)], name
         free = list(pool.free_plain) + list(pool.free_cached)
         assert len(free) == len(set(free)) == pool.num_free_blocks
@@ -59,6 +60,8 @@ def test_random_operations_leave_every_block_free(tmp_path, default_model_dir, m
               max_num_batched_tokens=48, max_model_len=160, preemption_mode=mode,
               swap_space=24 * 2 * 3 * 8 * 2 * 16 * 4 / 2**30)
     engine = llm.llm_engine
+    # Beam searches run above the engine: the driver adds their steps as ordinary requests.
+    driver = BeamSearchDriver(engine)
     assert engine.block_manager.cpu.num_blocks == (24 if mode == "swap" else 0)
     rng = random.Random(2 if mode == "swap" else 1)
     prefixes = [[rng.randint(100, 3000) for _ in range(rng.choice([8, 16, 24]))]
@@ -71,7 +74,7 @@ def test_random_operations_leave_every_block_free(tmp_path, default_model_dir, m
                                                     for _ in range(rng.randint(1, 40))]
             rid = f"r{counter}"
             counter += 1
-            engine.add_request(rid, {"prompt_token_ids": prompt}, random_params(rng))
+            driver.add_request(rid, {"prompt_token_ids": prompt}, random_params(rng))
             live.add(rid)
         elif op < 0.4 and live:
             rid = rng.choice(sorted(live))
@@ -80,29 +83,29 @@ def test_random_operations_leave_every_block_free(tmp_path, default_model_dir, m
             if swapped and rng.random() < 0.5:
                 rid = swapped[0]
                 aborted_swapped += 1
-            engine.abort_request(rid)
+            driver.abort_request(rid)
             live.discard(rid)
             aborted.add(rid)
         else:
-            for out in engine.step():
+            for out in driver.step():
                 if out.finished:
                     assert out.request_id in live
                     assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
                     live.discard(out.request_id)
                     finished.add(out.request_id)
         check_pools(engine)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while driver.has_unfinished_requests():
+        for out in driver.step():
             if out.finished:
                 live.discard(out.request_id)
                 finished.add(out.request_id)
         check_pools(engine)
-    assert not live and not engine.requests
+    assert not live and not engine.requests and not driver.searches
     bm, stats = engine.block_manager, engine.stats
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
     assert bm.cpu.num_free_blocks == bm.cpu.num_blocks and not any(bm.cpu.ref_counts)
     # The run exercised what it claims to.
     assert len(aborted) > 10 and len(finished) > 50
-    assert stats.num_preemptions > 0 and bm.gpu.num_evictions > 0 and bm.prefix_hits > 0
+    assert stats.num_preemptions > 0 and bm.device.num_evictions > 0 and bm.prefix_hits > 0
     if mode == "swap":
         assert stats.num_swapped_out > 0 and stats.num_swapped_in > 0 and aborted_swapped > 0

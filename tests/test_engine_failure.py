@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.engine.tracer import records_path
+from pagedlm.metrics.tracer import records_path
 from tests.conftest import make_tiny_model
 from tests.server_utils import free_port
 

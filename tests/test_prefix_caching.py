@@ -63,7 +63,7 @@ def test_cache_survives_across_batches_and_eviction_keeps_outputs_right(referenc
     # Unrelated long prompts push the old prefix out, least recently used first.
     other = [f"Unrelated text number {i}. " * 40 for i in range(3)]
     greedy(llm, other)
-    assert bm.gpu.num_evictions > 0
+    assert bm.device.num_evictions > 0
     before = stats.num_prompt_tokens
     assert_greedy_outputs_match(ref[4:], greedy(llm, PROMPTS[4:]))
     assert stats.num_prompt_tokens - before > 0
@@ -80,7 +80,7 @@ def test_sha256_is_the_default_block_hash_and_a_bad_algo_is_named():
     bm = llm.llm_engine.block_manager
     assert bm.hash_block is sha256_block_hash
     llm.generate(PROMPTS[0], PARAMS, use_tqdm=False)
-    hashes = list(bm.gpu.cached)
+    hashes = list(bm.device.cached)
     assert hashes and all(isinstance(h, bytes) and len(h) == 32 for h in hashes)
     # The chain: each block's hash covers its parent's, its tokens and the first block's salt.
     assert sha256_block_hash(None, (1, 2), ()) != sha256_block_hash(None, (1, 2), ("salt",))
@@ -99,7 +99,7 @@ def test_a_forged_hash_collision_never_reuses_another_prompts_blocks(reference, 
     bm.hash_block = lambda parent, tokens, extra: b"collide"
     victim = "A completely different opening about rivers, mountains and the sea. " * 8
     llm.generate(victim, PARAMS, use_tqdm=False)  # its first block owns the colliding hash
-    assert len(bm.gpu.cached) == 1
+    assert len(bm.device.cached) == 1
     outs = llm.generate(PROMPTS[:4], PARAMS, use_tqdm=False)
     assert_greedy_outputs_match(ref[:4], [o.outputs[0] for o in outs])  # another batch size
     assert all(o.num_cached_tokens == 0 for o in outs)

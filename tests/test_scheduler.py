@@ -2,11 +2,15 @@
 ref counts and copy-on-write."""
 from __future__ import annotations
 
-from pagedlm.config import SchedulerConfig
+from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.block_manager import BlockManager
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def no_caching(block_size: int) -> CacheConfig:
+    return CacheConfig(block_size=block_size, enable_prefix_caching=False)
 
 
 def make_group(rid: str, prompt_len: int, seq_id: int, n: int = 1) -> SequenceGroup:
@@ -17,10 +21,11 @@ def make_group(rid: str, prompt_len: int, seq_id: int, n: int = 1) -> SequenceGr
 
 def make_scheduler(num_blocks=64, budget=64, max_seqs=8, block_size=4, chunked=False,
                    **config):
-    bm = BlockManager(num_blocks, block_size, watermark=0.0)
     # max_model_len: the budget, the most SchedulerConfig allows without chunked prefill.
-    return Scheduler(SchedulerConfig(budget, max_seqs, budget, enable_chunked_prefill=chunked,
-                                     **config), bm), bm
+    sched = Scheduler(SchedulerConfig(budget, max_seqs, budget, enable_chunked_prefill=chunked,
+                                      **config), no_caching(block_size), num_blocks,
+                      watermark=0.0)
+    return sched, sched.block_manager
 
 
 def run_step(sched: Scheduler):
@@ -172,8 +177,10 @@ def test_without_chunking_a_prompt_waits_for_a_whole_budget():
 # -- prefix caching ----------------------------------------------------------------------------
 
 def make_caching_scheduler(num_blocks=32, budget=256, block_size=4, **config):
-    bm = BlockManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=True)
-    return Scheduler(SchedulerConfig(budget, 8, 1024, **config), bm), bm
+    sched = Scheduler(SchedulerConfig(budget, 8, 1024, **config),
+                      CacheConfig(block_size=block_size, enable_prefix_caching=True), num_blocks,
+                      watermark=0.0)
+    return sched, sched.block_manager
 
 
 def group_with(rid: str, ids: list[int], seq_id: int, **params) -> SequenceGroup:
@@ -251,8 +258,9 @@ def test_cached_blocks_are_evicted_least_recently_freed_first():
 # -- swapping ----------------------------------------------------------------------------------
 
 def test_swap_preemption_moves_blocks_to_host_and_back_before_new_admissions():
-    bm = BlockManager(6, 4, watermark=0.0, num_cpu_blocks=8)
-    sched = Scheduler(SchedulerConfig(100, 8, 1024, preemption_mode="swap"), bm)
+    sched = Scheduler(SchedulerConfig(100, 8, 1024, preemption_mode="swap"), no_caching(4), 6,
+                      num_cpu_blocks=8, watermark=0.0)
+    bm = sched.block_manager
     groups = [make_group(f"r{i}", 8, i) for i in range(3)]
     for g in groups:
         sched.add_seq_group(g)
@@ -285,8 +293,8 @@ def test_swap_preemption_moves_blocks_to_host_and_back_before_new_admissions():
 
 
 def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
-    bm = BlockManager(6, 4, watermark=0.0, num_cpu_blocks=1)
-    sched = Scheduler(SchedulerConfig(100, 8, 1024, preemption_mode="swap"), bm)
+    sched = Scheduler(SchedulerConfig(100, 8, 1024, preemption_mode="swap"), no_caching(4), 6,
+                      num_cpu_blocks=1, watermark=0.0)
     for i in range(3):
         sched.add_seq_group(make_group(f"r{i}", 8, i))
     run_step(sched)

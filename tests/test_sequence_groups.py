@@ -59,6 +59,26 @@ def test_beam_search_parameters_are_validated():
             SamplingParams(use_beam_search=True, **{"best_of": 4, "temperature": 0, **kwargs})
 
 
+def test_beam_search_runs_above_the_engine(llm):
+    """The engine refuses a beam request (run there it would be plain greedy decoding); LLM
+    runs it as a search over the engine, which then holds nothing of it."""
+    engine = llm.llm_engine
+    params = SamplingParams(use_beam_search=True, n=2, temperature=0, max_tokens=3)
+    with pytest.raises(ValueError, match="^use_beam_search"):
+        engine.add_request("beam", "Hello", params)
+    assert not engine.has_unfinished_requests()
+    (out,) = llm.generate(["Hello"], params, use_tqdm=False)
+    (beams,) = llm.beam_search(["Hello"], BeamSearchParams(beam_width=2, max_tokens=3))
+    assert [list(out.prompt_token_ids) + c.token_ids for c in out.outputs] == [
+        b.tokens for b in beams.sequences]
+    assert not engine.has_unfinished_requests() and not engine.requests
+    # A search wider than the step's logprobs allow is refused up front, naming best_of.
+    wide = SamplingParams(use_beam_search=True, n=11, temperature=0, max_tokens=3)
+    with pytest.raises(ValueError, match="^best_of"):
+        llm.generate(["Hello"], wide, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
 def hf_beams(model, ids: list[int], width: int, max_new: int, length_penalty: float):
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                          num_beams=width, num_return_sequences=width, do_sample=False,

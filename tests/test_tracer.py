@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import make_tiny_model
 from pagedlm import LLM, SamplingParams
 from pagedlm.entrypoints.cli import main
-from pagedlm.engine.tracer import BLOCK_STATES, load_records, records_path
+from pagedlm.metrics.tracer import BLOCK_STATES, load_records, records_path
 
 # 10 host blocks: K and V, 3 layers, 8 tokens, 2 KV heads of 16 dims, fp32. Fewer than a
 # preempted group may hold, so some swap preemptions fall back to recompute.
@@ -38,7 +38,7 @@ def traced_run(tmp_path_factory, default_model_dir):
               for i in range(8)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = engine.stats
-    pool = engine.block_manager.gpu
+    pool = engine.block_manager.device
     final_free = pool.num_free_blocks
     llm.shutdown()
     meta, steps = load_records(records_path(trace_file))
@@ -53,9 +53,9 @@ def test_run_exercises_what_the_trace_must_show(traced_run):
     assert modes == {"recompute", "swap"}, modes
     assert any(s["swapped_in"] for s in steps)
     assert sum(s["prefix_hit_tokens"] for s in steps) > 0
-    assert sum(s["gpu"]["shared"] for s in steps) > 0  # forks share their parent's blocks
+    assert sum(s["device"]["shared"] for s in steps) > 0  # forks share their parent's blocks
     assert sum(s["cow_copies"] for s in steps) > 0  # and copy the block they write into
-    assert sum(s["gpu"]["evicted"] for s in steps) > 0
+    assert sum(s["device"]["evicted"] for s in steps) > 0
     # The trace's counts are the scheduler's own.
     assert sum(len(s["preempted"]) for s in steps) == stats.num_preemptions
     assert sum(p["mode"] == "swap" for s in steps for p in s["preempted"]) == \
@@ -99,7 +99,7 @@ def test_every_allocated_block_is_freed(traced_run):
     steps, n = traced_run["steps"], traced_run["num_blocks"]
     used = 0
     for s in steps:
-        g = s["gpu"]
+        g = s["device"]
         used += g["allocated"] + g["revived"] - g["freed"]
         bm = s["block_map"]
         assert len(bm) == n and set(bm) <= set(BLOCK_STATES)

@@ -3,15 +3,26 @@
 Each sequence owns a block table (logical block i -> physical block id). Forked sequences share
 blocks; a shared block is copied before it is written to (copy-on-write). With prefix caching a
 full block is known by a hash chained over its parent's hash, its token ids and extra keys
-(core/block_hash.py), so a new prompt starts from the longest prefix already in the cache. Swapping moves a group's blocks to the host
-pool and back; the CacheEngine does the copies the returned (src, dst) pairs describe.
+(core/block_hash.py), so a new prompt starts from the longest prefix already in the cache.
+Swapping moves a group's blocks to the host pool and back; the CacheEngine does the copies the
+returned (src, dst) pairs describe.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 from pagedlm.core.block_hash import ExtraKeys, get_block_hash_fn
 from pagedlm.core.block_pool import BlockPool
 from pagedlm.sequence import Sequence
 from pagedlm.utils import cdiv
+
+# (pool name: "device" or "cpu", number of blocks, enable prefix caching) -> the pool. An
+# observer may hand one in that counts the pools' operations (metrics/tracer.py).
+PoolFactory = Callable[[str, int, bool], BlockPool]
+
+
+def plain_pool(name: str, num_blocks: int, enable_caching: bool = False) -> BlockPool:
+    return BlockPool(num_blocks, enable_caching)
 
 
 class BlockManager:
@@ -21,20 +32,17 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False,
-                 hash_algo: str = "sha256", tracer=None) -> None:
+                 hash_algo: str = "sha256", pool_factory: PoolFactory = plain_pool) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}.")
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Admissions keep a few blocks back so running sequences can still grow next step.
         self.watermark_blocks = int(watermark * num_blocks)
-        # A StepTracer (engine/tracer.py) counts the pools' operations around the plain pool.
-        if tracer is None:
-            self.gpu = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-            self.cpu = BlockPool(num_cpu_blocks)
-        else:
-            self.gpu = tracer.block_pool("gpu", num_blocks, enable_caching=enable_prefix_caching)
-            self.cpu = tracer.block_pool("cpu", num_cpu_blocks)
+        # The device pool is the KV cache the model reads (host RAM on a CPU engine); the cpu
+        # pool holds swapped-out blocks.
+        self.device = pool_factory("device", num_blocks, enable_prefix_caching)
+        self.cpu = pool_factory("cpu", num_cpu_blocks, False)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_block = get_block_hash_fn(hash_algo)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -43,14 +51,14 @@ class BlockManager:
     # -- state ------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return self.gpu.num_free_blocks
+        return self.device.num_free_blocks
 
     @property
     def ref_counts(self) -> list[int]:
-        return self.gpu.ref_counts
+        return self.device.ref_counts
 
     def usage(self) -> float:
-        return 1.0 - self.gpu.num_free_blocks / self.num_blocks
+        return 1.0 - self.device.num_free_blocks / self.num_blocks
 
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
@@ -97,7 +105,7 @@ class BlockManager:
         self._extend_hashes(seq, len(seq.token_ids) - 1)
         blocks = []
         for i, h in enumerate(seq.block_hashes):
-            block_id = self.gpu.lookup(h, self._block_content(seq, i))
+            block_id = self.device.lookup(h, self._block_content(seq, i))
             if block_id is None:
                 break
             blocks.append(block_id)
@@ -111,7 +119,7 @@ class BlockManager:
         self.prefix_queries += len(seq.token_ids)
         self.prefix_hits += len(blocks) * self.block_size
         for b in blocks:
-            self.gpu.share(b)
+            self.device.share(b)
         seq.block_table = list(blocks)
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_cached_blocks = len(blocks)
@@ -123,7 +131,7 @@ class BlockManager:
         self._extend_hashes(seq, num_tokens)
         full = min(num_tokens // self.block_size, len(seq.block_table))
         for i in range(seq.num_cached_blocks, full):
-            self.gpu.register(seq.block_table[i], seq.block_hashes[i],
+            self.device.register(seq.block_table[i], seq.block_hashes[i],
                               self._block_content(seq, i))
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)
 
@@ -148,14 +156,14 @@ class BlockManager:
 
     def _num_blocks_needed(self, seqs: list[Sequence], num_new_tokens: list[int],
                            prefixes: dict[Sequence, list[int]]) -> int:
-        revived = {b for p in prefixes.values() for b in p if self.gpu.is_free(b)}
+        revived = {b for p in prefixes.values() for b in p if self.device.is_free(b)}
         return len(revived) + sum(
-            self._new_blocks(s, n, self.gpu, len(prefixes.get(s, ())))
+            self._new_blocks(s, n, self.device, len(prefixes.get(s, ())))
             for s, n in zip(seqs, num_new_tokens))
 
     def _room_for(self, num_blocks: int, admission: bool) -> bool:
         reserve = self.watermark_blocks if admission else 0
-        return self.gpu.num_free_blocks - num_blocks >= reserve
+        return self.device.num_free_blocks - num_blocks >= reserve
 
     def can_allocate_slots(self, seqs: list[Sequence], num_new_tokens: list[int],
                            admission: bool = False) -> bool:
@@ -185,16 +193,16 @@ class BlockManager:
 
     def _allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         copies = []
-        idx = self._shared_write_block(seq, self.gpu)
+        idx = self._shared_write_block(seq, self.device)
         if idx is not None:
             src = seq.block_table[idx]
-            dst = self.gpu.take()
-            self.gpu.release(src)
+            dst = self.device.take()
+            self.device.release(src)
             seq.block_table[idx] = dst
             copies.append((src, dst))
         total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         while len(seq.block_table) < total:
-            seq.block_table.append(self.gpu.take())
+            seq.block_table.append(self.device.take())
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -202,12 +210,12 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
         for block_id in child.block_table:
-            self.gpu.share(block_id)
+            self.device.share(block_id)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first: they are the least likely to be shared, so evicted first.
         for block_id in reversed(seq.block_table):
-            self.gpu.release(block_id)
+            self.device.release(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
 
@@ -221,7 +229,7 @@ class BlockManager:
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Move seqs' blocks to the host pool; returns (device, host) pairs to copy."""
-        return self._move(seqs, self.gpu, self.cpu)
+        return self._move(seqs, self.device, self.cpu)
 
     def free_host(self, seq: Sequence) -> None:
         """Drop a swapped-out sequence's host blocks (it was aborted while swapped)."""
@@ -239,7 +247,7 @@ class BlockManager:
             self._new_blocks(s, n, self.cpu) for s, n in zip(scheduled, num_new_tokens))
         if not self._room_for(blocks, admission=True):
             return None
-        pairs = self._move(seqs, self.cpu, self.gpu)
+        pairs = self._move(seqs, self.cpu, self.device)
         for s in seqs:
             s.num_cached_blocks = 0  # new device blocks: register them again
             self._cache_full_blocks(s, s.num_computed_tokens)

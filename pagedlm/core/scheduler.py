@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedlm.config import SchedulerConfig
-from pagedlm.core.block_manager import BlockManager
+from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.block_manager import BlockManager, PoolFactory, plain_pool
 from pagedlm.model_io import is_decode
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdates
 
@@ -79,9 +79,15 @@ class SchedulerStats:
 
 class Scheduler:
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
+                 num_device_blocks: int, num_cpu_blocks: int = 0, *, watermark: float = 0.01,
+                 pool_factory: PoolFactory = plain_pool) -> None:
+        """The Scheduler owns its BlockManager, sized by what the executor allocated."""
         self.config = config
-        self.block_manager = block_manager
+        self.block_manager = BlockManager(
+            num_device_blocks, cache_config.block_size, watermark, num_cpu_blocks,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
+            hash_algo=cache_config.prefix_caching_hash_algo, pool_factory=pool_factory)
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []

@@ -28,56 +28,25 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable
 
+from pagedlm.config import EngineConfig
 from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.engine.engine_view import EngineView, take_engine_view
 from pagedlm.engine.llm_engine import LLMEngine
-from pagedlm.engine.metrics import EngineMetrics, EngineSnapshot
 from pagedlm.engine.request_prep import RequestPreparer
+from pagedlm.engine.request_stream import END, RequestStream, deliver
+from pagedlm.metrics.engine_view import EngineView, take_engine_view
+from pagedlm.metrics.prometheus import EngineMetrics, EngineSnapshot, RequestTimes
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import RequestOutput
-from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class AsyncEngineDeadError(RuntimeError):
     """The engine loop has stopped (it failed, or was shut down): no request can run."""
-
-
-_END = object()  # stream sentinel: the request ended without a final output (aborted)
-
-
-class RequestStream:
-    """One request's RequestOutputs as an async iterator, fed from the engine thread."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False  # the consumer has seen the end (final output, abort or error)
-
-    def _put(self, item) -> None:  # on the stream's event loop
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _END:
-            self.finished = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
 
 
 @dataclass
@@ -115,11 +84,7 @@ _SHUTDOWN = object()
 class _Tracked:
     """Engine-thread bookkeeping for one request: where its outputs go, and its timings."""
     stream: RequestStream
-    kind: RequestOutputKind
-    arrival_time: float
-    last_output_time: float | None = None
-    tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens so far
-    ttft_recorded: bool = False
+    times: RequestTimes
 
 
 def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
@@ -129,11 +94,6 @@ def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
-
-
-def _deliver(items: list[tuple[RequestStream, object]]) -> None:
-    for stream, item in items:
-        stream._put(item)
 
 
 class AsyncLLMEngine:
@@ -207,8 +167,16 @@ class AsyncLLMEngine:
         return self._tokenizer
 
     @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
     def model_config(self):
         return self.engine.config.model_config
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
 
     def _submit(self, command) -> None:
         with self._lock:
@@ -260,7 +228,7 @@ class AsyncLLMEngine:
 
     async def engine_view(self) -> EngineView:
         """Queues, KV block map and counters, taken on the engine thread between steps."""
-        return await self._on_engine_thread(take_engine_view)
+        return await self._on_engine_thread(lambda e: take_engine_view(e.scheduler, e.stats))
 
     async def add_lora(self, lora_request) -> bool:
         """Register and load an adapter (LLMEngine.add_lora: ValueError for a bad one)."""
@@ -362,8 +330,8 @@ class AsyncLLMEngine:
         except Exception as e:  # noqa: BLE001 - a bad request fails itself, not the loop
             error = e
         else:
-            self._tracked[cmd.request_id] = _Tracked(cmd.stream, cmd.params.output_kind,
-                                                     cmd.arrival_time)
+            self._tracked[cmd.request_id] = _Tracked(
+                cmd.stream, RequestTimes(cmd.params.output_kind, cmd.arrival_time))
         self._call(cmd.stream.loop, _resolve, cmd.ack, error)
 
     def _run_call(self, cmd: _Call) -> None:
@@ -377,15 +345,14 @@ class AsyncLLMEngine:
         except Exception as e:  # noqa: BLE001 - a bad adapter fails its caller, not the loop
             error = e
         # Requests an unload aborted in the engine: end their streams too.
-        for rid in [r for r in self._tracked if r not in self.engine.requests
-                    and r not in self.engine.beam_searches]:
+        for rid in [r for r in self._tracked if r not in self.engine.requests]:
             self._abort_stream(rid)
         self._call(cmd.loop, settle, cmd.result, value, error)
 
     def _abort_stream(self, rid: str) -> None:
         tracked = self._tracked.pop(rid)
         self.metrics.record_finished("abort")
-        self._call(tracked.stream.loop, _deliver, [(tracked.stream, _END)])
+        self._call(tracked.stream.loop, deliver, [(tracked.stream, END)])
 
     def _abort(self, ids: set[str]) -> None:
         present = [rid for rid in ids if rid in self._tracked]
@@ -396,9 +363,9 @@ class AsyncLLMEngine:
         for rid in present:
             tracked = self._tracked.pop(rid)
             self.metrics.record_finished("abort")
-            by_loop[tracked.stream.loop].append((tracked.stream, _END))
+            by_loop[tracked.stream.loop].append((tracked.stream, END))
         for loop, items in by_loop.items():
-            self._call(loop, _deliver, items)
+            self._call(loop, deliver, items)
         logger.debug("aborted %d request(s)", len(present))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -408,39 +375,12 @@ class AsyncLLMEngine:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            self._observe(tracked, out, now)
+            self.metrics.observe(tracked.times, out, now)
             if out.finished:
                 del self._tracked[out.request_id]
             by_loop[tracked.stream.loop].append((tracked.stream, out))
         for loop, items in by_loop.items():
-            self._call(loop, _deliver, items)
-
-    def _observe(self, t: _Tracked, out: RequestOutput, now: float) -> None:
-        m = self.metrics
-        new = 0
-        completions = out.outputs if isinstance(out, RequestOutput) else []  # none: embeddings
-        for c in completions:
-            before = t.tokens.get(c.index, 0)
-            total = before + len(c.token_ids) if t.kind is RequestOutputKind.DELTA \
-                else len(c.token_ids)
-            t.tokens[c.index] = total
-            new += total - before
-        first = out.metrics.first_token_time if out.metrics else None
-        if first is not None and not t.ttft_recorded:
-            m.ttft.observe(max(0.0, first - t.arrival_time))
-            t.ttft_recorded = True
-        if new > 0 and t.kind is not RequestOutputKind.FINAL_ONLY:
-            if t.last_output_time is not None:
-                m.itl.observe(now - t.last_output_time)
-            t.last_output_time = now
-        if out.finished:
-            m.e2e.observe(max(0.0, now - t.arrival_time))
-            num_tokens = max(t.tokens.values(), default=0)
-            if first is not None and num_tokens > 1:
-                m.tpot.observe(max(0.0, now - first) / (num_tokens - 1))
-            reason = (completions[0].finish_reason if completions
-                      else None if isinstance(out, RequestOutput) else "stop")
-            m.record_finished(reason if reason in m.finished else "length")
+            self._call(loop, deliver, items)
 
     def _publish_stats(self) -> None:
         e = self.engine
@@ -489,4 +429,4 @@ class AsyncLLMEngine:
             logger.debug("could not abort requests after the engine loop stopped",
                          exc_info=True)
         for loop, items in by_loop.items():  # last: callers see the engine already cleaned up
-            self._call(loop, _deliver, items)
+            self._call(loop, deliver, items)

@@ -2,30 +2,31 @@
 
 prompt -> InputPreprocessor -> SequenceGroup in the Scheduler's waiting queue -> each step():
 Scheduler.schedule() -> Executor -> Worker -> ModelRunner -> OutputProcessor (decides stops and
-forks) -> Scheduler.update_from_output (acts on them) -> RequestOutputs. Beam search runs on top
-(engine/beam_search.py): its steps are ordinary requests, routed back to it here.
+forks) -> Scheduler.update_from_output (acts on them) -> RequestOutputs. Step observers (the tracer,
+metrics/stats.py) are called around each step; with none registered they cost nothing.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Iterable
 
 from pagedlm.config import EngineConfig
-from pagedlm.core.block_manager import BlockManager
+from pagedlm.core.block_manager import BlockManager, plain_pool
 from pagedlm.core.sched_output import ExecuteModelRequestBuilder
-from pagedlm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from pagedlm.core.scheduler import Scheduler, SchedulerOutput
 from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.engine.beam_search import BeamSearch
 from pagedlm.engine.output_processor import (OutputProcessor, make_embedding_output,
                                              make_request_output)
-from pagedlm.engine.request_prep import check_request_lists, tokenize_bad_words
-from pagedlm.engine.tracer import StepTimes, StepTracer, TraceMeta
+from pagedlm.engine.request_prep import (check_runs_in_engine, check_sampling_limits,
+                                         clamp_max_tokens, tokenize_bad_words)
 from pagedlm.executor.abstract import Executor
 from pagedlm.inputs.preprocess import InputPreprocessor, ProcessedPrompt, PromptType
 from pagedlm.lora.request import LoRARequest
+from pagedlm.metrics.stats import (EngineStats, FinishedStep, ScheduledStep, StepObserver,
+                                   StepTimes)
+from pagedlm.metrics.tracer import StepTracer, TraceMeta
 from pagedlm.model_executor.layers.token_constraints import TokenConstraints
 from pagedlm.model_io import LoRAStats, is_decode
 from pagedlm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -36,48 +37,6 @@ from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    scheduler: SchedulerStats  # preemptions, swaps and ignored groups: kept there only
-    num_steps: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens computed (recomputation included)
-    num_generation_tokens: int = 0
-    step_time: float = 0.0  # whole step() wall time
-    model_time: float = 0.0  # inside the executor: the three below, block copies, and IPC
-    prepare_time: float = 0.0  # building the flat batch (the output rank's)
-    forward_time: float = 0.0  # model forward and logits, communication included
-    sample_time: float = 0.0  # sampler
-    comm_time: float = 0.0  # of forward: the output rank's collectives and stage transfers
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
-
-    @property
-    def num_swapped_out(self) -> int:
-        return self.scheduler.num_swapped_out
-
-    @property
-    def num_swapped_in(self) -> int:
-        return self.scheduler.num_swapped_in
-
-    @property
-    def num_ignored(self) -> int:
-        return self.scheduler.num_ignored
-
-    def breakdown(self) -> str:
-        rest = self.step_time - self.model_time
-        parts = [("forward", self.forward_time - self.comm_time), ("sampling", self.sample_time),
-                 ("input prep", self.prepare_time),
-                 ("scheduler + output processing", rest)]
-        if self.comm_time:  # several workers: what crossing between them costs
-            ipc = self.model_time - self.prepare_time - self.forward_time - self.sample_time
-            parts[1:1] = [("collectives", self.comm_time), ("executor IPC + waiting", ipc)]
-        total = self.step_time or 1e-9
-        return (f"{self.num_steps} steps, {self.step_time:.1f}s: " + ", ".join(
-            f"{name} {t:.1f}s ({100 * t / total:.1f}%)" for name, t in parts))
 
 
 class LLMEngine:
@@ -91,21 +50,19 @@ class LLMEngine:
         self.input_preprocessor = InputPreprocessor(self.tokenizer, mc.vocab_size)
         self.executor = Executor.get_class(config)(config, self.eos_token_ids)
         cc = config.cache_config
-        # None unless trace_file is set: step() then costs one `is not None` check.
+        # None unless trace_file is set; then it counts the block pools' operations too.
         self.tracer = StepTracer(config.trace_file) if config.trace_file else None
-        self.block_manager = BlockManager(self.executor.num_gpu_blocks, cc.block_size,
-                                          num_cpu_blocks=self.executor.num_cpu_blocks,
-                                          enable_prefix_caching=cc.enable_prefix_caching,
-                                          hash_algo=cc.prefix_caching_hash_algo,
-                                          tracer=self.tracer)
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(
+            config.scheduler_config, cc, self.executor.num_gpu_blocks,
+            self.executor.num_cpu_blocks,
+            pool_factory=plain_pool if self.tracer is None else self.tracer.block_pool)
+        # Called around every step (step() checks the list is empty, and nothing else runs).
+        self.observers: list[StepObserver] = [] if self.tracer is None else [self.tracer]
         self.request_builder = ExecuteModelRequestBuilder()
         self.seq_counter = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 mc.max_model_len, self.seq_counter)
-        self.requests: dict[str, SequenceGroup] = {}  # in the scheduler (beam steps included)
-        self.beam_searches: dict[str, BeamSearch] = {}
-        self._beam_of: dict[str, BeamSearch] = {}  # beam step request id -> its search
+        self.requests: dict[str, SequenceGroup] = {}  # in the scheduler
         self.stats = EngineStats(self.scheduler.stats)
         if self.tracer is not None:
             sc = config.scheduler_config
@@ -125,6 +82,11 @@ class LLMEngine:
         logger.info("engine ready in %.2fs: %d KV blocks of %d tokens",
                     time.perf_counter() - t, self.block_manager.num_blocks,
                     config.cache_config.block_size)
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The scheduler's (it owns it)."""
+        return self.scheduler.block_manager
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -214,7 +176,8 @@ class LLMEngine:
             # may have changed since construction (a bad seed would fail inside a step).
             params = params.clone()
             params.verify()
-        if request_id in self.requests or request_id in self.beam_searches:
+            check_runs_in_engine(params)
+        if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         if (not isinstance(priority, int) or isinstance(priority, bool)
                 or not INT64_MIN <= priority <= INT64_MAX):
@@ -237,22 +200,10 @@ class LLMEngine:
                              f"but at most {bm.max_admissible_blocks} can be given to one "
                              f"request ({bm.num_blocks} in the cache, less "
                              f"{bm.watermark_blocks} held back).")
-        if params.best_of > self.config.scheduler_config.max_num_seqs:
-            name = "n" if params.best_of == params.n else "best_of"
-            raise ValueError(f"{name} ({params.best_of}) is larger than max_num_seqs "
-                             f"({self.config.scheduler_config.max_num_seqs}).")
-        self._check_logprobs(params)
+        check_sampling_limits(params, self.config)
         self._prepare_token_constraints(params)
-        room = max_len - len(ids) + 1  # the last sampled token needs no cache slot
-        if params.max_tokens is None or params.max_tokens > room:
-            params.max_tokens = room
+        clamp_max_tokens(params, len(ids), max_len)
         arrival_time = arrival_time or time.time()
-        if params.use_beam_search:
-            search = BeamSearch(request_id, processed.prompt, list(ids), params,
-                                self.eos_token_ids, max_len, self.tokenizer, arrival_time)
-            self.beam_searches[request_id] = search
-            self._add_beam_step(search, processed.cache_salt, priority, lora_request)
-            return
         structured = None
         if params.structured_outputs is not None:  # last: the request is otherwise valid
             structured = self.structured_output.register(request_id, params.structured_outputs)
@@ -262,24 +213,10 @@ class LLMEngine:
             self.requests[request_id].structured_output = structured
             self._structured_ids.add(request_id)
 
-    def _check_logprobs(self, params: SamplingParams) -> None:
-        """max_logprobs, and the vocabulary: the sampler's top-k over the vocabulary fails
-        inside the step for a larger k."""
-        mc = self.config.model_config
-        limit, what = mc.max_logprobs, f"max_logprobs ({mc.max_logprobs})"
-        if limit < 0 or limit > mc.vocab_size:
-            limit, what = mc.vocab_size, f"the vocabulary size ({mc.vocab_size})"
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > limit:
-                raise ValueError(f"{name} ({value}) must be <= {what}.")
-
     def _prepare_token_constraints(self, params: SamplingParams) -> None:
-        """Check the request's lists against the caps and token ids against the vocabulary;
-        tokenize bad_words unless the caller's side did (engine/request_prep.py); build the
-        sampler's tensors. Linear in the lists, once."""
+        """Tokenize bad_words unless the caller's side did (engine/request_prep.py); build the
+        sampler's tensors. Linear in the lists, once (check_sampling_limits checked them)."""
         vocab = self.config.model_config.vocab_size
-        check_request_lists(params, self.config.request_limits, vocab)
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
         params.token_constraints = TokenConstraints.build(params, vocab)
@@ -301,24 +238,8 @@ class LLMEngine:
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
 
-    def _add_beam_step(self, search: BeamSearch, cache_salt: str | None, priority: int,
-                       lora_request: LoRARequest | None = None) -> None:
-        for req in search.next_requests():
-            self._beam_of[req.request_id] = search
-            self._add_sequence_group(req.request_id,
-                                     ProcessedPrompt(None, req.prompt_token_ids, cache_salt),
-                                     req.params, search.metrics.arrival_time, priority,
-                                     lora_request)
-
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
-        # A beam step's id stands for its whole search: a search never waits on a lost step.
-        ids |= {self._beam_of[rid].request_id for rid in ids & self._beam_of.keys()}
-        for rid in ids & self.beam_searches.keys():
-            search = self.beam_searches.pop(rid)
-            ids |= search.pending.keys()
-            for step_id in search.pending:
-                self._beam_of.pop(step_id, None)
         self._structured_ids -= ids
         for group in self.scheduler.abort(ids):
             self.requests.pop(group.request_id, None)
@@ -328,8 +249,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
-        """Requests as users see them: a beam search counts once."""
-        return len(self.requests) - len(self._beam_of) + len(self.beam_searches)
+        return len(self.requests)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -337,8 +257,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor's workers (worker processes or actors) and write the trace, if
         tracing; idempotent."""
-        if self.tracer is not None:
-            self.tracer.close(self.block_manager)
+        for observer in self.observers:
+            observer.engine_stops(self.scheduler)
         self.structured_output.shutdown()
         self.executor.shutdown()
 
@@ -352,32 +272,26 @@ class LLMEngine:
         return self.block_manager.usage()
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
-        if self.tracer is not None:
-            return self._traced_step()
         t0 = time.perf_counter()
         aborted = self._abort_failed_grammars() if self._structured_ids else []
-        return self._step(self.scheduler.schedule(), t0, aborted)
-
-    def _traced_step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
-        tracer, st = self.tracer, self.stats
-        t0 = time.perf_counter()
-        aborted = self._abort_failed_grammars() if self._structured_ids else []
-        before = tracer.queues_before(self.scheduler)
-        hits = self.block_manager.prefix_hits
+        observers = self.observers
+        for observer in observers:
+            observer.step_begins(self.scheduler)
         sched = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        rec = tracer.scheduled(t0, sched, self.scheduler, before,
-                               self.block_manager.prefix_hits - hits)
-        if sched.is_empty and not rec.preempted:
-            return self._step(sched, t0, aborted)  # nothing ran: no record
-        model = (st.prepare_time, st.forward_time, st.sample_time)
+        if not observers:
+            return self._step(sched, t0, aborted)
+        scheduled = ScheduledStep(t0, time.perf_counter(), sched, self.scheduler)
+        for observer in observers:
+            observer.step_scheduled(scheduled)
+        model = self.stats.model_times()
         outputs = self._step(sched, t0, aborted)
         t2 = time.perf_counter()
-        p, f, s = (a - b for a, b in zip(
-            (st.prepare_time, st.forward_time, st.sample_time), model))
-        tracer.finish(rec, sched, self.block_manager, t2,
-                      StepTimes(schedule=t1 - t0, prepare=p, forward=f, sample=s,
-                                output=t2 - t1 - p - f - s))
+        p, f, s = (a - b for a, b in zip(self.stats.model_times(), model))
+        times = StepTimes(schedule=scheduled.scheduled - t0, prepare=p, forward=f, sample=s,
+                          output=t2 - scheduled.scheduled - p - f - s)
+        finished = FinishedStep(sched, self.scheduler, t2, times)
+        for observer in observers:
+            observer.step_finished(finished)
         return outputs
 
     def _step(self, sched: SchedulerOutput, t0: float,
@@ -410,17 +324,7 @@ class LLMEngine:
             if report is None:
                 continue
             out, group.cursor = report
-            search = self._beam_of.pop(group.request_id, None)
-            if search is None:
-                outputs.append(out)
-            elif search.add_output(out):
-                search.advance()
-                if search.done:
-                    del self.beam_searches[search.request_id]
-                    outputs.append(search.request_output())
-                else:
-                    self._add_beam_step(search, group.seqs[0].cache_salt, group.priority,
-                                        group.lora_request)
+            outputs.append(out)
         self.stats.step_time += time.perf_counter() - t0
         return outputs
 

@@ -15,7 +15,7 @@ import copy
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from pagedlm.config import RequestLimits
+from pagedlm.config import EngineConfig, RequestLimits
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.utils import lower_thread_priority
 
@@ -52,6 +52,44 @@ def check_request_lists(params: SamplingParams, limits: RequestLimits, vocab_siz
         if bad:
             raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): "
                              f"{bad[:5]}.")
+
+
+def check_runs_in_engine(params: SamplingParams) -> None:
+    """The engine runs one request as one sequence group: a beam search is a series of
+    one-token requests driven above it (entrypoints/beam_search.py), and run here it would
+    silently be plain greedy decoding."""
+    if params.use_beam_search:
+        raise ValueError("use_beam_search: beam search runs above the engine, as a series of "
+                         "one-token requests: use LLM.beam_search or LLM.generate "
+                         "(entrypoints/beam_search.py), or the server.")
+
+
+def check_sampling_limits(params: SamplingParams, config: EngineConfig) -> None:
+    """ValueError for a request past the engine's limits: more samples than max_num_seqs, more
+    logprobs than max_logprobs or the vocabulary (the sampler's top-k over the vocabulary fails
+    inside the step for a larger k), lists past their caps (check_request_lists). Reads only
+    the config: any thread may call it (beam search does, for the request it splits up)."""
+    max_num_seqs = config.scheduler_config.max_num_seqs
+    if params.best_of > max_num_seqs:
+        name = "n" if params.best_of == params.n else "best_of"
+        raise ValueError(f"{name} ({params.best_of}) is larger than max_num_seqs "
+                         f"({max_num_seqs}).")
+    mc = config.model_config
+    limit, what = mc.max_logprobs, f"max_logprobs ({mc.max_logprobs})"
+    if limit < 0 or limit > mc.vocab_size:
+        limit, what = mc.vocab_size, f"the vocabulary size ({mc.vocab_size})"
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise ValueError(f"{name} ({value}) must be <= {what}.")
+    check_request_lists(params, config.request_limits, mc.vocab_size)
+
+
+def clamp_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> None:
+    """max_tokens at most what the context leaves (None: all of it)."""
+    room = max_model_len - num_prompt_tokens + 1  # the last sampled token needs no cache slot
+    if params.max_tokens is None or params.max_tokens > room:
+        params.max_tokens = room
 
 
 def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:

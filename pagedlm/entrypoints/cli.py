@@ -134,7 +134,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def cmd_trace(args: argparse.Namespace) -> None:
-    from pagedlm.engine.trace_render import render
+    from pagedlm.metrics.trace_render import render
     for path in render(args.file, args.output_dir):
         print(path)
 

@@ -1,4 +1,5 @@
-"""LLM: the offline entry point (vLLM's API): generate() and chat() over an LLMEngine."""
+"""LLM: the offline entry point (vLLM's API): generate() and chat() over an LLMEngine, and beam
+search above it (entrypoints/beam_search.py)."""
 from __future__ import annotations
 
 import itertools
@@ -8,6 +9,7 @@ from tqdm.auto import tqdm
 
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.entrypoints.beam_search import BeamSearchDriver
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput,
@@ -33,6 +35,8 @@ class LLM:
         except TypeError as e:
             raise TypeError(f"LLM(): {e}") from None
         self.llm_engine = LLMEngine.from_engine_args(args)
+        # Stepped in the engine's place: use_beam_search requests run as searches over it.
+        self._driver = BeamSearchDriver(self.llm_engine)
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -160,16 +164,16 @@ class LLM:
                     raise ValueError(f"sampling_params entries must be SamplingParams, got "
                                      f"{type(p).__name__}.")
                 request_id = str(next(self.request_counter))
-                self.llm_engine.add_request(request_id, prompt, p, priority=prio,
-                                            lora_request=lora)
+                self._driver.add_request(request_id, prompt, p, priority=prio,
+                                         lora_request=lora)
                 added.append(request_id)
         except Exception:
             # All or nothing: a bad prompt must not leave the earlier ones queued.
-            self.llm_engine.abort_request(added)
+            self._driver.abort_request(added)
             raise
 
     def _run_engine(self, use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
+        engine = self._driver
         total = engine.get_num_unfinished_requests()
         bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
                    disable=not use_tqdm,

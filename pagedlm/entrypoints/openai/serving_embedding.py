@@ -6,7 +6,8 @@ import base64
 import numpy as np
 from fastapi.responses import JSONResponse, Response
 
-from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, RequestStream
+from pagedlm.engine.async_llm_engine import AsyncEngineDeadError
+from pagedlm.engine.request_stream import RequestStream
 from pagedlm.entrypoints.openai.protocol import random_uuid
 from pagedlm.entrypoints.openai.protocol_embedding import (EmbeddingData, EmbeddingRequest,
                                                            EmbeddingResponse, EmbeddingUsage)

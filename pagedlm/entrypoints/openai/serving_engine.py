@@ -13,8 +13,10 @@ from typing import AsyncIterator, Callable
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
+from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from pagedlm.engine.request_stream import RequestStream
 from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
+from pagedlm.entrypoints.openai.serving_beam_search import BeamSearchStream
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import PositionLogprobs
 from pagedlm.sampling_params import SamplingParams
@@ -189,21 +191,26 @@ class OpenAIServing:
     async def submit(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
                      priority: int = 0, cache_salt: str | None = None,
                      model: str | None = None, max_tokens_field: str = "max_tokens"
-                     ) -> list[RequestStream] | JSONResponse:
+                     ) -> list[RequestStream | BeamSearchStream] | JSONResponse:
         """Add one engine request per prompt, all or nothing; an error becomes a response.
+        A use_beam_search request is a search run here, above the engine.
         max_tokens_field: the request's name for params.max_tokens (for the error)."""
         if (too_long := self.check_context(prompts, params, max_tokens_field)) is not None:
             return too_long
         if cache_salt is not None:
             prompts = [{**p, "cache_salt": cache_salt} for p in prompts]
         lora = self.models.lora_for(model) if self.models is not None else None
-        streams: list[RequestStream] = []
+        streams: list[RequestStream | BeamSearchStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, prompt, params,
-                                                             priority=priority,
-                                                             lora_request=lora))
+                if params.use_beam_search:
+                    streams.append(await BeamSearchStream.start(
+                        self.engine, rid, prompt, params, self.tokenizer, priority, lora))
+                else:
+                    streams.append(await self.engine.add_request(rid, prompt, params,
+                                                                 priority=priority,
+                                                                 lora_request=lora))
         except ValueError as e:
             self.abort(streams)
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
@@ -232,8 +239,12 @@ class OpenAIServing:
                     max_tokens_field)
         return None
 
-    def abort(self, streams: list[RequestStream]) -> None:
-        self.engine.abort([s.request_id for s in streams if not s.finished])
+    def abort(self, streams: list[RequestStream | BeamSearchStream]) -> None:
+        for s in streams:
+            if isinstance(s, BeamSearchStream) and not s.finished:
+                s.abort()
+        self.engine.abort([s.request_id for s in streams
+                           if isinstance(s, RequestStream) and not s.finished])
 
     async def collect(self, streams: list[RequestStream]) -> list:
         """The final output of each stream (FINAL_ONLY requests); aborts them if cancelled."""

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import RequestOutputKind
+
 logger = logging.getLogger(__name__)
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -35,6 +38,16 @@ class EngineSnapshot:
     preemptions: int = 0
     running_loras: list[str] = field(default_factory=list)  # adapters of running requests
     max_loras: int = 0
+
+
+@dataclass
+class RequestTimes:
+    """One request's latency bookkeeping between its outputs (kept on the engine thread)."""
+    kind: RequestOutputKind
+    arrival_time: float
+    last_output_time: float | None = None
+    tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens so far
+    ttft_recorded: bool = False
 
 
 class EngineMetrics:
@@ -112,6 +125,34 @@ class EngineMetrics:
                 self.lora_info.labels(",".join(snap.running_loras),
                                       str(snap.max_loras)).set(time.time())
         self.snapshot = snap
+
+    def observe(self, t: RequestTimes, out, now: float) -> None:
+        """A request's output (a RequestOutput, or an embedding's): its latencies, and its
+        finish reason once it finishes."""
+        new = 0
+        completions = out.outputs if isinstance(out, RequestOutput) else []  # none: embeddings
+        for c in completions:
+            before = t.tokens.get(c.index, 0)
+            total = before + len(c.token_ids) if t.kind is RequestOutputKind.DELTA \
+                else len(c.token_ids)
+            t.tokens[c.index] = total
+            new += total - before
+        first = out.metrics.first_token_time if out.metrics else None
+        if first is not None and not t.ttft_recorded:
+            self.ttft.observe(max(0.0, first - t.arrival_time))
+            t.ttft_recorded = True
+        if new > 0 and t.kind is not RequestOutputKind.FINAL_ONLY:
+            if t.last_output_time is not None:
+                self.itl.observe(now - t.last_output_time)
+            t.last_output_time = now
+        if out.finished:
+            self.e2e.observe(max(0.0, now - t.arrival_time))
+            num_tokens = max(t.tokens.values(), default=0)
+            if first is not None and num_tokens > 1:
+                self.tpot.observe(max(0.0, now - first) / (num_tokens - 1))
+            reason = (completions[0].finish_reason if completions
+                      else None if isinstance(out, RequestOutput) else "stop")
+            self.record_finished(reason if reason in self.finished else "length")
 
     def record_finished(self, reason: str) -> None:
         self.finished[reason].inc()

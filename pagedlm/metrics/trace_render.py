@@ -1,4 +1,4 @@
-"""`pagedlm trace FILE -o DIR`: a step trace (engine/tracer.py) as pictures.
+"""`pagedlm trace FILE -o DIR`: a step trace (metrics/tracer.py) as pictures.
 
 Writes DIR/trace.html (self-contained: inline SVG and CSS, PNGs as data URIs, nothing fetched),
 DIR/timeline.png (requests as rows, steps as columns, prefill and decode coloured, preemptions
@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from pagedlm.engine.tracer import BLOCK_STATES, load_records, records_path
+from pagedlm.metrics.tracer import BLOCK_STATES, load_records, records_path
 
 PREFILL, DECODE = 1, 2
 TIMELINE_COLORS = ["#ffffff", "#4c78a8", "#59a14f"]  # idle, prefill, decode
@@ -181,8 +181,8 @@ def render_html(meta: dict, steps: list[dict], timeline_png: bytes, blocks_png: 
             ("preemptions (swap)", sum(p["mode"] == "swap" for s in steps for p in s["preempted"])),
             ("swaps in", sum(len(s["swapped_in"]) for s in steps)),
             ("prefix-cache hit tokens", sum(s["prefix_hit_tokens"] for s in steps)),
-            ("blocks allocated", sum(s["gpu"]["allocated"] for s in steps)),
-            ("blocks evicted", sum(s["gpu"]["evicted"] for s in steps)),
+            ("blocks allocated", sum(s["device"]["allocated"] for s in steps)),
+            ("blocks evicted", sum(s["device"]["evicted"] for s in steps)),
             ("copy-on-write copies", sum(s["cow_copies"] for s in steps))]
     rows += [(f"time in {p}", f"{total[p]:.3f}s ({100 * total[p] / wall:.1f}%)")
              for p in phases]

@@ -1,4 +1,4 @@
-"""Beam search on top of the engine (as vLLM's LLM.beam_search): ordinary requests, ranked here.
+"""Beam search above the engine (as vLLM's LLM.beam_search): ordinary requests, ranked here.
 
 Each step every live beam becomes a one-token request (prompt + the beam's tokens) asking for the
 top 2 * beam_width logprobs. The engine serves these like any request: beams that share a prefix
@@ -9,16 +9,26 @@ stop check) become finished hypotheses, scored as transformers does: cumulative 
 generated_length ** length_penalty; the search ends by transformers' rules for early_stopping,
 so results match its beam search token for token.
 
-The scheduler, model runner and output processor know nothing of this: LLMEngine routes the
-step requests' outputs here and reports only the final, ranked RequestOutput.
+The engine knows nothing of this. BeamSearch is the search's state; two drivers feed it: the
+offline BeamSearchDriver below, which LLM steps in place of the bare LLMEngine, and the server's
+BeamSearchStream (entrypoints/openai/serving_beam_search.py) over the AsyncLLMEngine. Both
+report only the final, ranked RequestOutput.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Iterable
 
+from pagedlm.config import EngineConfig
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.engine.request_prep import check_sampling_limits, clamp_max_tokens
 from pagedlm.engine.stop_checker import check_stop
-from pagedlm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedlm.inputs.preprocess import PromptType
+from pagedlm.lora.request import LoRARequest
+from pagedlm.outputs import (CompletionOutput, EmbeddingRequestOutput, RequestMetrics,
+                             RequestOutput)
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.sequence import SequenceStatus
 
@@ -44,14 +54,27 @@ class BeamStepRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
+
+    @property
+    def prompt(self) -> dict:
+        """The engine's prompt: the beam's tokens, with the search's cache salt."""
+        if self.cache_salt is None:
+            return {"prompt_token_ids": self.prompt_token_ids}
+        return {"prompt_token_ids": self.prompt_token_ids, "cache_salt": self.cache_salt}
 
 
 class BeamSearch:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
-                 tokenizer, arrival_time: float) -> None:
+                 tokenizer, arrival_time: float, cache_salt: str | None = None,
+                 priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
+        # What each step request carries on: the same salt, priority and adapter.
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.lora_request = lora_request
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -65,7 +88,8 @@ class BeamSearch:
         self.done = False
         self.num_steps = 0
         self.pending: dict[str, _Beam] = {}  # this step's request id -> its beam
-        self.results: dict[str, RequestOutput] = {}
+        # None: the engine refused the step request (it outgrew the KV cache).
+        self.results: dict[str, RequestOutput | None] = {}
         self.prompt_logprobs = None
         self.num_cached_tokens = 0
 
@@ -82,7 +106,7 @@ class BeamSearch:
             rid = f"{self.request_id}#beam{self.num_steps}.{i}"
             self.pending[rid] = beam
             requests.append(BeamStepRequest(rid, self.prompt_token_ids + beam.token_ids,
-                                            step_params))
+                                            step_params, self.cache_salt))
         self.num_steps += 1
         return requests
 
@@ -99,13 +123,24 @@ class BeamSearch:
             self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         return complete
 
+    def refused(self, request_id: str) -> bool:
+        """The engine refused a later step's request (it outgrew the KV cache): the beam ends
+        as if it had run and been ignored. True once all of this step's are in."""
+        self.results[request_id] = None
+        return len(self.results) == len(self.pending)
+
+    @property
+    def is_first_step(self) -> bool:
+        return self.num_steps == 1
+
     def advance(self) -> None:
         """Rank this step's candidates into the next beams and finished hypotheses."""
         width = self.width
         candidates = []  # (cumulative logprob, parent index, token id, logprob)
         for index, (rid, parent) in enumerate(self.pending.items()):
-            completion = self.results[rid].outputs[0]
-            if not completion.logprobs:
+            result = self.results[rid]
+            completion = result.outputs[0] if result is not None else None
+            if completion is None or not completion.logprobs:
                 continue  # the step request could not run (it outgrew the KV cache)
             top = sorted(completion.logprobs[0].items(), key=lambda kv: kv[1].rank)
             for tid, lp in top[:2 * width]:
@@ -188,3 +223,115 @@ class BeamSearch:
                              prompt_logprobs=self.prompt_logprobs, outputs=completions,
                              finished=True, metrics=self.metrics,
                              num_cached_tokens=self.num_cached_tokens)
+
+
+def new_beam_search(request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, config: EngineConfig, eos_token_ids: frozenset[int],
+                    tokenizer, arrival_time: float, cache_salt: str | None = None,
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> BeamSearch:
+    """A search for a use_beam_search request, which is checked here as the engine checks a
+    request (a private copy; ValueError naming the field). The prompt itself is checked when
+    the first step's requests are added."""
+    params = params.clone()  # the caller may change its copy's plain attributes later
+    params.verify()
+    check_sampling_limits(params, config)
+    mc = config.model_config
+    limit = mc.vocab_size if mc.max_logprobs < 0 else mc.max_logprobs
+    if 2 * params.best_of > limit:
+        raise ValueError(f"best_of ({params.best_of}) is too large for beam search: each step "
+                         f"ranks 2 * best_of candidates per beam, past max_logprobs "
+                         f"({mc.max_logprobs}).")
+    clamp_max_tokens(params, len(prompt_token_ids), mc.max_model_len)
+    return BeamSearch(request_id, prompt, list(prompt_token_ids), params, eos_token_ids,
+                      mc.max_model_len, tokenizer, arrival_time, cache_salt, priority,
+                      lora_request)
+
+
+class BeamSearchDriver:
+    """LLMEngine's add_request / abort_request / step / has_unfinished_requests, with
+    use_beam_search requests run as searches: each step's one-token requests are added to the
+    engine, their outputs routed back here, and only a search's final output is reported.
+    Other requests pass through untouched. Single-threaded, as the engine is."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.searches: dict[str, BeamSearch] = {}
+        self._search_of: dict[str, BeamSearch] = {}  # step request id -> its search
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams, arrival_time: float | None = None,
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+        if request_id in self.searches:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        if not (isinstance(params, SamplingParams) and params.use_beam_search):
+            self.engine.add_request(request_id, prompt, params, arrival_time, priority,
+                                    lora_request)
+            return
+        if request_id in self.engine.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        engine = self.engine
+        processed = engine.input_preprocessor.process(prompt)
+        search = new_beam_search(request_id, processed.prompt, processed.prompt_token_ids,
+                                 params, engine.config, engine.eos_token_ids, engine.tokenizer,
+                                 arrival_time or time.time(), processed.cache_salt, priority,
+                                 lora_request)
+        self._add_step(search)  # the engine checks the prompt: nothing is left on a refusal
+        self.searches[request_id] = search
+
+    def _add_step(self, search: BeamSearch) -> None:
+        added = []
+        for req in search.next_requests():
+            try:
+                self.engine.add_request(req.request_id, req.prompt, req.params,
+                                        search.metrics.arrival_time, search.priority,
+                                        search.lora_request)
+            except ValueError:
+                if search.is_first_step:  # the user's request itself is refused
+                    self.engine.abort_request(added)
+                    raise
+                search.refused(req.request_id)
+                continue
+            added.append(req.request_id)
+            self._search_of[req.request_id] = search
+        if not added:  # every beam outgrew the cache: rank what there is now
+            self._advance(search)
+
+    def _advance(self, search: BeamSearch) -> RequestOutput | None:
+        """Rank a completed step; the final output if the search is over, else the next step is
+        in the engine."""
+        search.advance()
+        if search.done:
+            del self.searches[search.request_id]
+            return search.request_output()
+        self._add_step(search)
+        return search.request_output() if search.done else None
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """A search's id aborts its pending step requests; unknown ids are ignored."""
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        # A step's id stands for its whole search: a search never waits on a lost step.
+        ids |= {self._search_of[rid].request_id for rid in ids & self._search_of.keys()}
+        for rid in ids & self.searches.keys():
+            search = self.searches.pop(rid)
+            ids |= search.pending.keys()
+            for step_id in search.pending:
+                self._search_of.pop(step_id, None)
+        self.engine.abort_request(ids)
+
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        outputs = []
+        for out in self.engine.step():
+            search = self._search_of.pop(out.request_id, None)
+            if search is None:
+                outputs.append(out)
+            elif search.add_output(out) and (final := self._advance(search)) is not None:
+                outputs.append(final)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests as users see them: a search counts once."""
+        return (self.engine.get_num_unfinished_requests() - len(self._search_of)
+                + len(self.searches))

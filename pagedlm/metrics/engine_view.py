@@ -10,10 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedlm.engine.tracer import block_map
+from pagedlm.metrics.tracer import block_map
 
 if TYPE_CHECKING:
-    from pagedlm.engine.llm_engine import LLMEngine
+    from pagedlm.core.scheduler import Scheduler
+    from pagedlm.metrics.stats import EngineStats
     from pagedlm.sequence import SequenceGroup
 
 
@@ -33,7 +34,7 @@ class EngineView:
     time: float  # time.time() when taken
     num_blocks: int
     block_size: int
-    block_map: str  # one of engine.tracer's FREE/USED/SHARED/CACHED per device block
+    block_map: str  # one of metrics.tracer's FREE/USED/SHARED/CACHED per device block
     requests: list[RequestView] = field(default_factory=list)
     num_running: int = 0
     num_waiting: int = 0
@@ -55,10 +56,11 @@ def _request_view(group: "SequenceGroup", queue: str) -> RequestView:
                        len({b for s in seqs for b in s.block_table}))
 
 
-def take_engine_view(engine: "LLMEngine") -> EngineView:
-    sched, bm, st = engine.scheduler, engine.block_manager, engine.stats
+def take_engine_view(sched: "Scheduler", st: "EngineStats") -> EngineView:
+    """On the engine's thread: the scheduler's queues and blocks, and the engine's totals."""
+    bm = sched.block_manager
     view = EngineView(time=time.time(), num_blocks=bm.num_blocks, block_size=bm.block_size,
-                      block_map=block_map(bm.gpu), num_running=len(sched.running),
+                      block_map=block_map(bm.device), num_running=len(sched.running),
                       num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
                       num_steps=st.num_steps, num_prompt_tokens=st.num_prompt_tokens,
                       num_generation_tokens=st.num_generation_tokens,

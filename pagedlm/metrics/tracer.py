@@ -7,12 +7,12 @@ copies and evictions, the queues, the KV block map, and the step's time split. O
 writes `run.json` (Chrome trace-event JSON: open it in https://ui.perfetto.dev or
 chrome://tracing) and `run.steps.jsonl` (one meta line, then one StepRecord per line), each
 atomically (temp file + rename). `pagedlm trace run.steps.jsonl -o DIR` renders them
-(pagedlm/engine/trace_render.py).
+(pagedlm/metrics/trace_render.py).
 
-The engine holds the tracer (no global state) and checks `tracer is not None` once per step;
-when tracing is off nothing else runs. When on, the block pools are TracedBlockPools (counters
-around the plain pool's operations) and each step costs a scan of the queues and of the block
-reference counts (the block map).
+The engine holds the tracer (no global state) as one of its step observers (metrics/stats.py);
+when tracing is off there is none and nothing else runs. When on, the block pools are
+TracedBlockPools (counters around the plain pool's operations) and each step costs a scan of the
+queues and of the block reference counts (the block map).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedlm.core.block_pool import BlockPool
+from pagedlm.metrics.stats import FinishedStep, ScheduledStep, StepObserver, StepTimes
 
 if TYPE_CHECKING:
     from pagedlm.core.block_manager import BlockManager
@@ -37,7 +38,7 @@ BLOCK_STATES = {FREE: "free", USED: "used", SHARED: "shared", CACHED: "cached"}
 
 @dataclass
 class BlockOps:
-    """Block pool operations since the previous record (one device's pool)."""
+    """Block pool operations since the previous record (one pool: device or host)."""
     allocated: int = 0  # blocks taken from the free lists (evictions included)
     freed: int = 0  # references dropped to zero
     revived: int = 0  # free cached blocks taken back by a prefix-cache hit
@@ -64,17 +65,6 @@ class Preemption:
 
 
 @dataclass
-class StepTimes:
-    """Seconds: schedule, then the executor's prepare / forward / sample, then output (the
-    output processing, scheduler update and executor overhead: step time less the rest)."""
-    schedule: float = 0.0
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    output: float = 0.0
-
-
-@dataclass
 class StepRecord:
     step: int
     start: float  # seconds since the tracer started
@@ -90,7 +80,7 @@ class StepRecord:
     cow_copies: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
-    gpu: BlockOps = field(default_factory=BlockOps)
+    device: BlockOps = field(default_factory=BlockOps)
     cpu: BlockOps = field(default_factory=BlockOps)
     running: int = 0
     waiting: int = 0
@@ -113,14 +103,14 @@ class TraceMeta:
 class TracedBlockPool(BlockPool):
     """A BlockPool that counts its operations into the tracer's pending BlockOps."""
 
-    def __init__(self, tracer: "StepTracer", device: str, num_blocks: int,
+    def __init__(self, tracer: "StepTracer", pool: str, num_blocks: int,
                  enable_caching: bool = False) -> None:
         super().__init__(num_blocks, enable_caching)
         self._tracer = tracer
-        self._device = device
+        self._pool = pool  # "device" or "cpu": its key in the records
 
     def _ops(self) -> BlockOps:
-        return self._tracer.pending[self._device]
+        return self._tracer.pending[self._pool]
 
     def take(self) -> int:
         evictions = self.num_evictions
@@ -165,7 +155,7 @@ def _atomic_write(path: str, write) -> None:
     os.replace(tmp, path)
 
 
-class StepTracer:
+class StepTracer(StepObserver):
 
     def __init__(self, trace_file: str) -> None:
         if not isinstance(trace_file, (str, os.PathLike)) or not str(trace_file):
@@ -179,23 +169,48 @@ class StepTracer:
         # Records stream to a temp file (memory stays flat on long runs); close() renames it.
         self._tmp_records = f"{self.records_file}.tmp-{os.getpid()}"
         self._out = open(self._tmp_records, "w")
-        self.pending = {"gpu": BlockOps(), "cpu": BlockOps()}
+        self.pending = {"device": BlockOps(), "cpu": BlockOps()}
         self.num_steps = 0
         self.t0 = time.perf_counter()
         self.meta: TraceMeta | None = None
         self.closed = False
+        # Between the hooks of one step: the queues and prefix hits before scheduling, and the
+        # step's record (None when nothing ran).
+        self._before: tuple[set[int], set[int]] = (set(), set())
+        self._prefix_hits = 0
+        self._record: StepRecord | None = None
         # An engine nobody shut down is otherwise closed by LLM.__del__ during interpreter
         # teardown, when builtins such as open() are already gone.
         atexit.register(self.close)
 
-    def block_pool(self, device: str, num_blocks: int, enable_caching: bool = False) -> BlockPool:
-        return TracedBlockPool(self, device, num_blocks, enable_caching)
+    def block_pool(self, pool: str, num_blocks: int, enable_caching: bool = False) -> BlockPool:
+        """The BlockManager's pool factory (core/block_pool.py's PoolFactory)."""
+        return TracedBlockPool(self, pool, num_blocks, enable_caching)
 
     def start(self, meta: TraceMeta) -> None:
         self.meta = meta
         self._out.write(json.dumps({"type": "meta", **dataclasses.asdict(meta)}) + "\n")
 
-    # -- one step -------------------------------------------------------------------------------
+    # -- one step: the engine's StepObserver hooks -----------------------------------------------
+    def step_begins(self, scheduler: "Scheduler") -> None:
+        self._before = self.queues_before(scheduler)
+        self._prefix_hits = scheduler.block_manager.prefix_hits
+
+    def step_scheduled(self, step: ScheduledStep) -> None:
+        hits = step.scheduler.block_manager.prefix_hits - self._prefix_hits
+        rec = self.scheduled(step.start, step.output, step.scheduler, self._before, hits)
+        # Nothing ran: no record.
+        self._record = None if step.output.is_empty and not rec.preempted else rec
+
+    def step_finished(self, step: FinishedStep) -> None:
+        if self._record is not None:
+            self.finish(self._record, step.output, step.scheduler.block_manager, step.end,
+                        step.times)
+            self._record = None
+
+    def engine_stops(self, scheduler: "Scheduler") -> None:
+        self.close(scheduler.block_manager)
+
     @staticmethod
     def queues_before(scheduler: "Scheduler") -> tuple[set[int], set[int]]:
         return {id(g) for g in scheduler.running}, {id(g) for g in scheduler.swapped}
@@ -238,9 +253,9 @@ class StepTracer:
         self._emit(rec, block_manager)
 
     def _emit(self, rec: StepRecord, block_manager: "BlockManager") -> None:
-        rec.gpu, rec.cpu = self.pending["gpu"], self.pending["cpu"]
-        self.pending = {"gpu": BlockOps(), "cpu": BlockOps()}
-        rec.block_map = block_map(block_manager.gpu)
+        rec.device, rec.cpu = self.pending["device"], self.pending["cpu"]
+        self.pending = {"device": BlockOps(), "cpu": BlockOps()}
+        rec.block_map = block_map(block_manager.device)
         self._out.write(json.dumps(dataclasses.asdict(rec), separators=(",", ":")) + "\n")
 
     # -- the end --------------------------------------------------------------------------------
@@ -251,7 +266,8 @@ class StepTracer:
             return
         self.closed = True
         atexit.unregister(self.close)
-        if block_manager is not None and (self.pending["gpu"].any() or self.pending["cpu"].any()):
+        if block_manager is not None and (self.pending["device"].any()
+                                          or self.pending["cpu"].any()):
             now = time.perf_counter() - self.t0
             self._emit(StepRecord(step=self.num_steps, start=now, duration=0.0),
                        block_manager)
@@ -304,7 +320,8 @@ def chrome_trace(meta: dict, steps: list[dict]) -> dict:
                        "name": f"step {s['step']}", "cat": "step",
                        "args": {"tokens": s["num_batched_tokens"], "budget": s["token_budget"],
                                 "prefill_tokens": prefill, "decode_tokens": decode,
-                                "cow_copies": s["cow_copies"], "gpu_blocks": s["gpu"]}})
+                                "cow_copies": s["cow_copies"],
+                                "device_blocks": s["device"]}})
         t = ts
         for phase in ("schedule", "prepare", "forward", "sample", "output"):
             d = max(0.0, times[phase]) * us

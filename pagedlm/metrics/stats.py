@@ -1,0 +1,108 @@
+"""What the engine counts, and what it tells its step observers.
+
+EngineStats: totals since start-up, kept by LLMEngine and read by the metrics, the engine view
+and the benchmarks. StepObserver: hooks the engine calls around every step with typed data, so
+that a watcher (the step tracer) needs no step loop of its own. With no observer registered a
+step costs two checks of an empty list.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedlm.core.scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from pagedlm.core.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass
+class EngineStats:
+    scheduler: SchedulerStats  # preemptions, swaps and ignored groups: kept there only
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (recomputation included)
+    num_generation_tokens: int = 0
+    step_time: float = 0.0  # whole step() wall time
+    model_time: float = 0.0  # inside the executor: the three below, block copies, and IPC
+    prepare_time: float = 0.0  # building the flat batch (the output rank's)
+    forward_time: float = 0.0  # model forward and logits, communication included
+    sample_time: float = 0.0  # sampler
+    comm_time: float = 0.0  # of forward: the output rank's collectives and stage transfers
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def num_swapped_out(self) -> int:
+        return self.scheduler.num_swapped_out
+
+    @property
+    def num_swapped_in(self) -> int:
+        return self.scheduler.num_swapped_in
+
+    @property
+    def num_ignored(self) -> int:
+        return self.scheduler.num_ignored
+
+    def model_times(self) -> tuple[float, float, float]:
+        """(prepare, forward, sample) so far: an observer's step takes the differences."""
+        return self.prepare_time, self.forward_time, self.sample_time
+
+    def breakdown(self) -> str:
+        rest = self.step_time - self.model_time
+        parts = [("forward", self.forward_time - self.comm_time), ("sampling", self.sample_time),
+                 ("input prep", self.prepare_time),
+                 ("scheduler + output processing", rest)]
+        if self.comm_time:  # several workers: what crossing between them costs
+            ipc = self.model_time - self.prepare_time - self.forward_time - self.sample_time
+            parts[1:1] = [("collectives", self.comm_time), ("executor IPC + waiting", ipc)]
+        total = self.step_time or 1e-9
+        return (f"{self.num_steps} steps, {self.step_time:.1f}s: " + ", ".join(
+            f"{name} {t:.1f}s ({100 * t / total:.1f}%)" for name, t in parts))
+
+
+@dataclass
+class StepTimes:
+    """Seconds: schedule, then the executor's prepare / forward / sample, then output (the
+    output processing, scheduler update and executor overhead: step time less the rest)."""
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    output: float = 0.0
+
+
+@dataclass
+class ScheduledStep:
+    """A step just scheduled, not yet run: its sequences' counts are still pre-step."""
+    start: float  # time.perf_counter() when step() began
+    scheduled: float  # when schedule() returned
+    output: "SchedulerOutput"
+    scheduler: "Scheduler"
+
+
+@dataclass
+class FinishedStep:
+    """A step after its outputs were processed."""
+    output: "SchedulerOutput"
+    scheduler: "Scheduler"
+    end: float  # time.perf_counter()
+    times: StepTimes
+
+
+class StepObserver:
+    """Hooks around each LLMEngine step; each does nothing unless overridden. They run on the
+    engine's thread, in the step: what they cost, every step pays."""
+
+    def step_begins(self, scheduler: "Scheduler") -> None:
+        """Before scheduling (the queues as the previous step and the adds/aborts left them)."""
+
+    def step_scheduled(self, step: ScheduledStep) -> None:
+        pass
+
+    def step_finished(self, step: FinishedStep) -> None:
+        pass
+
+    def engine_stops(self, scheduler: "Scheduler") -> None:
+        """At shutdown (after any aborts following the last step)."""
