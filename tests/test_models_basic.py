@@ -331,7 +331,7 @@ def _cmdline(p: psutil.Process) -> list[str]:
 @pytest.mark.parametrize("name,layouts", [
     ("opt_post_ln_proj", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)]),
     ("gpt2", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)]),
-    ("phi3_longrope", [dict(tensor_parallel_size=2)]),
+    ("phi3_longrope", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)]),
 ])
 def test_tp_and_pp_match_one_worker(models, name, layouts):
     ref = run(models[name])

@@ -431,8 +431,9 @@ def _prefill_then_decode(model, cfg: ModelConfig, prompt: list[int], next_token:
     kv = _allocate(NUM_BLOCKS, cfg, BLOCK_SIZE, cfg.get_num_kv_heads(tp.world_size),
                    cfg.get_num_layers(pp.world_size, pp.rank_in_group))
     assert len(kv) == len(model.layers)
-    assert kv[0][0].shape == (NUM_BLOCKS, BLOCK_SIZE, model.layers[str(model.start_layer)]
-                              .self_attn.num_kv_heads, cfg.head_dim)
+    first_layer = model.layers[str(model.stage.start_layer)]
+    assert kv[0][0].shape == (NUM_BLOCKS, BLOCK_SIZE, first_layer.self_attn.num_kv_heads,
+                              cfg.head_dim)
     n = len(prompt)
     steps = [
         (prompt, list(range(n)),

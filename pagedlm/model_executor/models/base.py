@@ -5,20 +5,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlm.model_executor.models.pipeline import PPStage
+
 
 class CausalLMBase(nn.Module):
     """Base of the model classes (see registry.py for the interface they implement).
 
     stage_modules: the top-level modules that only some pipeline stages build (embeddings,
     final norm, LM head); a stage without one skips its checkpoint weights. Decoder layers are
-    `<layers_name>.<global index>` and belong to the stage holding [start_layer, end_layer).
+    `<layers_name>.<global index>` and belong to the stage holding [start_layer, end_layer)
+    (see pipeline.py).
     """
 
     stage_modules: tuple[str, ...] = ("embed_tokens", "norm", "lm_head")
     layers_name: str = "layers"
     lm_head: nn.Module | None
-    start_layer: int
-    end_layer: int
+    stage: PPStage
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary (gathered over the TP ranks)."""
@@ -36,7 +38,7 @@ class CausalLMBase(nn.Module):
         """Whether a (renamed) checkpoint weight belongs to a module this stage has."""
         head, _, rest = name.partition(".")
         if head == self.layers_name:
-            return self.start_layer <= int(rest.split(".", 1)[0]) < self.end_layer
+            return self.stage.start_layer <= int(rest.split(".", 1)[0]) < self.stage.end_layer
         if head in self.stage_modules:
             return getattr(self, head) is not None
         return True

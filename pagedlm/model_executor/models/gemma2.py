@@ -18,8 +18,7 @@ from pagedlm.attention.backends import AttentionBackend, get_attn_backend
 from pagedlm.attention.layer import Attention
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
-from pagedlm.distributed.parallel_state import get_pp_group
-from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
+from pagedlm.distributed.utils import IntermediateTensors
 from pagedlm.model_executor.layers.activation import GeluAndMul
 from pagedlm.model_executor.layers.layernorm import GemmaRMSNorm
 from pagedlm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -27,6 +26,7 @@ from pagedlm.model_executor.layers.linear import (MergedColumnParallelLinear, QK
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.models.llama import LlamaForCausalLM
+from pagedlm.model_executor.models.pipeline import PPStage, make_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -153,25 +153,20 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         hf = cfg.hf_config
         self.config = cfg
-        pp = get_pp_group()
-        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
-        self.start_layer, self.end_layer = get_pp_indices(cfg.num_layers, pp.rank_in_group,
-                                                          pp.world_size)
+        self.stage = stage = PPStage.of_this_rank(cfg.num_layers)
         self.tie_word_embeddings = bool(cfg.get_hf("tie_word_embeddings", True))
         self.final_logit_softcap = _positive(cfg, "final_logit_softcapping")
         self.embed_tokens = None
-        if self.is_first_stage or (self.tie_word_embeddings and self.is_last_stage):
+        if stage.holds_embedding(self.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         # transformers rounds sqrt(hidden) to the model dtype before multiplying.
         self.embed_scale = float(torch.tensor(hf.hidden_size ** 0.5, dtype=cfg.dtype))
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
         rotary, layer_types = self._rotary_tables(cfg), _layer_types(cfg)
-        self.layers = nn.ModuleDict({
-            str(i): GemmaDecoderLayer(cfg, i, rotary[layer_types[i]], attn_backend,
-                                      self.qk_norm)
-            for i in range(self.start_layer, self.end_layer)})
+        self.layers = make_layers(stage, lambda i: GemmaDecoderLayer(
+            cfg, i, rotary[layer_types[i]], attn_backend, self.qk_norm))
         self.norm = self.lm_head = None
-        if self.is_last_stage:
+        if stage.is_last:
             self.norm = GemmaRMSNorm(hf.hidden_size, cfg.get_hf("rms_norm_eps", 1e-6))
             self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size)
             if self.tie_word_embeddings:
@@ -190,14 +185,14 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                 ) -> torch.Tensor | IntermediateTensors:
         assert len(kv_caches) == len(self.layers), (
             f"{len(kv_caches)} KV caches for {len(self.layers)} layers on this stage")
-        if self.is_first_stage:
+        if self.stage.is_first:
             x = self.embed_tokens(input_ids)
             x, residual = x * torch.tensor(self.embed_scale, dtype=x.dtype), None
         else:
             x, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
-        if not self.is_last_stage:
+        if not self.stage.is_last:
             return IntermediateTensors(x, residual)
         return self.norm(x if residual is None else residual + x)
 

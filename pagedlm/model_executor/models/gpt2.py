@@ -23,14 +23,14 @@ from pagedlm.attention.backends import AttentionBackend, get_attn_backend
 from pagedlm.attention.layer import Attention
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
-from pagedlm.distributed.parallel_state import get_pp_group
-from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
+from pagedlm.distributed.utils import IntermediateTensors
 from pagedlm.model_executor.layers.activation import get_act_fn
 from pagedlm.model_executor.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
                                                   RowParallelLinear)
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
 from pagedlm.model_executor.models.base import CausalLMBase
+from pagedlm.model_executor.models.pipeline import PPStage, make_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -108,23 +108,18 @@ class GPT2LMHeadModel(CausalLMBase):
         super().__init__()
         hf = cfg.hf_config
         self.config = cfg
-        pp = get_pp_group()
-        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
-        self.start_layer, self.end_layer = get_pp_indices(cfg.num_layers, pp.rank_in_group,
-                                                          pp.world_size)
+        self.stage = stage = PPStage.of_this_rank(cfg.num_layers)
         hidden = hf.hidden_size
         self.tie_word_embeddings = bool(cfg.get_hf("tie_word_embeddings", True))
         self.wte = self.wpe = None
-        if self.is_first_stage or (self.tie_word_embeddings and self.is_last_stage):
+        if stage.holds_embedding(self.tie_word_embeddings):
             self.wte = VocabParallelEmbedding(hf.vocab_size, hidden)
-        if self.is_first_stage:
+        if stage.is_first:
             self.wpe = GPT2PositionEmbedding(hf.max_position_embeddings, hidden)
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
-        # Keyed by the global layer index, so parameter names match the checkpoint's.
-        self.h = nn.ModuleDict({str(i): GPT2Block(cfg, i, attn_backend)
-                                for i in range(self.start_layer, self.end_layer)})
+        self.h = make_layers(stage, lambda i: GPT2Block(cfg, i, attn_backend))
         self.ln_f = self.lm_head = None
-        if self.is_last_stage:
+        if stage.is_last:
             self.ln_f = nn.LayerNorm(hidden, eps=cfg.get_hf("layer_norm_epsilon", 1e-5))
             self.lm_head = ParallelLMHead(hf.vocab_size, hidden)
             if self.tie_word_embeddings:
@@ -137,13 +132,13 @@ class GPT2LMHeadModel(CausalLMBase):
         """One step over the flat batch (see registry.py for the interface)."""
         assert len(kv_caches) == len(self.h), (
             f"{len(kv_caches)} KV caches for {len(self.h)} layers on this stage")
-        if self.is_first_stage:
+        if self.stage.is_first:
             x = self.wte(input_ids) + self.wpe(positions)
         else:
             x = intermediate_tensors.hidden_states
         for block, kv_cache in zip(self.h.values(), kv_caches):
             x = block(x, kv_cache, attn_metadata)
-        if not self.is_last_stage:
+        if not self.stage.is_last:
             # A single residual stream: there is no separate residual to send.
             return IntermediateTensors(x, x.new_empty(0))
         return self.ln_f(x)

@@ -6,7 +6,7 @@ sequence is only known to the attention metadata.
 
 Tensor parallelism: the layers split heads and MLP features over the TP group (see
 layers/linear.py); each rank's attention runs its own heads against its own KV cache.
-Pipeline parallelism: a rank builds and loads only its stage's layers (get_pp_indices), the
+Pipeline parallelism: a rank builds and loads only its stage's layers (pipeline.py), the
 embedding on the first stage and the final norm and LM head on the last; a non-last stage's
 forward returns IntermediateTensors for the next one.
 
@@ -25,8 +25,7 @@ from pagedlm.attention.backends import AttentionBackend, get_attn_backend
 from pagedlm.attention.layer import Attention
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
-from pagedlm.distributed.parallel_state import get_pp_group
-from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
+from pagedlm.distributed.utils import IntermediateTensors
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.fused_decode import DecoderLayerParts, FusedDecode
 from pagedlm.model_executor.layers.layernorm import RMSNorm
@@ -36,6 +35,7 @@ from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
 from pagedlm.model_executor.models.base import CausalLMBase
+from pagedlm.model_executor.models.pipeline import PPStage, make_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -138,24 +138,18 @@ class LlamaForCausalLM(CausalLMBase):
         super().__init__()
         hf = cfg.hf_config
         self.config = cfg
-        pp = get_pp_group()
-        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
-        # Global indices of this stage's layers: [start_layer, end_layer).
-        self.start_layer, self.end_layer = get_pp_indices(cfg.num_layers, pp.rank_in_group,
-                                                          pp.world_size)
+        self.stage = stage = PPStage.of_this_rank(cfg.num_layers)
         self.tie_word_embeddings = bool(cfg.get_hf("tie_word_embeddings", False))
         # The last stage needs the embedding too when the LM head is tied to it.
         self.embed_tokens = None
-        if self.is_first_stage or (self.tie_word_embeddings and self.is_last_stage):
+        if stage.holds_embedding(self.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, cfg.get_hf("max_position_embeddings", 0)),
                                  cfg.rope_theta, cfg.rope_scaling)
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
-        # Keyed by the global layer index, so parameter names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(i): self.make_layer(cfg, i, rotary, attn_backend)
-                                     for i in range(self.start_layer, self.end_layer)})
+        self.layers = make_layers(stage, lambda i: self.make_layer(cfg, i, rotary, attn_backend))
         self.norm = self.lm_head = None
-        if self.is_last_stage:
+        if stage.is_last:
             self.norm = RMSNorm(hf.hidden_size, cfg.get_hf("rms_norm_eps", 1e-6))
             self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size)
             if self.tie_word_embeddings:
@@ -174,14 +168,14 @@ class LlamaForCausalLM(CausalLMBase):
                 ) -> torch.Tensor | IntermediateTensors:
         """One step over the flat batch.
 
-        kv_caches[i] is the cache of this stage's i-th layer (global layer start_layer + i).
+        kv_caches[i] is the cache of this stage's i-th layer (global layer stage.start_layer + i).
         The first stage embeds input_ids; the others continue from the previous stage's
         intermediate_tensors. Returns the final hidden states on the last stage (for
         compute_logits), IntermediateTensors on the others.
         """
         assert len(kv_caches) == len(self.layers), (
             f"{len(kv_caches)} KV caches for {len(self.layers)} layers on this stage")
-        if self.is_first_stage:
+        if self.stage.is_first:
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
@@ -191,7 +185,7 @@ class LlamaForCausalLM(CausalLMBase):
         else:
             for layer, kv_cache in zip(self.layers.values(), kv_caches):
                 x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
-        if not self.is_last_stage:
+        if not self.stage.is_last:
             return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         return x

@@ -25,14 +25,14 @@ from pagedlm.attention.backends import AttentionBackend, get_attn_backend
 from pagedlm.attention.layer import Attention
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
-from pagedlm.distributed.parallel_state import get_pp_group
-from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
+from pagedlm.distributed.utils import IntermediateTensors
 from pagedlm.model_executor.layers.activation import get_act_fn
 from pagedlm.model_executor.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
                                                   ReplicatedLinear, RowParallelLinear)
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
 from pagedlm.model_executor.models.base import CausalLMBase
+from pagedlm.model_executor.models.pipeline import PPStage, make_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -104,27 +104,22 @@ class OPTForCausalLM(CausalLMBase):
         super().__init__()
         hf = cfg.hf_config
         self.config = cfg
-        pp = get_pp_group()
-        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
-        self.start_layer, self.end_layer = get_pp_indices(cfg.num_layers, pp.rank_in_group,
-                                                          pp.world_size)
+        self.stage = stage = PPStage.of_this_rank(cfg.num_layers)
         hidden = hf.hidden_size
         proj_dim = cfg.get_hf("word_embed_proj_dim", hidden)
         self.tie_word_embeddings = bool(cfg.get_hf("tie_word_embeddings", True))
         self.embed_tokens = self.embed_positions = self.project_in = None
-        if self.is_first_stage or (self.tie_word_embeddings and self.is_last_stage):
+        if stage.holds_embedding(self.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, proj_dim)
-        if self.is_first_stage:
+        if stage.is_first:
             self.embed_positions = OPTLearnedPositionalEmbedding(hf.max_position_embeddings,
                                                                  hidden)
             if proj_dim != hidden:
                 self.project_in = ReplicatedLinear(proj_dim, hidden)
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
-        # Keyed by the global layer index, so parameter names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(i): OPTDecoderLayer(cfg, attn_backend)
-                                     for i in range(self.start_layer, self.end_layer)})
+        self.layers = make_layers(stage, lambda i: OPTDecoderLayer(cfg, attn_backend))
         self.final_layer_norm = self.project_out = self.lm_head = None
-        if self.is_last_stage:
+        if stage.is_last:
             # Post-LN models end on a layer's own norm, so they have no final one.
             if (cfg.get_hf("do_layer_norm_before", True)
                     and not cfg.get_hf("_remove_final_layer_norm", False)):
@@ -144,7 +139,7 @@ class OPTForCausalLM(CausalLMBase):
         """One step over the flat batch (see registry.py for the interface)."""
         assert len(kv_caches) == len(self.layers), (
             f"{len(kv_caches)} KV caches for {len(self.layers)} layers on this stage")
-        if self.is_first_stage:
+        if self.stage.is_first:
             x = self.embed_tokens(input_ids)
             if self.project_in is not None:
                 x = self.project_in(x)
@@ -153,7 +148,7 @@ class OPTForCausalLM(CausalLMBase):
             x = intermediate_tensors.hidden_states
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
             x = layer(x, kv_cache, attn_metadata)
-        if not self.is_last_stage:
+        if not self.stage.is_last:
             # A single residual stream: there is no separate residual to send.
             return IntermediateTensors(x, x.new_empty(0))
         if self.final_layer_norm is not None:

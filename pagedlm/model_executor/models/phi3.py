@@ -20,16 +20,16 @@ from torch import nn
 from pagedlm.attention.backends import AttentionBackend, get_attn_backend
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
-from pagedlm.distributed.parallel_state import get_pp_group
-from pagedlm.distributed.utils import IntermediateTensors, get_pp_indices
+from pagedlm.distributed.utils import IntermediateTensors
 from pagedlm.model_executor.layers.activation import SiluAndMul, get_act_fn
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import load_weights_into
-from pagedlm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
 from pagedlm.model_executor.models.base import CausalLMBase
+from pagedlm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
+from pagedlm.model_executor.models.pipeline import PPStage, make_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -85,13 +85,10 @@ class Phi3ForCausalLM(CausalLMBase):
         super().__init__()
         hf = cfg.hf_config
         self.config = cfg
-        pp = get_pp_group()
-        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
-        self.start_layer, self.end_layer = get_pp_indices(cfg.num_layers, pp.rank_in_group,
-                                                          pp.world_size)
+        self.stage = stage = PPStage.of_this_rank(cfg.num_layers)
         self.tie_word_embeddings = bool(cfg.get_hf("tie_word_embeddings", False))
         self.embed_tokens = None
-        if self.is_first_stage or (self.tie_word_embeddings and self.is_last_stage):
+        if stage.holds_embedding(self.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         max_pos = cfg.get_hf("max_position_embeddings", 0)
         rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, max_pos), cfg.rope_theta,
@@ -99,10 +96,9 @@ class Phi3ForCausalLM(CausalLMBase):
                                  max_position_embeddings=max_pos or None,
                                  max_model_len=cfg.max_model_len)
         attn_backend = attn_backend or get_attn_backend(cfg.dtype)
-        self.layers = nn.ModuleDict({str(i): _phi3_layer(cfg, rotary, attn_backend, i)
-                                     for i in range(self.start_layer, self.end_layer)})
+        self.layers = make_layers(stage, lambda i: _phi3_layer(cfg, rotary, attn_backend, i))
         self.norm = self.lm_head = None
-        if self.is_last_stage:
+        if stage.is_last:
             self.norm = RMSNorm(hf.hidden_size, cfg.get_hf("rms_norm_eps", 1e-5))
             self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size)
             if self.tie_word_embeddings:
@@ -115,13 +111,13 @@ class Phi3ForCausalLM(CausalLMBase):
         """One step over the flat batch (see registry.py for the interface)."""
         assert len(kv_caches) == len(self.layers), (
             f"{len(kv_caches)} KV caches for {len(self.layers)} layers on this stage")
-        if self.is_first_stage:
+        if self.stage.is_first:
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
-        if not self.is_last_stage:
+        if not self.stage.is_last:
             return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         return x
