@@ -83,7 +83,8 @@ class OpenAIServingCompletion(OpenAIServing):
             lp.token_logprobs.append(clean_logprob(pos[tid].logprob))
             top = {}
             for cand_id, cand in sorted(pos.items(), key=lambda kv: kv[1].rank or 0):
-                top.setdefault(token_text(self.tokenizer, cand_id, pos), clean_logprob(cand.logprob))
+                top.setdefault(token_text(self.tokenizer, cand_id, pos),
+                               clean_logprob(cand.logprob))
             lp.top_logprobs.append(top)
         return lp
 
