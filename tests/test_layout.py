@@ -81,6 +81,41 @@ def test_beam_search_stays_above_the_engine():
     assert "pagedlm.entrypoints.beam_search" in graph["pagedlm.entrypoints.llm"]
 
 
+# What builds, loads or calls native code: a model file reaches kernels only through layers.
+KERNEL_MODULES = ("pagedlm.kernels", "pagedlm.model_executor.layers.quantization.kernels")
+
+
+def kernel_imports(source: str) -> set[str]:
+    """The kernel modules (and ctypes) that `source` imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.split(".")[0] == "ctypes"
+                  or any(n == k or n.startswith(k + ".") for k in KERNEL_MODULES)}
+    return found
+
+
+def test_no_model_file_imports_a_kernel_module():
+    models = list((ROOT / "model_executor" / "models").rglob("*.py"))
+    assert len(models) > 10
+    for path in models:
+        assert not kernel_imports(path.read_text()), (path.name, kernel_imports(path.read_text()))
+    # The checker finds each way of importing one.
+    assert kernel_imports("import ctypes\nfrom ctypes import c_int") == {"ctypes",
+                                                                           "ctypes.c_int"}
+    assert kernel_imports("def f():\n    from pagedlm import kernels as k") == {
+        "pagedlm.kernels"}
+    assert kernel_imports("import pagedlm.model_executor.layers.quantization.kernels as q")
+    assert kernel_imports("from pagedlm.kernels.gemv import gemv") == {
+        "pagedlm.kernels.gemv", "pagedlm.kernels.gemv.gemv"}
+    assert not kernel_imports("from pagedlm.model_executor.layers import fused_decode")
+
+
 # The layer map. Each module's layer is named by the longest prefix listed; a layer imports its
 # own modules, the leaves, and the layers MAY_IMPORT gives it: entrypoints -> engine -> {core
 # (scheduler, block manager), executor -> worker -> model_executor -> attention -> kernels}.
@@ -293,38 +328,3 @@ def test_environment_variables_are_read_only_in_envs():
                  '"X" in os.environ', 'from os import environ\nenviron.get("X")'):
         assert environ_reads(read), read
     assert not environ_reads('os.environ["X"] = "1"\nenv = dict(os.environ, X="1")')
-
-
-# What builds, loads or calls native code: a model file reaches kernels only through layers.
-KERNEL_MODULES = ("pagedlm.kernels", "pagedlm.model_executor.layers.quantization.kernels")
-
-
-def kernel_imports(source: str) -> set[str]:
-    """The kernel modules (and ctypes) that `source` imports, anywhere in it."""
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        else:
-            continue
-        found |= {n for n in names if n.split(".")[0] == "ctypes"
-                  or any(n == k or n.startswith(k + ".") for k in KERNEL_MODULES)}
-    return found
-
-
-def test_no_model_file_imports_a_kernel_module():
-    models = list((ROOT / "model_executor" / "models").rglob("*.py"))
-    assert len(models) > 10
-    for path in models:
-        assert not kernel_imports(path.read_text()), (path.name, kernel_imports(path.read_text()))
-    # The checker finds each way of importing one.
-    assert kernel_imports("import ctypes\nfrom ctypes import c_int") == {"ctypes",
-                                                                           "ctypes.c_int"}
-    assert kernel_imports("def f():\n    from pagedlm import kernels as k") == {
-        "pagedlm.kernels"}
-    assert kernel_imports("import pagedlm.model_executor.layers.quantization.kernels as q")
-    assert kernel_imports("from pagedlm.kernels.gemv import gemv") == {
-        "pagedlm.kernels.gemv", "pagedlm.kernels.gemv.gemv"}
-    assert not kernel_imports("from pagedlm.model_executor.layers import fused_decode")
