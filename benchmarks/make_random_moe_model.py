@@ -6,8 +6,8 @@ Qwen3 with the same active FLOPs per token, for timing the mixture-of-experts pa
     python benchmarks/throughput.py --model /tmp/moe-8x2 ...
 
 Both have SmolLM2's hidden size (576), 30 layers (--layers), vocabulary and tokenizer, and 8
-attention heads of 72 dims with 4 KV heads (as make_random_model.py). The MoE model routes each token
-to --top-k of --experts experts of width 1536 / top_k, so a token's expert FLOPs equal the
+attention heads of 72 dims with 4 KV heads (as make_random_model.py). The MoE model routes each
+token to --top-k of --experts experts of width 1536 / top_k, so a token's expert FLOPs equal the
 dense model's MLP of width 1536; the MoE model holds experts / top_k times the MLP weights.
 The outputs are noise: only speed is measured (throughput.py sets ignore_eos).
 """

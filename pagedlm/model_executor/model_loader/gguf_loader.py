@@ -21,7 +21,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import (AutoModelForCausalLM, GenerationConfig, PretrainedConfig,
+                          PreTrainedTokenizerFast)
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -130,20 +131,23 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
             continue  # already folded into config.rope_parameters
         # Stacked experts map without their ".weight": HF holds them as bare parameters.
         if name not in gguf_to_hf and name.rpartition(".")[0] not in gguf_to_hf:
-            raise ValueError(f"GGUF tensor {name!r} has no known HuggingFace {spec.architecture} equivalent.")
+            raise ValueError(f"GGUF tensor {name!r} has no known HuggingFace "
+                             f"{spec.architecture} equivalent.")
         values = dequantize(tensor.data, tensor.tensor_type).reshape(_gguf_shape(tensor))
         # Processors that store a tensor themselves (GPT-2's output.weight under lm_head.weight,
         # MoE experts merged into gate_up_proj) say so with name None; the others return the
         # tensor with its llama.cpp layout undone.
         processed = processor.process(
-            weights=values, name=name, tensor_key_mapping=gguf_to_hf, parsed_parameters={"tensors": state_dict}
+            weights=values, name=name, tensor_key_mapping=gguf_to_hf,
+            parsed_parameters={"tensors": state_dict}
         )
         if processed.name is None:
             continue
         values = processed.weights
         # np.array copies: the data may be a read-only view into the memory-mapped file.
         # order="C": undoing a transposed layout (GPT-2) leaves a view safetensors cannot save.
-        state_dict[gguf_to_hf[name]] = torch.from_numpy(np.array(values, dtype=np.float32, order="C"))
+        state_dict[gguf_to_hf[name]] = torch.from_numpy(
+            np.array(values, dtype=np.float32, order="C"))
 
     # An absent bias is no bias; HF's one switch per group needs the rest as zeros.
     for name in hf_names - state_dict.keys():
@@ -160,7 +164,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
 
     # Chat models stop on end-of-turn tokens too (llama.cpp treats them all as end of generation).
     stop_ids = [getattr(config, "eos_token_id", None)]
-    stop_ids += [_metadata(reader, f"tokenizer.ggml.{key}") for key in ("eot_token_id", "eom_token_id")]
+    stop_ids += [_metadata(reader, f"tokenizer.ggml.{key}")
+                 for key in ("eot_token_id", "eom_token_id")]
     stop_ids = list(dict.fromkeys(int(i) for i in stop_ids if i is not None))
     generation_config = GenerationConfig(
         bos_token_id=getattr(config, "bos_token_id", None),
@@ -268,7 +273,8 @@ def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) ->
     if "head_dim" in probe.to_dict():
         # llama.cpp writes key_length where head_dim is not hidden / heads; transformers reads
         # llama's from rope.dimension_count, which is the same number there.
-        kwargs["head_dim"] = int(hparam("attention.key_length", kwargs.get("head_dim", hidden_size // num_heads)))
+        kwargs["head_dim"] = int(hparam("attention.key_length",
+                                        kwargs.get("head_dim", hidden_size // num_heads)))
     head_dim = kwargs.get("head_dim", hidden_size // num_heads)
     rope_dims = hparam("rope.dimension_count")
     rope_theta = kwargs.pop("rope_theta", None)
@@ -278,7 +284,8 @@ def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) ->
         rope_freqs = tensors.get(_ROPE_FREQS)
         if rope_freqs is not None:
             rope_freqs = dequantize(rope_freqs.data, rope_freqs.tensor_type)
-        rope_parameters.update(_rope_scaling(reader, arch, rope_freqs, rope_parameters["rope_theta"], head_dim))
+        rope_parameters.update(_rope_scaling(reader, arch, rope_freqs,
+                                             rope_parameters["rope_theta"], head_dim))
         if rope_dims is not None and int(rope_dims) != head_dim:
             rope_parameters["partial_rotary_factor"] = int(rope_dims) / head_dim
         if "rope_type" not in default_rope:
@@ -289,13 +296,15 @@ def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) ->
 
     token_ids = {
         f"{name}_token_id": _metadata(reader, f"tokenizer.ggml.{key}")
-        for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"))
+        for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
+                          ("pad", "padding_token_id"))
     }
     # None where the file has none: some config classes default to ids of their own
     # vocabulary (Phi-3's pad 32000), which would be out of range here.
     kwargs.update({k: None if v is None else int(v) for k, v in token_ids.items()})
     for switch, kinds in spec.bias_switches:
-        kwargs[switch] = any(_block_kind(name) in kinds and name.endswith(".bias") for name in tensors)
+        kwargs[switch] = any(_block_kind(name) in kinds and name.endswith(".bias")
+                             for name in tensors)
     for field, name, axis in spec.sized_by:
         kwargs[field] = _gguf_shape(tensors[name])[axis]
     kwargs.update(
@@ -330,7 +339,8 @@ def _tied_names(config: PretrainedConfig, hf_names: set[str]) -> set[str]:
     return {"lm_head.weight"} & hf_names if config.tie_word_embeddings else set()
 
 
-def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: set[str], processor: TensorProcessor) -> dict[str, str]:
+def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: set[str],
+                      processor: TensorProcessor) -> dict[str, str]:
     # transformers' get_gguf_hf_weights_map, without rebuilding the name map per submodule.
     name_map = get_tensor_name_map(_GGUF_ARCH_IDS[arch], num_layers)
     mapping = {}
@@ -357,15 +367,19 @@ def _metadata(reader: GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, rope_freqs, rope_theta: float, head_dim: int) -> dict:
+def _rope_scaling(reader: GGUFReader, arch: str, rope_freqs, rope_theta: float,
+                  head_dim: int) -> dict:
     scaling_type = _metadata(reader, f"{arch}.rope.scaling.type", "none")
     if rope_freqs is not None:
-        return _llama3_rope_parameters(np.asarray(rope_freqs, dtype=np.float64).reshape(-1), rope_theta, head_dim)
+        return _llama3_rope_parameters(np.asarray(rope_freqs, dtype=np.float64).reshape(-1),
+                                       rope_theta, head_dim)
     if scaling_type == "none":
         return {}
     if scaling_type == "linear":
-        return {"rope_type": "linear", "factor": float(_metadata(reader, f"{arch}.rope.scaling.factor"))}
-    raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported (only linear and llama3).")
+        return {"rope_type": "linear",
+                "factor": float(_metadata(reader, f"{arch}.rope.scaling.factor"))}
+    raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported "
+                     "(only linear and llama3).")
 
 
 def _llama3_rope_parameters(factors: np.ndarray, rope_theta: float, head_dim: int) -> dict:
@@ -403,8 +417,10 @@ def _llama3_rope_parameters(factors: np.ndarray, rope_theta: float, head_dim: in
     )
 
 
-def _llama3_factors(wavelengths: np.ndarray, factor: float, low: float, high: float, original: int) -> np.ndarray:
+def _llama3_factors(wavelengths: np.ndarray, factor: float, low: float, high: float,
+                    original: int) -> np.ndarray:
     # The same formula llama.cpp's converter evaluates to produce rope_freqs.
     smooth = (original / wavelengths - low) / (high - low)
     ramp = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelengths < original / high, 1.0, np.where(wavelengths > original / low, factor, ramp))
+    return np.where(wavelengths < original / high, 1.0,
+                    np.where(wavelengths > original / low, factor, ramp))

@@ -87,7 +87,8 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         mlp = (Qwen2MoeSparseMoeBlock(cfg) if is_sparse_layer(cfg, layer_idx)
                else LlamaMLP(hf.hidden_size, hf.intermediate_size))
         return LlamaDecoderLayer(cfg, rotary, attn_backend, layer_idx,
-                                 self_attn=self.make_attention(cfg, rotary, attn_backend, layer_idx),
+                                 self_attn=self.make_attention(cfg, rotary, attn_backend,
+                                                               layer_idx),
                                  mlp=mlp)
 
     def load_weights(self, weights) -> None:

@@ -1,0 +1,51 @@
+"""Chunked prefill: a prompt longer than the step's token budget is prefilled over several steps,
+and gives the same tokens and prompt logprobs as a one-step prefill."""
+from __future__ import annotations
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from tests.compare_utils import assert_greedy_match
+
+LONG = " ".join(f"Line {i}: the committee reviewed item {i * 7 % 13} and moved on."
+                for i in range(30))
+PROMPTS = [LONG + "\nSummary:", "The capital of France is", "def fibonacci(n):",
+           LONG[:400] + "\nQuestion: which item came first?"]
+
+
+@pytest.fixture(scope="module")
+def unchunked():
+    return LLM(enable_chunked_prefill=False, enable_prefix_caching=False,
+               kv_cache_memory_bytes=256 * 2**20)
+
+
+def test_greedy_tokens_and_prompt_logprobs_match_with_chunking(unchunked):
+    budget = 64
+    chunked = LLM(enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=8,
+                  enable_prefix_caching=False, kv_cache_memory_bytes=256 * 2**20)
+    params = SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=1, logprobs=2,
+                            ignore_eos=True)
+    ref = unchunked.generate(PROMPTS, params, use_tqdm=False)
+    out = chunked.generate(PROMPTS, params, use_tqdm=False)
+    # The long prompt is several budgets long: it can only have run in chunks.
+    assert len(ref[0].prompt_token_ids) > 4 * budget
+    assert chunked.llm_engine.config.scheduler_config.max_num_batched_tokens == budget
+    for r, o in zip(ref, out):
+        # Chunks sum attention in another order: the same tokens up to a near-tie.
+        assert_greedy_match(r.outputs[0], o.outputs[0])
+        assert len(o.prompt_logprobs) == len(r.prompt_logprobs)
+        for a, b in zip(r.prompt_logprobs[1:], o.prompt_logprobs[1:]):
+            tid = next(iter(a))  # the prompt's own token comes first
+            assert abs(b[tid].logprob - a[tid].logprob) < 2e-3
+    assert chunked.llm_engine.block_manager.num_free_blocks == \
+        chunked.llm_engine.block_manager.num_blocks
+
+
+def test_budget_below_max_model_len_needs_chunking():
+    with pytest.raises(ValueError, match="chunked prefill"):
+        LLM(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=2048)
+    llm = LLM(enable_chunked_prefill=True, max_num_batched_tokens=32, max_model_len=2048,
+              max_num_seqs=8,
+              num_gpu_blocks_override=64)
+    out = llm.generate([LONG[:600]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].prompt_token_ids) > 32 and len(out[0].outputs[0].token_ids) == 4

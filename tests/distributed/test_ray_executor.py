@@ -1,0 +1,71 @@
+"""The Ray executor: worker actors in a placement group give the same results as one worker,
+a killed actor fails the call naming its rank, and nothing is left running afterwards.
+
+Marked slow; skipped only where the ray extra is not installed (CI installs it)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.executor.abstract import WorkerFailedError
+from tests.distributed import test_distributed_executor
+from tests.distributed.test_distributed_executor import (
+    PROMPTS, assert_same, assert_seeded_draws_ignore_the_engine_seed, run)
+
+pytestmark = pytest.mark.slow
+# The module-scoped fixture of the multiprocessing tests, shared here by name.
+tiny_models = test_distributed_executor.tiny_models
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local cluster shared by this module's tests (starting one takes several seconds);
+    after it shuts down, none of its processes may remain."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.Process().children(recursive=True)
+                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            break
+        time.sleep(0.2)
+    assert not left, f"Ray processes left behind: {left}"
+
+
+def test_tp_over_ray_matches_one_worker(tiny_models, ray_cluster):
+    for path in tiny_models.values():
+        assert_same(run(path), run(path, tensor_parallel_size=2,
+                                   distributed_executor_backend="ray"))
+
+
+def test_seeded_sampling_over_ray(tiny_models, ray_cluster):
+    path = tiny_models["llama"]
+    assert_seeded_draws_ignore_the_engine_seed(path, tensor_parallel_size=2,
+                                               distributed_executor_backend="ray")
+
+
+def test_a_killed_actor_fails_generate_naming_the_rank(tiny_models, ray_cluster):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, distributed_executor_backend="ray",
+              max_model_len=256, kv_cache_memory_bytes=8 * 2**20)
+    executor = llm.llm_engine.executor
+    pids = executor.worker_pids()
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="rank 1"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=8), use_tqdm=False)
+    assert time.monotonic() - start < 10
+    # The executor killed the surviving actor too (psutil raises TimeoutExpired otherwise).
+    try:
+        psutil.Process(pids[0]).wait(15)
+    except psutil.NoSuchProcess:
+        pass
