@@ -21,10 +21,12 @@ def pytest_configure(config):
 def _free_module_engines():
     """After each test module, free the engines its fixtures shut down. FastAPI 0.165 keeps
     every route endpoint it has classified in module-level lru_caches (fastapi.dependencies.
-    models), and build_app's endpoints close over their AsyncLLMEngine: without this, every app a
-    module built kept its engine (model weights included) alive for the rest of the session, and
-    an xdist worker grew past 14 GiB and was OOM-killed. A served process builds one app, so only
-    the tests need it. malloc_trim hands the freed heap back (the worker's malloc settings keep up
+    models). When build_app's endpoints closed over their AsyncLLMEngine, every app a module
+    built kept its engine (model weights included) alive for the rest of the session, and an
+    xdist worker grew past 14 GiB and was OOM-killed. The routes are module-level now
+    (routes.py) and read the engine from app.state, but anything else a cached entry reaches is
+    still kept, so the caches are still cleared. A served process builds one app, so only the
+    tests need it. malloc_trim hands the freed heap back (the worker's malloc settings keep up
     to 1 GiB per arena otherwise)."""
     yield
     try:

@@ -28,7 +28,7 @@ from pagedlm.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer
 from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
 
 MODEL = "smollm2-tools"
-TEMPLATE = (Path(__file__).resolve().parent.parent / "examples"
+TEMPLATE = (Path(__file__).resolve().parents[2] / "examples"
             / "tool_chat_template_hermes_chatml.jinja").read_text()
 
 TOOLS = [

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.model_executor.layers.fused_moe import FusedMoE, Routing, TopKRouter
-from tests.test_correctness import PROMPTS, hf_greedy
+from tests.models.test_correctness import PROMPTS, hf_greedy
 
 NUM_TOKENS = 32
 
@@ -218,7 +218,7 @@ def test_too_many_experts_per_token_is_a_value_error(moe_models, tmp_path):
 def test_moe_over_mp_matches_one_worker(moe_models, arch, layout):
     """Experts split over their intermediate dim (plus Qwen2-MoE's shared expert), one
     all-reduce per block (TP); sparse and dense layers on different stages (PP)."""
-    from tests.test_distributed_executor import assert_no_workers_left, assert_same, run
+    from tests.distributed.test_distributed_executor import assert_no_workers_left, assert_same, run
     path = moe_models[arch]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     ref = run(path, params)

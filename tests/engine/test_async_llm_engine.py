@@ -192,7 +192,7 @@ def test_shutdown_fails_waiting_requests():
 def test_server_fails_requests_and_stops_when_the_engine_dies():
     """Over HTTP: a failing step() turns the in-flight requests into errors (a 500 body, or an
     error event in the stream) instead of hanging them; the app then stops its server (as
-    vLLM's does: `pagedlm serve` exits non-zero, tests/test_engine_failure.py), and /health
+    vLLM's does: `pagedlm serve` exits non-zero, tests/engine/test_engine_failure.py), and /health
     answers 503 until it has."""
     eng = AsyncLLMEngine.from_engine_args(EngineArgs(**ARGS), log_stats=False)
     real_step = eng.engine.step

@@ -13,8 +13,8 @@ from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.entrypoints.openai.serving_models import parse_lora_module
 from tests.conftest import make_tiny_model
 from tests.server_utils import serve_in_thread, wait_until_idle
-from tests.test_cli import REPO, _env, cli
-from tests.test_lora import ALL_PROJ, make_adapter
+from tests.server.test_cli import REPO, _env, cli
+from tests.engine.test_lora import ALL_PROJ, make_adapter
 
 BASE = "tiny-base"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]

@@ -15,7 +15,7 @@ import torch
 from pagedlm import LLM, SamplingParams
 from pagedlm.attention.backends import paged_attention
 from pagedlm.kernels import attention as attn
-from tests.test_paged_attention import _scenario
+from tests.kernels.test_paged_attention import _scenario
 
 needs_kernel = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
 TOL = 2e-5

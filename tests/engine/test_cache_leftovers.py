@@ -15,9 +15,9 @@ import pytest
 from pagedlm.kernels import loader
 from pagedlm.model_executor.model_loader.model_path import CONVERSION_MARKER, resolve_model
 from pagedlm.staging import staging_prefix
-from tests.test_model_loading import _tiny_hf_state, write_tiny_gguf
+from tests.models.test_model_loading import _tiny_hf_state, write_tiny_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Converts for real into its staging directory, says where, then stalls as a long conversion
 # would: the parent kills it there.

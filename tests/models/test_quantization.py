@@ -201,7 +201,7 @@ def test_quantized_tensor_parallel_matches_one_worker(tiny_models, quantization)
     """TP=2 over worker processes runs the same quantized weights as one worker: int4's
     groups of 32 never straddle a rank's slice, and int8 scales a row-parallel layer's rows by
     the whole row's max (gathered from the ranks)."""
-    from tests.test_distributed_executor import assert_no_workers_left
+    from tests.distributed.test_distributed_executor import assert_no_workers_left
     path = tiny_models["llama"]
     one = _greedy(LLM(model=path, quantization=quantization), PROMPTS[:4], 8)
     llm = LLM(model=path, quantization=quantization, tensor_parallel_size=2,

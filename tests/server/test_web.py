@@ -36,8 +36,8 @@ except ImportError:
 if not shutil.which(CHROMIUM):
     _missing(f"no Chromium at {CHROMIUM}")
 
-ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "test-artifacts", "web")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARTIFACTS = os.path.join(REPO, "test-artifacts", "web")
 API_KEY = "right-key"
 MODEL = "smollm2"
 

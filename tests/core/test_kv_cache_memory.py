@@ -14,7 +14,7 @@ import torch
 from pagedlm import LLM, SamplingParams
 from tests.conftest import make_tiny_model
 
-REPO = str(Path(__file__).resolve().parents[1])
+REPO = str(Path(__file__).resolve().parents[2])
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="page residency is read with Linux's mincore")
@@ -60,7 +60,7 @@ def test_default_size_is_faulted_in_as_blocks_are_used(tiny):
 import sys
 sys.path.insert(0, {REPO!r})
 from pagedlm import LLM, SamplingParams
-from tests.test_kv_cache_memory import caches, resident_fraction
+from tests.core.test_kv_cache_memory import caches, resident_fraction
 # The default size is max_num_seqs full-length sequences here (less than 90% of free RAM).
 llm = LLM(model={tiny!r}, max_model_len=256, max_num_seqs=2048)
 kv = caches(llm)

@@ -47,7 +47,7 @@ NESTED_LOOPS = ("{% for i in range(100000) %}{% for j in range(100000) %}"
 # Nested loops writing nothing: only the render deadline stops them.
 SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 PLAIN = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-HERMES = (Path(__file__).resolve().parent.parent / "examples"
+HERMES = (Path(__file__).resolve().parents[2] / "examples"
           / "tool_chat_template_hermes_chatml.jinja").read_text()
 
 

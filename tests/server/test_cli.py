@@ -23,7 +23,7 @@ from pagedlm.entrypoints.cli import make_parser
 from pagedlm.entrypoints.cli_args import engine_args_from_namespace, parse_size
 from tests.server_utils import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-gpu-blocks-override", "64"]
 API_KEY = "sk-cli-test"
 PROMPT = "The best way to learn a language is"

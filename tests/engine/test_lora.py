@@ -11,7 +11,7 @@ import torch
 from pagedlm import LLM, LoRARequest, SamplingParams
 from tests.compare_utils import assert_greedy_logprobs_match, assert_greedy_outputs_match
 from tests.conftest import make_tiny_model
-from tests.test_correctness import PROMPTS, hf_greedy
+from tests.models.test_correctness import PROMPTS, hf_greedy
 
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NUM_TOKENS = 32
@@ -271,7 +271,7 @@ def test_unsupported_peft_features_are_named(tiny, tmp_path):
 def test_tensor_parallel_2_equals_1(tmp_path, default_model_dir):
     """Column layers shard B, row layers shard A; one KV head (replicated over the two ranks)
     exercises the QKV loader's replication for B's k and v rows."""
-    from tests.test_distributed_executor import assert_no_workers_left
+    from tests.distributed.test_distributed_executor import assert_no_workers_left
     base = make_tiny_model(tmp_path, "llama", default_model_dir, num_key_value_heads=1)
     loras = [LoRARequest("all", 1, make_adapter(base, str(tmp_path / "all"), ALL_PROJ)),
              LoRARequest("qv", 2, make_adapter(base, str(tmp_path / "qv"), ["q_proj", "v_proj",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedlm import SamplingParams
-from tests.test_moe import assert_matches_transformers, make_tiny_moe_model
+from tests.models.test_moe import assert_matches_transformers, make_tiny_moe_model
 
 
 @pytest.mark.parametrize("overrides", [
@@ -22,7 +22,7 @@ def test_qwen3_greedy_and_logprobs_match_transformers(tmp_path, default_model_di
 
 @pytest.mark.slow
 def test_qwen3_tp2_over_mp_matches_one_worker(tmp_path, default_model_dir):
-    from tests.test_distributed_executor import assert_no_workers_left, assert_same, run
+    from tests.distributed.test_distributed_executor import assert_no_workers_left, assert_same, run
     path = make_tiny_moe_model(tmp_path, "qwen3", default_model_dir)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     ref = run(path, params)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from tests.test_correctness import PROMPTS
-from tests.test_distributed_executor import assert_no_workers_left, assert_same
-from tests.test_sliding_window import (LONG_PROMPTS, LONG_TOKENS, WINDOW, _check_backend,
+from tests.models.test_correctness import PROMPTS
+from tests.distributed.test_distributed_executor import assert_no_workers_left, assert_same
+from tests.models.test_sliding_window import (LONG_PROMPTS, LONG_TOKENS, WINDOW, _check_backend,
                                        assert_matches_hf, backend, make_hf_model)
 
 __all__ = ["backend"]  # the fixture, re-used

@@ -19,7 +19,7 @@ from tests.conftest import make_tiny_model
 from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
 
 API_KEY = "sk-openapi-test"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BODIES = {  # POST route -> the request models its body may be
     "/v1/completions": ["CompletionRequest"],
     "/v1/chat/completions": ["ChatCompletionRequest"],

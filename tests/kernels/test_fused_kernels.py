@@ -18,7 +18,7 @@ from pagedlm.attention.backends import NativeKernelBackend, TorchSDPABackend, pa
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
-from tests.test_paged_attention import CASES, _dense_reference, _scenario
+from tests.kernels.test_paged_attention import CASES, _dense_reference, _scenario
 
 # Not module-wide: the PyTorch paths production takes without a compiler run the same checks.
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")

@@ -7,7 +7,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def package_data_files(root: Path, monkeypatch) -> set[Path]:
