@@ -59,6 +59,9 @@ class ModelConfig:
     # Most logprobs (and prompt_logprobs) a request may ask for per position; -1: the whole
     # vocabulary (vLLM's setting and default).
     max_logprobs: int = 20
+    # Bitwise-reproducible outputs (attention over the K/V as stored, one kernel for every
+    # row); what it guarantees so far is in the --deterministic help (entrypoints/cli_args.py).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_config, dict):  # tests and tools may pass plain keys
@@ -82,6 +85,7 @@ class ModelConfig:
                              f"{self.quantization!r}.")
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}.")
+        _check_bool("deterministic", self.deterministic)
         if (self.runner == "pooling") != (self.pooler_config is not None):
             raise ValueError(f"pooler_config is set exactly when runner is 'pooling' (runner "
                              f"{self.runner!r}, pooler_config {self.pooler_config!r}).")
@@ -200,7 +204,7 @@ class ModelConfig:
     def from_dir(cls, model: str | None, model_dir: str, dtype: str, max_model_len: int | None,
                  seed: int, **settings: Any) -> "ModelConfig":
         """The config of the HF-format model in `model_dir`; `settings` are the remaining
-        fields (quantization, runner, pooler_config, max_logprobs)."""
+        fields (quantization, runner, pooler_config, max_logprobs, deterministic)."""
         from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
         try:

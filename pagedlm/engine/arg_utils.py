@@ -64,6 +64,7 @@ class EngineArgs:
     max_logit_bias: int = 1024  # most logit_bias entries a request may give
     max_stop_strings: int = 256  # most stop strings a request may give
     max_stop_token_ids: int = 128  # most stop_token_ids a request may give
+    deterministic: bool = False  # bitwise-reproducible outputs (see cli_args' help)
 
     def _pooler_config(self) -> PoolerConfig | None:
         if self.runner not in ("generate", "pooling"):
@@ -137,7 +138,8 @@ class EngineArgs:
                                             self.max_model_len, self.seed,
                                             quantization=quantization, runner=self.runner,
                                             pooler_config=pooler_config,
-                                            max_logprobs=self.max_logprobs)
+                                            max_logprobs=self.max_logprobs,
+                                            deterministic=self.deterministic)
         chunked = self.enable_chunked_prefill
         batched = self.max_num_batched_tokens
         if batched is None:

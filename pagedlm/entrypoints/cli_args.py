@@ -71,6 +71,13 @@ _HELP = {
                     "Default: float weights.",
     "structured_outputs_backend": "Library that compiles requests' structured-output grammars "
                                   "(JSON schema, regex, choice, EBNF): xgrammar.",
+    "deterministic": "Bitwise-reproducible outputs (being built, issue 31): the goal is the same "
+                     "token ids and logprobs for a request however the engine runs it (batch, "
+                     "chunking, prefix cache, preemption, threads), for a fixed block size and "
+                     "KV-cache dtype on one machine and build. Guaranteed so far: a prompt "
+                     "whose prefix is read from the prefix cache gives the same output as a "
+                     "fresh prefill (every attention row reads the K/V as stored, through the "
+                     "paged kernel). Needs the native kernels (float32 model on the CPU).",
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],

@@ -12,12 +12,22 @@ from pagedlm.attention.metadata import AttentionMetadata
 _BACKENDS: tuple[type[AttentionBackend], ...] = (NativeKernelBackend, TorchSDPABackend)
 
 
-def get_attn_backend(dtype: torch.dtype, device: torch.device | str = "cpu") -> AttentionBackend:
+def get_attn_backend(dtype: torch.dtype, device: torch.device | str = "cpu",
+                     deterministic: bool = False) -> AttentionBackend:
     """The preferred backend for a model of this dtype on this device: the native kernel for
     float32 on the CPU when it builds (and PAGEDLM_DISABLE_KERNELS is unset), else Torch SDPA.
-    Building the kernel, on first use, happens here rather than inside the first request."""
+    Building the kernel, on first use, happens here rather than inside the first request.
+
+    deterministic (ModelConfig.deterministic): the native kernel then computes every row the
+    same way whatever the step holds; Torch SDPA has no such mode, so it is refused there."""
     for cls in _BACKENDS:
         if cls.supports(dtype, device):
+            if cls is NativeKernelBackend:
+                return NativeKernelBackend(deterministic=deterministic)
+            if deterministic:
+                raise ValueError(f"deterministic=True needs the native attention kernel, which "
+                                 f"does not run here ({dtype} on {device}; it takes float32 "
+                                 f"on the CPU, built, without PAGEDLM_DISABLE_KERNELS).")
             return cls()
     raise ValueError(f"no attention backend supports {dtype} on {device}")
 

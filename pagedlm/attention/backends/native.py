@@ -8,6 +8,13 @@ other prefill chunks go through the prefill kernel (``csrc/prefill_attention.c``
 per layer for all of them; where it cannot run (no AVX-512 in the build, a head size it does not
 take) they go to SDPA, as in the PyTorch backend. The per-step index tensors are built on first
 use and cached on the metadata object, so the layers of one step share them.
+
+Deterministic mode (``NativeKernelBackend(deterministic=True)``, from ModelConfig): every row,
+fresh prefill included, goes through the paged kernel over the K/V as stored in the cache
+(written first). That kernel reduces a query row's keys in tiles of whole blocks from the first
+key (the window's) to its context length, one thread per row and head, so the row's result
+depends only on its context, the block size and the cache dtype: not on the chunk it sits in,
+its place in the batch, whether its prefix was cached, or the thread count.
 """
 from __future__ import annotations
 
@@ -30,6 +37,9 @@ KERNEL_MAX_CHUNK_TOKENS = 16
 class NativeKernelBackend(AttentionBackend):
     name = "native_kernel"
 
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+
     @classmethod
     def supports(cls, dtype: torch.dtype, device: torch.device | str) -> bool:
         """float32 on the CPU, when the kernel builds and loads (and is not disabled)."""
@@ -44,8 +54,8 @@ class NativeKernelBackend(AttentionBackend):
             write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         _kernel_attention(query, k_cache, v_cache, meta, scale, out, sliding_window,
-                          logits_soft_cap)
-        if not meta.prefills:  # a decode step: nothing more to plan
+                          logits_soft_cap, every_row=self.deterministic)
+        if not meta.prefills or self.deterministic:  # the kernel computed every row
             return out
         plan = prefill_plan(meta, query, key, value, k_cache)
         if plan.chunks.shape[0]:
@@ -75,7 +85,7 @@ def _native_write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -
 
 @dataclass
 class _KernelPlan:
-    key: tuple[int, int]  # (block_size, num_blocks) of the cache it was validated against
+    key: tuple[int, int, bool]  # (block_size, num_blocks) validated against, every_row
     rows: slice | torch.Tensor  # rows of the flat batch the kernel computes
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     token_seq: torch.Tensor  # int32 [num_kernel_tokens], row of block_tables per token
@@ -133,18 +143,20 @@ def prefill_plan(meta: AttentionMetadata, query: torch.Tensor, key: torch.Tensor
     return plan
 
 
-def _kernel_chunk(p: PrefillChunk) -> bool:
-    """Whether the kernel computes this prefill chunk (it reads earlier context, and is short)."""
-    return p.context_len > 0 and p.end - p.start <= KERNEL_MAX_CHUNK_TOKENS
+def _kernel_chunk(p: PrefillChunk, every_row: bool = False) -> bool:
+    """Whether the kernel computes this prefill chunk: it reads earlier context and is short, or
+    the kernel computes every row (deterministic mode)."""
+    return every_row or (p.context_len > 0 and p.end - p.start <= KERNEL_MAX_CHUNK_TOKENS)
 
 
 def _kernel_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, out: torch.Tensor,
                       sliding_window: int | None = None,
-                      logits_soft_cap: float | None = None) -> None:
-    """Decode rows and short prefill chunks with earlier context, through the native kernel.
-    The plan does not depend on the window, so local and global layers share it."""
-    plan = kernel_plan(meta, k_cache)
+                      logits_soft_cap: float | None = None, every_row: bool = False) -> None:
+    """Decode rows and short prefill chunks with earlier context (every row when every_row),
+    through the native kernel. The plan does not depend on the window, so local and global
+    layers share it."""
+    plan = kernel_plan(meta, k_cache, every_row)
     if plan.token_seq.numel() == 0:
         return
     if isinstance(plan.rows, slice):
@@ -162,17 +174,20 @@ def _kernel_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out.index_copy_(0, plan.rows, o)
 
 
-def kernel_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> _KernelPlan:
+def kernel_plan(meta: AttentionMetadata, k_cache: torch.Tensor,
+                every_row: bool = False) -> _KernelPlan:
     """The step's kernel inputs for caches shaped like k_cache: built and checked once, then
-    shared by every layer (and by the fused decode stack, layers/fused_decode.py)."""
+    shared by every layer (and by the fused decode stack, layers/fused_decode.py). every_row:
+    the prefill chunks without context too (deterministic mode)."""
     block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
     plan = meta._kernel_plan
-    if plan is None or plan.key != (block_size, num_blocks):
-        plan = meta._kernel_plan = _build_kernel_plan(meta, block_size, num_blocks)
+    if plan is None or plan.key != (block_size, num_blocks, every_row):
+        plan = meta._kernel_plan = _build_kernel_plan(meta, block_size, num_blocks, every_row)
     return plan
 
 
-def _build_kernel_plan(meta: AttentionMetadata, block_size: int, num_blocks: int) -> _KernelPlan:
+def _build_kernel_plan(meta: AttentionMetadata, block_size: int, num_blocks: int,
+                       every_row: bool) -> _KernelPlan:
     """Index tensors for one kernel call over all cache-reading rows; checks them once."""
     # Segments: (block-table rows, keys needed per table row, table row per token,
     #            keys per token, row range in the flat batch).
@@ -186,17 +201,20 @@ def _build_kernel_plan(meta: AttentionMetadata, block_size: int, num_blocks: int
         segments.append((meta.decode_block_tables, seq_lens,
                          torch.arange(nd, dtype=torch.int32), seq_lens, (0, nd)))
     for p in meta.prefills:
-        if _kernel_chunk(p):  # one table row shared by the chunk's tokens
+        if _kernel_chunk(p, every_row):  # one table row shared by the chunk's tokens
             n = p.end - p.start
             total = p.context_len + n
-            segments.append((p.block_table.reshape(1, -1), torch.tensor([total]),
+            table = p.block_table
+            if table is None and p.context_len == 0:  # a fresh chunk: its blocks from its slots
+                table = meta.slot_mapping[p.start:p.end:block_size] // block_size
+            segments.append((table.reshape(1, -1), torch.tensor([total]),
                              torch.zeros(n, dtype=torch.int32),
                              torch.arange(p.context_len + 1, total + 1, dtype=torch.int32),
                              (p.start, p.end)))
     if not segments:
         empty = torch.zeros(0, dtype=torch.int32)
-        return _KernelPlan((block_size, num_blocks), slice(0, 0), empty.view(0, 1), empty,
-                           empty)
+        return _KernelPlan((block_size, num_blocks, every_row), slice(0, 0), empty.view(0, 1),
+                           empty, empty)
 
     # Out-of-range indices would make the kernel read out of bounds: check once per step.
     for table, row_keys, _, _, _ in segments:
@@ -224,5 +242,5 @@ def _build_kernel_plan(meta: AttentionMetadata, block_size: int, num_blocks: int
         rows = slice(spans[0][0], spans[-1][1])
     else:
         rows = torch.cat([torch.arange(a, b) for a, b in spans])
-    return _KernelPlan((block_size, num_blocks), rows, block_tables, torch.cat(token_seq),
-                       torch.cat([s[3] for s in segments]))
+    return _KernelPlan((block_size, num_blocks, every_row), rows, block_tables,
+                       torch.cat(token_seq), torch.cat([s[3] for s in segments]))

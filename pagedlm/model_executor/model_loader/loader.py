@@ -26,7 +26,8 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
     """
     cls = get_model_class(config.architecture)
     quant_config = get_quantization_config(config.quantization, config.model_dir)
-    attn_backend = get_attn_backend(config.dtype, device)  # chosen once, for every layer
+    # Chosen once, for every layer.
+    attn_backend = get_attn_backend(config.dtype, device, deterministic=config.deterministic)
     old = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
