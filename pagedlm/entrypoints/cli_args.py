@@ -74,10 +74,12 @@ _HELP = {
     "deterministic": "Bitwise-reproducible outputs (being built, issue 31): the goal is the same "
                      "token ids and logprobs for a request however the engine runs it (batch, "
                      "chunking, prefix cache, preemption, threads), for a fixed block size and "
-                     "KV-cache dtype on one machine and build. Guaranteed so far: a prompt "
-                     "whose prefix is read from the prefix cache gives the same output as a "
-                     "fresh prefill (every attention row reads the K/V as stored, through the "
-                     "paged kernel). Needs the native kernels (float32 model on the CPU).",
+                     "KV-cache dtype on one machine and build. Guaranteed so far: attention "
+                     "gives a row the same bits whether its prefix was computed fresh, in other "
+                     "chunks or read from the prefix cache (every row reads the K/V as stored, "
+                     "through the paged kernel); whole outputs match only where the linear "
+                     "layers run one kernel at every row count (the AVX-512 panel kernel). "
+                     "Needs the native kernels (float32 model on the CPU).",
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
