@@ -107,9 +107,12 @@ def test_prefix_hit_is_bitwise_cold_prefill(kv_cache_dtype):
 # gemv.GEMV_MAX_ROWS rows and oneDNN past it, whose sums differ in the last bits (and oneDNN's
 # own differ between row counts): a step that computes a few rows (a small chunk, a prefix hit
 # alone with a short remainder) then differs. The GEMM part of issue 31 is still to do.
+# On panel-kernel (AVX-512) builds every row count takes the panel kernel, so this should pass
+# there, but no AVX-512 machine has run it yet: until one has, it must not fail CI there.
 _ROW_COUNT_GEMM = pytest.mark.xfail(
-    gemv.panel_width() == 0, strict=True,
-    reason="linear layers switch kernels by row count on builds without the panel kernel")
+    strict=gemv.panel_width() == 0,
+    reason="linear layers switch kernels by row count on builds without the panel kernel "
+           "(strict there); not yet run on a panel-kernel build")
 
 
 @_ROW_COUNT_GEMM
