@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import shutil
 import sys
 
 import pytest
@@ -57,6 +58,11 @@ def hf_default_model(default_model_dir):
     that the conversion is bit-identical to transformers' own, much slower, GGUF loading.)"""
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+# The native kernels are built with gcc at first use; without it every op takes its PyTorch
+# path, which the tests of that path cover.
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
 
 
 def make_tiny_model(root, arch: str, default_model_dir: str, **overrides) -> str:

@@ -6,7 +6,6 @@ The default keeps its fast paths."""
 from __future__ import annotations
 
 import argparse
-import shutil
 
 import pytest
 import torch
@@ -18,8 +17,8 @@ from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
 from pagedlm.kernels import gemv
+from tests.conftest import needs_gcc
 
-needs_kernel = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
 CACHE_DTYPES = [torch.float32, torch.bfloat16]
 
 # Prompts of 50-112 tokens: a warm re-run reads their whole blocks from the cache.
@@ -59,7 +58,7 @@ def _step(backend, q, k, v, k_cache, v_cache, spans, block_table):
     return backend.forward(qs, ks, vs, k_cache, v_cache, meta, 0.125)[5:]
 
 
-@needs_kernel
+@needs_gcc
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_rows_do_not_depend_on_how_the_context_was_computed(cache_dtype):
     """A 50-token prompt (3 kv heads of 3 query heads, blocks of 16, shuffled) fresh in one
@@ -88,7 +87,7 @@ def test_attention_rows_do_not_depend_on_how_the_context_was_computed(cache_dtyp
         torch.set_num_threads(threads)
 
 
-@needs_kernel
+@needs_gcc
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 def test_prefix_hit_is_bitwise_cold_prefill(kv_cache_dtype):
     llm = LLM(deterministic=True, enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype,
@@ -116,7 +115,7 @@ _ROW_COUNT_GEMM = pytest.mark.xfail(
 
 
 @_ROW_COUNT_GEMM
-@needs_kernel
+@needs_gcc
 def test_small_chunks_and_a_lone_prefix_hit_are_bitwise_cold_prefill():
     kw = dict(deterministic=True, kv_cache_memory_bytes=32 * 2**20)
     llm = LLM(enable_prefix_caching=True, **kw)
@@ -128,7 +127,7 @@ def test_small_chunks_and_a_lone_prefix_hit_are_bitwise_cold_prefill():
     assert chunked_out == cold
 
 
-@needs_kernel
+@needs_gcc
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_default_keeps_the_fast_paths(cache_dtype):
     """Off by default, and off means the paths of before (a fresh prefill attends over its own

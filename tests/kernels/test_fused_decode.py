@@ -20,7 +20,6 @@
   standard structure (not Qwen3's q/k-norm attention, which says why it runs layer by layer).
 """
 import os
-import shutil
 import sys
 
 import pytest
@@ -31,10 +30,9 @@ from pagedlm.kernels import gemv
 from pagedlm.model_executor.layers.fused_decode import FusedDecode
 from pagedlm.model_executor.layers.linear import (NativeLinear, UnquantizedLinearMethod,
                                                   WeightFormat)
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, needs_gcc
 
 # Not module-wide: the float32 layer tests' fallback variants run without a compiler too.
-needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
 NATIVE_AND_DISABLED = [pytest.param("native", marks=needs_gcc), "disabled"]
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4099, 576), (37, 100), (8, 64)]

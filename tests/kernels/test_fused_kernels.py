@@ -7,7 +7,6 @@ bfloat16 / float16 cache is compared, for both backends, with a dense float64 re
 the same K/V rounded to the cache dtype.
 """
 import math
-import shutil
 
 import pytest
 import torch
@@ -19,9 +18,9 @@ from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from tests.kernels.test_paged_attention import CASES, _dense_reference, _scenario
+from tests.conftest import needs_gcc
 
 # Not module-wide: the PyTorch paths production takes without a compiler run the same checks.
-needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
 
 
 @pytest.fixture(params=[pytest.param("native", marks=needs_gcc), "disabled"])
