@@ -42,6 +42,10 @@ With ``--baseline no-chunked-prefill`` the baseline is pagedlm itself with chunk
 so chunked prefill (the default) can be compared with one-step prefills:
     python benchmarks/throughput.py --num-prompts 64 --input-len 1024 --output-len 128 \
         --baseline no-chunked-prefill
+With ``--deterministic --baseline default-mode`` pagedlm runs with deterministic=True and the
+baseline is the same run without it (what the mode costs, issue 31):
+    python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 --output-len 16:256 \
+        --deterministic --baseline default-mode --repeats 3
 """
 import argparse
 import contextlib
@@ -94,10 +98,14 @@ def parse_args():
                    default=None, help="(default: the engine's default, on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="(default: the engine's default, on)")
-    p.add_argument("--baseline", choices=["none", "hf", "no-chunked-prefill", "tp1", "no-trace"],
+    p.add_argument("--baseline", choices=["none", "hf", "no-chunked-prefill", "tp1", "no-trace",
+                                          "default-mode"],
                    default="none", help="hf: transformers generate; no-chunked-prefill: pagedlm "
                    "without it; tp1: pagedlm on one worker (to compare with -tp / -pp); "
                    "no-trace: pagedlm without --trace-file")
+    p.add_argument("--deterministic", action="store_true",
+                   help="run pagedlm with deterministic=True (bitwise-reproducible outputs); "
+                        "with --baseline default-mode the baseline is the same run without it")
     p.add_argument("--trace-file", default=None, metavar="FILE",
                    help="record every step: Chrome trace JSON here, step records beside it")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
@@ -172,6 +180,7 @@ def run_pagedlm(requests, args, model_file, **overrides):
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend,
         "trace_file": args.trace_file,
+        "deterministic": args.deterministic or None,
     }.items() if v is not None}
     engine_kwargs.update(overrides)
     start = time.perf_counter()
@@ -427,6 +436,8 @@ def baseline_leg(name, argv, args):
         return old["results"]["pagedlm"]
     if name == "no-trace":
         leg = strip_option(argv, "--trace-file")
+    elif name == "default-mode":
+        leg = strip_flag(argv, "--deterministic")
     elif name == "tp1":
         leg = argv
         for opt in ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
