@@ -13,6 +13,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import shlex
 import sys
 import tempfile
@@ -21,15 +22,20 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-# Make `python benchmarks/lora.py` work from a plain checkout (no pip install).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from throughput import figures, make_requests, parse_len, report, write_results  # noqa: E402
-from pagedlm import LLM, LoRARequest, SamplingParams  # noqa: E402
-from pagedlm.model_executor.model_loader.model_path import resolve_model  # noqa: E402
+from lib.stats import print_throughput as report
+from lib.stats import throughput as figures
+from lib.stats import write_json as write_results
+from lib.workload import make_requests, ordinary_token_ids, parse_len
+from pagedlm import LLM, LoRARequest, SamplingParams
+from pagedlm.model_executor.model_loader.model_path import resolve_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def requests_of(tokenizer, args):
+    """throughput.py's workload for these options (the same seed gives the same requests)."""
+    return make_requests(ordinary_token_ids(tokenizer), args.num_prompts, args.input_len,
+                         args.output_len, random.Random(args.seed))
 
 
 def parse_args():
@@ -99,7 +105,7 @@ def main():
                   cpus=os.cpu_count(), loadavg_1m=round(os.getloadavg()[0], 2))
     print("command:", shlex.join(["python"] + sys.argv))
     print("config:", json.dumps(config))
-    requests = make_requests(AutoTokenizer.from_pretrained(model_dir), args)
+    requests = requests_of(AutoTokenizer.from_pretrained(model_dir), args)
 
     lora_engine = dict(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank)
     with tempfile.TemporaryDirectory() as tmp:

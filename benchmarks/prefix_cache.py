@@ -20,10 +20,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from commit_baseline import run_script_at_commit, strip_option  # noqa: E402
-from pagedlm import LLM, SamplingParams  # noqa: E402
+from lib.legs import run_script_at_commit, strip_option
+from pagedlm import LLM, SamplingParams
 
 
 def parse_args():

@@ -15,13 +15,10 @@ import argparse
 import gc
 import json
 import math
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pagedlm import LLM, SamplingParams  # noqa: E402
+from lib.op_times import linear_weight_bytes
+from pagedlm import LLM, SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -91,23 +88,6 @@ def agreement(ref, got) -> dict:
         max_dlp = max([max_dlp] + [abs(a - b) for a, b in zip(rl[:n], gl[:n])])
     return {"identical_prompts": same_prompts, "prompts": len(ref),
             "token_agreement": same_tokens / total, "max_logprob_diff": max_dlp}
-
-
-def linear_weight_bytes(llm: LLM) -> int:
-    """Bytes of the weights every decode step reads: the linear layers and the LM head."""
-    from pagedlm.model_executor.layers.linear import LinearMethodBase
-    model = llm.llm_engine.executor.worker.model
-    total = 0
-    for m in model.modules():
-        if not isinstance(getattr(m, "linear_method", None), LinearMethodBase):
-            continue
-        if hasattr(m, "qweight_data"):
-            total += m.qweight_data.numel() * m.qweight_data.element_size()
-            if m.qscale is not None:
-                total += m.qscale.numel() * m.qscale.element_size()
-        else:
-            total += m.weight.numel() * m.weight.element_size()
-    return total
 
 
 def measure(quantization: str | None, model: str | None, max_tokens: int) -> dict:

@@ -7,34 +7,28 @@ output token after the first (TPOT), inter-token latency (ITL) and end-to-end la
 Acceptance workload (start the server first: `pagedlm serve`):
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 4 \
         --duration 60 --save-plot serving.png
+
+With --capacity it instead finds the highest Poisson rate the server sustains with TTFT p99 and
+TPOT p99 within the SLO (--slo-ttft-p99-ms 1000, --slo-tpot-p99-ms 100), by bisection over
+points of --capacity-duration (60) seconds and at least --capacity-min-requests (200) requests
+(lib/capacity.py); compare.py's capacity workload is the same search on fresh servers:
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --capacity \
+        --temperature 0 --output-json capacity.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
 import shlex
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
-import httpx
-
-
-@dataclass
-class RequestResult:
-    ok: bool = False
-    error: str = ""
-    start: float = 0.0  # seconds since the benchmark started
-    prompt_len: int = 0  # from the server's usage when it reports it, else our estimate
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0  # end to end
-    itl: list[float] = field(default_factory=list)  # gaps between successive text chunks
+from lib import capacity, client, stats
+from lib.client import RequestResult
+from lib.workload import arrival_times, ordinary_token_ids, text_prompts, word_prompts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Save histograms of TTFT, TPOT, ITL and latency (needs matplotlib).")
     p.add_argument("--output-json", default=None, metavar="PATH",
                    help="Save the config, the summary and every request's timings.")
+    p.add_argument("--capacity", action="store_true",
+                   help="Find the highest rate within the SLO instead (--request-rate, "
+                        "--num-prompts and --duration do not apply).")
+    capacity.add_args(p)
     args = p.parse_args(argv)
+    try:
+        args.slo, args.search = capacity.settings(args)
+    except ValueError as e:
+        p.error(str(e))
     if args.duration is not None:
         if math.isinf(args.request_rate):
             p.error("--duration needs a finite --request-rate")
@@ -85,11 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---- prompts ----
-
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work "
-          "week case point number group problem fact story river mountain city garden music "
-          "window paper color light water stone market winter morning letter table").split()
-
 
 def load_tokenizer(spec: str):
     if spec == "none":
@@ -108,138 +105,15 @@ def load_tokenizer(spec: str):
 
 def make_prompts(n: int, input_len: int, tokenizer, rng: random.Random) -> list[str]:
     if tokenizer is None:
-        return [" ".join(rng.choice(_WORDS) for _ in range(input_len)) for _ in range(n)]
-    special = set(tokenizer.all_special_ids)
-    vocab = sorted(set(tokenizer.get_vocab().values()) - special)
-    prompts = []
-    for _ in range(n):
-        ids = [rng.choice(vocab) for _ in range(input_len)]
-        # Decoding and re-encoding can change the count: trim or pad back to input_len.
-        ids = tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False)[:input_len]
-        while len(ids) < input_len:
-            ids.append(rng.choice(vocab))
-        prompts.append(tokenizer.decode(ids))
-    return prompts
-
-
-def arrival_times(args, rng: random.Random) -> list[float]:
-    """Seconds after the start at which each request is sent."""
-    if math.isinf(args.request_rate):
-        return [0.0] * args.num_prompts
-    theta = 1.0 / (args.request_rate * args.burstiness)
-    times, t = [], 0.0
-    while True:
-        if args.duration is None and len(times) == args.num_prompts:
-            return times
-        times.append(t)
-        t += rng.gammavariate(args.burstiness, theta)
-        if args.duration is not None and t >= args.duration:
-            return times
-
-
-# ---- one request ----
-
-async def send(client: httpx.AsyncClient, args, model: str, prompt: str, t0: float,
-               result: RequestResult) -> None:
-    body = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if args.ignore_eos:
-        body["ignore_eos"] = True
-    # compare.py sends the same sampling fields to every server.
-    body.update(getattr(args, "extra_body", None) or {})
-    if args.endpoint == "chat":
-        url = "/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        url = "/v1/completions"
-        body["prompt"] = prompt
-    start = time.perf_counter()
-    result.start = start - t0
-    last = None
-    chunks_with_text = 0
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return
-            async for line in sse_lines(response):
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = str(chunk["error"])[:300]
-                    return
-                if chunk.get("usage"):
-                    result.prompt_len = chunk["usage"].get("prompt_tokens", result.prompt_len)
-                    result.output_tokens = chunk["usage"].get("completion_tokens", 0)
-                text = "".join((c.get("text") or (c.get("delta") or {}).get("content") or "")
-                               for c in chunk.get("choices", []))
-                if not text:
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                chunks_with_text += 1
-        result.latency = time.perf_counter() - start
-        if result.output_tokens == 0:  # the server sent no usage: one token per chunk
-            result.output_tokens = chunks_with_text
-        result.ok = last is not None
-        if not result.ok:
-            result.error = "no text was generated"
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        result.error = f"{e.__class__.__name__}: {e}"
-
-
-async def sse_lines(response):
-    """Lines as server-sent events define them (split on CR/LF only). httpx's aiter_lines also
-    splits on U+2028 and the like, which JSON may legally carry unescaped in a token's text."""
-    buffer = b""
-    async for data in response.aiter_bytes():
-        buffer += data
-        *lines, buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-        for line in lines:
-            yield line.decode("utf-8")
-    if buffer:
-        yield buffer.decode("utf-8")
+        return word_prompts(n, input_len, rng)
+    return text_prompts(tokenizer, ordinary_token_ids(tokenizer), n, input_len, rng)
 
 
 # ---- the run ----
 
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
-    ordered = sorted(values)
-    idx = min(len(ordered) - 1, max(0, math.ceil(0.99 * len(ordered)) - 1))
-    return {"mean": statistics.fmean(values), "median": statistics.median(values),
-            "p99": ordered[idx]}
-
-
 def summarize(results: list[RequestResult], elapsed: float, args) -> dict:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_len for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
-        "successful_requests": len(ok),
-        "failed_requests": len(results) - len(ok),
-        "request_rate": args.request_rate,
-        "duration_s": elapsed,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / elapsed,
-        "output_throughput": out_tokens / elapsed,
-        "total_token_throughput": (in_tokens + out_tokens) / elapsed,
-        "ttft_ms": {k: v * 1000 for k, v in percentiles([r.ttft for r in ok]).items()},
-        "tpot_ms": {k: v * 1000 for k, v in percentiles(tpot).items()},
-        "itl_ms": {k: v * 1000 for k, v in percentiles([x for r in ok for x in r.itl]).items()},
-        "e2el_ms": {k: v * 1000 for k, v in percentiles([r.latency for r in ok]).items()},
-    }
+    return {"request_rate": args.request_rate,
+            **stats.serving_summary(results, elapsed, prompt_len_estimate=args.input_len)}
 
 
 def print_table(s: dict, errors: list[str]) -> None:
@@ -288,8 +162,7 @@ def save_plot(plt, path: str, results: list[RequestResult], summary: dict, title
     ok = [r for r in results if r.ok]
     series = [
         ("Time to first token (ms)", [r.ttft * 1000 for r in ok]),
-        ("Time per output token (ms)", [(r.latency - r.ttft) / (r.output_tokens - 1) * 1000
-                                        for r in ok if r.output_tokens > 1]),
+        ("Time per output token (ms)", [r.tpot * 1000 for r in ok if r.tpot is not None]),
         ("Inter-token latency (ms)", [x * 1000 for r in ok for x in r.itl]),
         ("End-to-end latency (s)", [r.latency for r in ok]),
     ]
@@ -297,7 +170,7 @@ def save_plot(plt, path: str, results: list[RequestResult], summary: dict, title
     for ax, (label, values) in zip(axes.flat, series):
         if values:
             ax.hist(values, bins=min(50, max(5, len(values) // 4)), color="#4c72b0")
-            p = percentiles(values)
+            p = stats.distribution(values)
             for key, style in (("median", "--"), ("p99", ":")):
                 ax.axvline(p[key], color="black", linestyle=style,
                            label=f"{key} {p[key]:.1f}")
@@ -310,55 +183,69 @@ def save_plot(plt, path: str, results: list[RequestResult], summary: dict, title
     print(f"plot saved to {path}")
 
 
-async def resolve_model(client: httpx.AsyncClient, model: str | None) -> str:
-    if model is not None:
-        return model
-    try:
-        r = await client.get("/v1/models")
-    except httpx.TransportError as e:
-        raise SystemExit(f"cannot reach {client.base_url}: {e!r}") from None
-    if r.status_code != 200:
-        raise SystemExit(f"GET /v1/models: HTTP {r.status_code}: {r.text[:300]}"
-                         + (" (pass --api-key)" if r.status_code == 401 else ""))
-    return r.json()["data"][0]["id"]
-
-
 async def run(args) -> tuple[list[RequestResult], float, str]:
     rng = random.Random(args.seed)
-    times = arrival_times(args, rng)
-    tokenizer = load_tokenizer(args.tokenizer)
-    prompts = make_prompts(len(times), args.input_len, tokenizer, rng)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
-                                 timeout=args.timeout, limits=limits) as client:
-        model = await resolve_model(client, args.model)
-        print(f"model {model!r}, {len(times)} requests, endpoint {args.endpoint}, rate "
+    times = arrival_times(args.request_rate, rng, num=args.num_prompts, duration=args.duration,
+                          burstiness=args.burstiness)
+    prompts = make_prompts(len(times), args.input_len, load_tokenizer(args.tokenizer), rng)
+    async with client.http_client(args.base_url, args.timeout, args.api_key) as http:
+        endpoint = endpoint_of(args, await resolve_model(http, args.model))
+        print(f"model {endpoint.model!r}, {len(times)} requests, endpoint {args.endpoint}, rate "
               f"{args.request_rate} req/s, input {args.input_len} / output {args.output_len} "
               f"tokens", flush=True)
-        results = [RequestResult(prompt_len=args.input_len) for _ in times]
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        t0 = time.perf_counter()
+        results, elapsed = await client.run_streamed(http, endpoint, prompts,
+                                                     [args.output_len] * len(prompts), times,
+                                                     args.max_concurrency)
+    return results, elapsed, endpoint.model
 
-        async def launch(i: int) -> None:
-            delay = times[i] - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if semaphore is None:
-                await send(client, args, model, prompts[i], t0, results[i])
-            else:
-                async with semaphore:
-                    await send(client, args, model, prompts[i], t0, results[i])
 
-        await asyncio.gather(*(launch(i) for i in range(len(times))))
-        elapsed = time.perf_counter() - t0
-    return results, elapsed, model
+async def resolve_model(http, model: str | None) -> str:
+    return model if model is not None else await client.first_model(http)
+
+
+def endpoint_of(args, model: str) -> client.Endpoint:
+    return client.Endpoint(model, args.endpoint, args.ignore_eos,
+                           {"temperature": args.temperature})
+
+
+def run_capacity(args) -> dict:
+    """--capacity: bisection on the Poisson rate (lib/capacity.py) against this one server."""
+    tokenizer = load_tokenizer(args.tokenizer)
+
+    async def point(rate: float) -> tuple[list[RequestResult], float]:
+        n = capacity.point_size(rate, args.capacity_duration, args.capacity_min_requests)
+        rng = random.Random(f"{args.seed}-capacity-{rate:.6f}")
+        times = arrival_times(rate, rng, num=n, burstiness=args.burstiness)
+        prompts = make_prompts(n, args.input_len, tokenizer, rng)
+        async with client.http_client(args.base_url, args.timeout, args.api_key) as http:
+            endpoint = endpoint_of(args, await resolve_model(http, args.model))
+            return await client.run_streamed(http, endpoint, prompts, [args.output_len] * n,
+                                             times, args.max_concurrency)
+
+    def measure(rate: float) -> capacity.Point:
+        results, elapsed = asyncio.run(point(rate))
+        p = capacity.point_of(rate, results, elapsed)
+        print(f"{rate:.3f} req/s: {p.requests} requests ({p.failed} failed), TTFT p99 "
+              f"{p.ttft_p99_ms:.0f} ms, TPOT p99 {p.tpot_p99_ms:.1f} ms: "
+              f"{'meets' if p.meets(args.slo) else 'misses'} the SLO", flush=True)
+        return p
+
+    found = capacity.find_capacity(measure, args.slo, args.search)
+    print(f"capacity: {found.rate:.3f} requests/s with TTFT p99 <= {args.slo.ttft_p99_ms:.0f} ms "
+          f"and TPOT p99 <= {args.slo.tpot_p99_ms:.0f} ms"
+          + ("" if found.bracketed else " (no failing rate was reached: a lower bound)"))
+    return found.to_json(args.slo)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     plt = check_plotting(args.save_plot)  # fail before the run, not after it
     print("command:", shlex.join(["python"] + sys.argv))
+    if args.capacity:
+        found = run_capacity(args)
+        if args.output_json:
+            stats.write_json(args.output_json, {"config": config_of(args), "capacity": found})
+        return found
     results, elapsed, model = asyncio.run(run(args))
     summary = summarize(results, elapsed, args)
     print_table(summary, [r.error for r in results if not r.ok])
@@ -367,12 +254,15 @@ def main(argv=None) -> dict:
                   f"{model} via {args.endpoint}: {len(results)} requests at "
                   f"{args.request_rate} req/s, in {args.input_len} / out {args.output_len}")
     if args.output_json:
-        config = {k: v for k, v in vars(args).items()}
-        with open(args.output_json, "w") as f:
-            json.dump({"config": config, "model": model, "summary": summary,
-                       "requests": [asdict(r) for r in results]}, f, indent=1, default=str)
-        print(f"results saved to {args.output_json}")
+        stats.write_json(args.output_json, {"config": config_of(args), "model": model,
+                                            "summary": summary,
+                                            "requests": [asdict(r) for r in results]})
     return summary
+
+
+def config_of(args) -> dict:
+    return {k: (asdict(v) if k in ("slo", "search") else v) for k, v in vars(args).items()
+            if k != "api_key"}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ with ignore_eos). So the constrained run goes first, with the schema `an array o
 maxItems: its content can run to max_tokens) and ignore_eos; the unconstrained run then asks
 each request for exactly the tokens its constrained twin produced (ignore_eos). Both runs do the
 same prefill and decode work, token for token; each runs in a fresh process (engines built one
-after another in one process differ by up to 50% in forward time: commit_baseline.py), after
+after another in one process differ by up to 50% in forward time: lib/legs.py), after
 a warm-up request that compiles the schema (its time is reported).
 
 Acceptance workload (issue 13; target: constrained >= 80% of unconstrained output tokens/s):
@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import shlex
 import sys
 import time
@@ -23,16 +24,21 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-# Make `python benchmarks/structured.py` work from a plain checkout (no pip install).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from commit_baseline import run_script_fresh, strip_option  # noqa: E402
-from throughput import figures, make_requests, parse_len, report, write_results  # noqa: E402
-from pagedlm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from pagedlm.model_executor.model_loader.model_path import resolve_model  # noqa: E402
+from lib.legs import run_script_fresh, strip_option
+from lib.stats import print_throughput as report
+from lib.stats import throughput as figures
+from lib.stats import write_json as write_results
+from lib.workload import make_requests, ordinary_token_ids, parse_len
+from pagedlm import LLM, SamplingParams, StructuredOutputsParams
+from pagedlm.model_executor.model_loader.model_path import resolve_model
 
 SCHEMA = {"type": "array", "items": {"type": "string"}}
+
+
+def requests_of(tokenizer, args):
+    """throughput.py's workload for these options (the same seed gives the same requests)."""
+    return make_requests(ordinary_token_ids(tokenizer), args.num_prompts, args.input_len,
+                         args.output_len, random.Random(args.seed))
 
 
 def parse_args():
@@ -122,7 +128,7 @@ def main():
     config.update(model=model_dir, torch=torch.__version__, torch_threads=torch.get_num_threads(),
                   cpus=os.cpu_count(), loadavg_1m=round(os.getloadavg()[0], 2))
     if args.leg:
-        requests = make_requests(AutoTokenizer.from_pretrained(model_dir), args)
+        requests = requests_of(AutoTokenizer.from_pretrained(model_dir), args)
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
         leg = constrained_leg if args.leg == "constrained" else unconstrained_leg
         write_results(args.output_json, leg(model_dir, prompts, requests, args))

@@ -31,12 +31,13 @@ single pair of runs says little:
     python benchmarks/throughput.py --num-prompts 128 --input-len 32:512 \
         --output-len 16:256 --baseline-commit ad1039b --repeats 2
 
-With ``--op-times`` the pagedlm run also reports where its time went: every float32 linear
-layer call (by the rows it multiplied, with its GFLOP/s), every call of the paged-attention and
-prefill-attention kernels (and of SDPA for prompts the prefill kernel does not take) and every
-step of the fused decode stack, timed around the call (PAGEDLM_DISABLE_FUSED_DECODE=1
-splits the stack's steps into their layers). This is how the README's account of the
-128-request workload was measured.
+With ``--op-times`` the pagedlm run also reports where its time went (lib/op_times.py): the
+step phases the engine hands its step observers (schedule, prepare, forward, sample, output), and
+within forward every linear layer call (by the rows it multiplied, with its GFLOP/s), the LM
+head, the attention layers (decode-only steps apart from steps with prefill rows) and every step
+of the fused decode stack, timed by forward hooks on the model's modules
+(PAGEDLM_DISABLE_FUSED_DECODE=1 splits the stack's steps into their layers). This is how the
+README's account of the 128-request workload was measured.
 
 With ``--baseline no-chunked-prefill`` the baseline is pagedlm itself with chunked prefill off,
 so chunked prefill (the default) can be compared with one-step prefills:
@@ -48,7 +49,6 @@ baseline is the same run without it (what the mode costs, issue 31):
         --deterministic --baseline default-mode --repeats 3
 """
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -61,23 +61,15 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-# Make `python benchmarks/throughput.py` work from a plain checkout (no pip install).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from commit_baseline import (run_script_at_commit, run_script_fresh,  # noqa: E402
-                             strip_flag, strip_option)
-from pagedlm import LLM, SamplingParams  # noqa: E402
-from pagedlm.model_executor.model_loader.model_path import default_model_file  # noqa: E402
-from quality import linear_weight_bytes  # noqa: E402
-
-
-def parse_len(text):
-    """'N' -> (N, N); 'LO:HI' -> (LO, HI), inclusive."""
-    lo, _, hi = text.partition(":")
-    lo, hi = int(lo), int(hi or lo)
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"bad length {text!r}: need 1 <= LO <= HI")
-    return lo, hi
+import pagedlm
+from lib.legs import run_script_at_commit, run_script_fresh, strip_flag, strip_option
+from lib.op_times import OpTimes, linear_weight_bytes
+from lib.stats import print_throughput as report
+from lib.stats import throughput as figures
+from lib.stats import write_json
+from lib.workload import Request, make_requests, ordinary_token_ids, parse_len
+from pagedlm import LLM, SamplingParams
+from pagedlm.model_executor.model_loader.model_path import default_model_file
 
 
 def parse_args():
@@ -127,7 +119,8 @@ def parse_args():
     p.add_argument("--output-json", default=None, help="write config and all figures here")
     p.add_argument("--no-tqdm", action="store_true")
     p.add_argument("--op-times", action="store_true",
-                   help="time the float32 linear layers (by row count) and paged attention")
+                   help="report the step phases and the time of the linear layers (by row "
+                        "count), LM head, attention and fused decode stack")
     return p.parse_args()
 
 
@@ -138,34 +131,10 @@ def hf_location(model_path):
     return model_path, None
 
 
-def make_requests(tokenizer, args):
-    """[(prompt_token_ids, output_len)], reproducible for a given --seed."""
-    rng = random.Random(args.seed)
-    # Special tokens (BOS/EOS/chat markers) would change model behaviour; draw only ordinary ones.
-    special = set(tokenizer.all_special_ids)
-    vocab = sorted(set(tokenizer.get_vocab().values()) - special)
-    requests = []
-    for _ in range(args.num_prompts):
-        in_len = rng.randint(*args.input_len)
-        out_len = rng.randint(*args.output_len)
-        requests.append(([rng.choice(vocab) for _ in range(in_len)], out_len))
-    return requests
-
-
-def figures(requests, elapsed, load_s):
-    """Throughput figures; each request counts its prompt once and only the output it asked for."""
-    prompt_toks = sum(len(p) for p, _ in requests)
-    output_toks = sum(n for _, n in requests)
-    return {
-        "load_s": round(load_s, 3),
-        "elapsed_s": round(elapsed, 3),
-        "num_requests": len(requests),
-        "prompt_tokens": prompt_toks,
-        "output_tokens": output_toks,
-        "requests_per_s": len(requests) / elapsed,
-        "total_tokens_per_s": (prompt_toks + output_toks) / elapsed,
-        "output_tokens_per_s": output_toks / elapsed,
-    }
+def workload(tokenizer, args) -> list[Request]:
+    """The requests, reproducible for a given --seed."""
+    return make_requests(ordinary_token_ids(tokenizer), args.num_prompts, args.input_len,
+                         args.output_len, random.Random(args.seed))
 
 
 def run_pagedlm(requests, args, model_file, **overrides):
@@ -192,15 +161,16 @@ def run_pagedlm(requests, args, model_file, **overrides):
     params = [SamplingParams(temperature=args.temperature, top_p=1.0, max_tokens=n,
                              ignore_eos=True)
               for _, n in requests]
-    timer = OpTimes() if args.op_times else contextlib.nullcontext()
+    op_times = attach_op_times(llm) if args.op_times else None
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
-    with timer:
-        outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - start
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
-    if isinstance(timer, OpTimes):
-        timer.report(elapsed)
+    if op_times is not None:
+        llm.llm_engine.observers.remove(op_times)
+        op_times.detach()
+        op_times.report(elapsed)
 
     assert len(outs) == len(requests), (len(outs), len(requests))
     for out, (prompt, n) in zip(outs, requests):
@@ -225,80 +195,21 @@ def run_pagedlm(requests, args, model_file, **overrides):
     fig = figures(requests, elapsed, load_s)
     if weight_bytes is not None:
         fig["linear_weight_bytes"] = weight_bytes
+    if op_times is not None:
+        fig["op_times"] = op_times.to_json()
     return fig
 
 
-class OpTimes:
-    """Wall time of the float32 linear layers (binned by rows), of the attention kernels and of the
-    prompts' attention through SDPA (where the prefill kernel does not run), measured by wrapping
-    them for the duration of a `with` block (this process's worker only)."""
-
-    BINS = ((8, "1-8"), (64, "9-64"), (128, "65-128"), (1 << 62, ">128"))
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self.flops: dict[str, float] = {}
-
-    def _add(self, key: str, dt: float, flops: float = 0.0) -> None:
-        self.seconds[key] = self.seconds.get(key, 0.0) + dt
-        self.calls[key] = self.calls.get(key, 0) + 1
-        self.flops[key] = self.flops.get(key, 0.0) + flops
-
-    def __enter__(self) -> "OpTimes":
-        from pagedlm.kernels import attention as kernels
-        from pagedlm.attention.backends import native
-        from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
-        from pagedlm.model_executor.layers.fused_decode import FusedDecodeStack
-        self._patched = (UnquantizedLinearMethod, kernels, FusedDecodeStack, native)
-        apply, attention = UnquantizedLinearMethod.apply, kernels.paged_attention
-        fused = FusedDecodeStack.run
-        prefill, sdpa = kernels.prefill_attention, native.prefill_attention
-        self._saved = (apply, attention, fused, prefill, sdpa)
-
-        def timed_apply(method, layer, x, bias=None):
-            t = time.perf_counter()
-            y = apply(method, layer, x, bias)
-            rows = x.shape[0]
-            label = next(name for top, name in self.BINS if rows <= top)
-            self._add(f"linear, {label} rows", time.perf_counter() - t,
-                      2.0 * rows * x.shape[-1] * y.shape[-1])
-            return y
-
-        def timed_fused(stack, x, *a, **k):
-            t = time.perf_counter()
-            out = fused(stack, x, *a, **k)
-            if out is not None:
-                self._add("fused decode stack", time.perf_counter() - t)
-            return out
-
-        def timer(label, fn):
-            def timed(*a, **k):
-                t = time.perf_counter()
-                out = fn(*a, **k)
-                self._add(label, time.perf_counter() - t)
-                return out
-            return timed
-
-        UnquantizedLinearMethod.apply = timed_apply
-        kernels.paged_attention = timer("paged attention", attention)
-        FusedDecodeStack.run = timed_fused
-        kernels.prefill_attention = timer("prefill attention", prefill)
-        native.prefill_attention = timer("prefill SDPA", sdpa)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        method, kernels, stack, native = self._patched
-        (method.apply, kernels.paged_attention, stack.run, kernels.prefill_attention,
-         native.prefill_attention) = self._saved
-
-    def report(self, elapsed: float) -> None:
-        print(f"op times over {elapsed:.1f} s (the fused decode stack's steps are not split "
-              "up; PAGEDLM_DISABLE_FUSED_DECODE=1 runs them layer by layer):")
-        for key in sorted(self.seconds):
-            rate = (f", {self.flops[key] / self.seconds[key] / 1e9:.0f} GFLOP/s"
-                    if self.flops[key] else "")
-            print(f"  {key:24s} {self.seconds[key]:8.2f} s  {self.calls[key]:7d} calls{rate}")
+def attach_op_times(llm) -> OpTimes:
+    """OpTimes on the engine's step-observer hook and on its model's modules (lib/op_times.py);
+    only a worker in this process has its model here."""
+    worker = getattr(llm.llm_engine.executor, "worker", None)
+    if worker is None:
+        raise SystemExit("--op-times needs the model in this process: run without -tp / -pp "
+                         "(or with --distributed-executor-backend uni)")
+    op_times = OpTimes().attach(worker.model)
+    llm.llm_engine.observers.append(op_times)
+    return op_times
 
 
 def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -350,25 +261,6 @@ def run_hf(requests, args, model_file, tokenizer):
     return figures(requests, elapsed, load_s)
 
 
-def write_results(path: str, payload: dict) -> None:
-    """The figures as JSON at `path`, written whole or not at all (temp file, then rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
-    print("wrote", path)
-
-
-def report(name, fig):
-    print(f"[{name}] load {fig['load_s']:.2f}s (not timed) | elapsed {fig['elapsed_s']:.2f}s | "
-          f"{fig['num_requests']} reqs, {fig['prompt_tokens']} prompt + "
-          f"{fig['output_tokens']} output tokens")
-    print(f"[{name}] {fig['requests_per_s']:.2f} requests/s, "
-          f"{fig['total_tokens_per_s']:.1f} total tokens/s, "
-          f"{fig['output_tokens_per_s']:.1f} output tokens/s", flush=True)
-
-
 def main():
     args = parse_args()
     model_file = args.model or default_model_file()
@@ -379,6 +271,7 @@ def main():
     config = {k: (f"{v[0]}:{v[1]}" if isinstance(v, tuple) else v) for k, v in vars(args).items()}
     # Load average is recorded because CPU figures are meaningless on a busy machine.
     config.update(model=model_file, torch=torch.__version__,
+                  pagedlm_path=os.path.dirname(os.path.abspath(pagedlm.__file__)),
                   torch_threads=torch.get_num_threads(), cpus=os.cpu_count(),
                   loadavg_1m=round(os.getloadavg()[0], 2))
     print("command:", shlex.join(["python"] + sys.argv))
@@ -388,7 +281,7 @@ def main():
     # (the HF baseline reuses it: GGUF tokenizer conversion takes several seconds).
     model_dir, gguf = hf_location(model_file)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"gguf_file": gguf} if gguf else {}))
-    requests = make_requests(tokenizer, args)
+    requests = workload(tokenizer, args)
 
     if args.quantization:
         run_quantizations(requests, args, model_file)
@@ -396,7 +289,7 @@ def main():
     baselines = [args.baseline] if args.baseline != "none" else []
     if args.baseline_commit:
         baselines.append(f"commit {args.baseline_commit}")
-    # Every pagedlm baseline runs in a fresh process (commit_baseline.py says why); the same
+    # Every pagedlm baseline runs in a fresh process (lib/legs.py says why); the same
     # script with its options changed, and "--baseline none" so it runs its one leg only.
     argv = strip_option(strip_option(sys.argv[1:], "--baseline-commit"), "--output-json")
     argv = strip_option(strip_option(argv, "--repeats"), "--baseline") + ["--baseline", "none"]
@@ -424,8 +317,8 @@ def main():
         results[f"ratios_pagedlm_over_{name}"] = ratios
 
     if args.output_json:
-        write_results(args.output_json, {"command": shlex.join(["python"] + sys.argv),
-                                         "config": config, "results": results})
+        write_json(args.output_json, {"command": shlex.join(["python"] + sys.argv),
+                                      "config": config, "results": results})
 
 
 def baseline_leg(name, argv, args):
@@ -502,9 +395,9 @@ def run_quantizations(requests, args, model_file):
         print(f"output tok/s ratio ({q} / {first}): "
               f"{results[q]['output_tokens_per_s'] / results[first]['output_tokens_per_s']:.2f}x")
     if args.output_json:
-        write_results(args.output_json, {"command": shlex.join(["python"] + sys.argv),
-                                         "memory_bandwidth_gb_per_s": bandwidth,
-                                         "results": results})
+        write_json(args.output_json, {"command": shlex.join(["python"] + sys.argv),
+                                      "memory_bandwidth_gb_per_s": bandwidth,
+                                      "results": results})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""benchmarks/compare.py's own parts, without the peers (vLLM, llama.cpp) it compares against:
-requests, count checks, ratios, and the server lifecycle of compare_servers.py (a stand-in HTTP
-server)."""
+"""The benchmark library (benchmarks/lib) and benchmarks/compare.py, without the peers (vLLM,
+llama.cpp) they compare against: requests, statistics, count checks, the capacity search on a
+fake latency model, the server command lines each workload gets, ratios, the fresh-process legs
+and the server lifecycle (a stand-in HTTP server)."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import json
+import math
 import random
 import sys
 import textwrap
@@ -17,46 +20,75 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def compare():
+def bench():
+    """compare.py and the lib modules, imported as `python benchmarks/compare.py` imports
+    them (its folder first on sys.path); removed again afterwards."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        yield importlib.import_module("compare")
+        yield {name: importlib.import_module(name)
+               for name in ("compare", "lib.capacity", "lib.client", "lib.legs", "lib.servers",
+                            "lib.stats", "lib.workload")}
     finally:
         sys.path.remove(str(BENCHMARKS))
-        for name in ("compare", "compare_servers", "peers", "serving"):
-            sys.modules.pop(name, None)
+        for name in [m for m in sys.modules if m in ("compare", "lib") or m.startswith("lib.")]:
+            sys.modules.pop(name)
 
 
 @pytest.fixture(scope="module")
-def servers(compare):
-    return sys.modules["compare_servers"]
+def compare(bench):
+    return bench["compare"]
 
 
-def test_system_specs(compare):
-    s = compare.parse_system("pagedlm:gguf=--quantization gguf --max-num-batched-tokens 512")
+@pytest.fixture(scope="module")
+def servers(bench):
+    return bench["lib.servers"]
+
+
+@pytest.fixture(scope="module")
+def capacity(bench):
+    return bench["lib.capacity"]
+
+
+def test_system_specs(servers, compare):
+    s = servers.parse_system("pagedlm:gguf=--quantization gguf --max-num-batched-tokens 512")
     assert (s.name, s.base, s.extra_args) == (
         "pagedlm:gguf", "pagedlm", ("--quantization", "gguf", "--max-num-batched-tokens", "512"))
-    s = compare.parse_system("llamacpp-q4_1")
-    assert (s.name, s.base, s.gguf_type, s.extra_args) == ("llamacpp-q4_1", "llamacpp", "Q4_1", ())
-    assert compare.parse_system("vllm").base == "vllm"
-    for bad in ("tgi", "pagedlm=--x", "pagedlm:=--x", "llamacpp-"):
+    s = servers.parse_system("llamacpp-q4_k_m")
+    assert (s.name, s.base, s.gguf_type, s.extra_args) == (
+        "llamacpp-q4_k_m", "llamacpp", "Q4_K_M", ())
+    assert servers.parse_system("vllm").base == "vllm"
+    assert servers.parse_system("vllm").dtype is None  # vLLM's own default
+    s = servers.parse_system("vllm-bf16")
+    assert (s.dtype, s.tcmalloc) == ("bfloat16", True)
+    s = servers.parse_system("vllm-f32-notcmalloc:long=--max-num-batched-tokens 4096")
+    assert (s.name, s.dtype, s.tcmalloc, s.extra_args) == (
+        "vllm-f32-notcmalloc:long", "float32", False, ("--max-num-batched-tokens", "4096"))
+    for bad in ("tgi", "pagedlm=--x", "pagedlm:=--x", "llamacpp-", "vllm-f16", "vllm-bf16-f32",
+                "vllm-notcmalloc-notcmalloc"):
         with pytest.raises(ValueError, match="--systems entry"):
-            compare.parse_system(bad)
+            servers.parse_system(bad)
     with pytest.raises(SystemExit):
         compare.parse_args(["--systems", "pagedlm", "pagedlm"])
+    args = compare.parse_args([])
+    assert args.runs == 3 and args.workloads == ["batch", "single", "capacity"]
+    assert (args.slo.ttft_p99_ms, args.slo.tpot_p99_ms) == (1000.0, 100.0)
+    assert (args.capacity_duration, args.capacity_min_requests) == (60.0, 200)
+    assert {"vllm-bf16", "vllm-f32", "llamacpp-q4_0", "llamacpp-q4_k_m", "llamacpp-q4_1"} <= {
+        s.name for s in args.system_specs}
 
 
-def test_requests_are_ordinary_tokens_in_range(compare, default_model_dir):
-    from tokenizers import Tokenizer
-    tokenizer = Tokenizer.from_file(str(Path(default_model_dir) / "tokenizer.json"))
-    vocab = compare.ordinary_token_ids(default_model_dir)
-    template_tokens = {tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>",
-                                                          "<|endoftext|>")}
-    assert None not in template_tokens and not template_tokens & set(vocab)
-    assert len(vocab) > 0.9 * tokenizer.get_vocab_size()
+def test_requests_are_ordinary_tokens_in_range(bench, compare, default_model_dir):
+    from transformers import AutoTokenizer
+    workload = bench["lib.workload"]
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    vocab = workload.ordinary_token_ids(tokenizer)
+    template_tokens = {tokenizer.convert_tokens_to_ids(t)
+                       for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
+    assert not template_tokens & set(vocab)
+    assert len(vocab) > 0.9 * len(tokenizer.get_vocab())
     # Every id decodes to text and back to itself alone: ordinary tokens only.
     sample = random.Random(0).sample(vocab, 200)
-    assert sum(tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False).ids == [t]
+    assert sum(tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t]
                for t in sample) > 150
 
     args = compare.parse_args(["--num-prompts", "50", "--input-len", "32:512",
@@ -72,31 +104,265 @@ def test_requests_are_ordinary_tokens_in_range(compare, default_model_dir):
     # Another batch size leaves the other workloads' tokens alone.
     args.num_prompts = 10
     assert compare.make_workloads(args, vocab).serving == first.serving
+    # The warm-up has the workload's shapes, with few output tokens and other tokens.
+    warm = compare.warmup_requests("batch", first, args)
+    assert len(warm) == 10 and all(32 <= len(r.prompt) <= 512 and r.max_tokens == 8
+                                   for r in warm)
+    assert len(compare.warmup_requests("single", first, args)[0].prompt) == 32
 
 
-def test_count_check(compare):
-    r = compare.Request(prompt=[5, 6, 7], max_tokens=4)
-    compare.check_counts("s", "batch", 0, r, 3, 4)
+def test_workload_parsing_and_arrivals(bench):
+    import argparse
+    workload = bench["lib.workload"]
+    assert workload.parse_len("7") == (7, 7) and workload.parse_len("3:9") == (3, 9)
+    for bad in ("0", "9:3", "x", "1:y"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            workload.parse_len(bad)
+    rng = random.Random(0)
+    times = workload.arrival_times(4.0, rng, num=2000)
+    assert len(times) == 2000 and times[0] == 0.0 and times == sorted(times)
+    assert times[-1] / 1999 == pytest.approx(0.25, rel=0.1)  # mean gap 1 / rate
+    within = workload.arrival_times(4.0, random.Random(0), duration=10.0)
+    assert within[-1] < 10.0 and 25 < len(within) < 60
+    assert workload.arrival_times(math.inf, rng, num=3) == [0.0] * 3
+    for kwargs in ({}, {"num": 3, "duration": 1.0}):
+        with pytest.raises(ValueError, match="exactly one"):
+            workload.arrival_times(1.0, rng, **kwargs)
+    with pytest.raises(ValueError):
+        workload.arrival_times(math.inf, rng, duration=1.0)
+    r = workload.Request([1, 2, 3], 4)
+    prompt, n = r  # a tuple: the offline scripts unpack it
+    assert (prompt, n) == ([1, 2, 3], 4)
+
+
+def test_count_check(bench):
+    client = bench["lib.client"]
+    r = bench["lib.workload"].Request(prompt=[5, 6, 7], max_tokens=4)
+    client.check_counts("s", "batch", 0, r, 3, 4)
     for prompt_tokens, completion_tokens in ((3, 3), (4, 4), (None, 4), (3, None)):
-        with pytest.raises(compare.CountMismatch, match="s batch request 0"):
-            compare.check_counts("s", "batch", 0, r, prompt_tokens, completion_tokens)
+        with pytest.raises(client.CountMismatch, match="s batch request 0"):
+            client.check_counts("s", "batch", 0, r, prompt_tokens, completion_tokens)
+    done = client.RequestResult(ok=True, prompt_len=3, output_tokens=4, ttft=0.1, latency=0.4)
+    assert done.tpot == pytest.approx(0.1)
+    client.check_streamed("s", "single", [r], [done])
+    with pytest.raises(RuntimeError, match="request 0 failed: boom"):
+        client.check_streamed("s", "single", [r], [client.RequestResult(error="boom")])
+    # A server that sent no usage (prompt_len -1) cannot be checked.
+    with pytest.raises(client.CountMismatch, match="no usage"):
+        client.check_streamed("s", "single", [r], [client.RequestResult(ok=True,
+                                                                        output_tokens=4)])
 
 
-def test_quantile_and_ratios(compare):
+def test_stats(bench):
+    stats = bench["lib.stats"]
     values = [float(v) for v in range(1, 101)]
     random.Random(0).shuffle(values)
-    assert compare.quantile(values, 0.5) == 50 and compare.quantile(values, 0.99) == 99
-    assert compare.quantile([3.0], 0.99) == 3.0
-    figures = {"a": {"batch_output_tps": 200.0, "serving_tpot_p50": 40.0},
-               "b": {"batch_output_tps": 100.0, "serving_tpot_p50": 20.0},
-               "c": {"single_tps": 10.0}}
+    assert stats.quantile(values, 0.5) == 50 and stats.quantile(values, 0.99) == 99
+    assert stats.quantile([3.0], 0.99) == 3.0 and math.isnan(stats.quantile([], 0.5))
+    # Nearest rank: with fewer than 100 values p99 is the maximum.
+    assert stats.quantile(values[:50], 0.99) == max(values[:50])
+    d = stats.distribution([0.001, 0.002, 0.003, 0.010], scale=1000)
+    assert d == pytest.approx({"mean": 4.0, "median": 2.5, "p99": 10.0, "max": 10.0})
+    assert all(math.isnan(v) for v in stats.distribution([]).values())
+    assert stats.median_range([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0,
+                                                   "runs": 3}
+    fig = stats.throughput([([1, 2], 3), ([4], 5)], elapsed=2.0, load_s=1.23456)
+    assert fig == {"load_s": 1.235, "elapsed_s": 2.0, "num_requests": 2, "prompt_tokens": 3,
+                   "output_tokens": 8, "requests_per_s": 1.0, "total_tokens_per_s": 5.5,
+                   "output_tokens_per_s": 4.0}
+    client = bench["lib.client"]
+    results = [client.RequestResult(ok=True, prompt_len=-1, output_tokens=3, ttft=0.1,
+                                    latency=0.3, itl=[0.1, 0.1]),
+               client.RequestResult(error="HTTP 500")]
+    summary = stats.serving_summary(results, elapsed=1.0, prompt_len_estimate=16)
+    assert (summary["successful_requests"], summary["failed_requests"]) == (1, 1)
+    assert summary["total_input_tokens"] == 16 and summary["tpot_ms"]["p99"] == pytest.approx(100)
+
+
+def test_ratios_render_and_best_variant(compare, servers):
+    runs = {"a": [{"batch": {"output_tokens_per_s": 200.0}, "capacity": {"rate": 2.0}},
+                  {"batch": {"output_tokens_per_s": 180.0}, "capacity": {"rate": 3.0}},
+                  {"batch": {"output_tokens_per_s": 210.0}}],  # its capacity run failed
+            "b": [{"batch": {"output_tokens_per_s": 100.0}, "capacity": {"rate": 1.0},
+                   "serving": {"ttft_ms": {"p99": 20.0}}}],
+            "c": [{"single": {"tokens_per_s": 10.0}}]}
+    figures = compare.figures_of(runs)
+    assert figures["a"]["batch_output_tps"] == {"median": 200.0, "min": 180.0, "max": 210.0,
+                                                "runs": 3}
+    assert figures["a"]["capacity_rps"]["median"] == 2.5
     ratios = compare.ratios_of(figures, ["b", "missing"])
     assert set(ratios) == {"b"}
-    # Above 1 means better: twice b's throughput, half b's speed per token.
-    assert ratios["b"]["a"] == {"batch_output_tps": 2.0, "serving_tpot_p50": 0.5}
+    # Above 1 means better, of the medians.
+    assert ratios["b"]["a"] == {"batch_output_tps": 2.0, "capacity_rps": 2.5}
     assert ratios["b"]["c"] == {}
-    text = compare.render(figures, ratios, {"d": "RuntimeError: boom"})
-    assert "| a | 200.0 | - | 40.0 |" in text and "2.00x" in text and "FAILED d" in text
+    specs = [servers.parse_system(s) for s in ("vllm-bf16", "vllm-f32", "pagedlm")]
+    figures2 = {"vllm-bf16": {"single_tps": {"median": 60.0}, "serving_ttft_p99": {"median": 9}},
+                "vllm-f32": {"single_tps": {"median": 40.0}, "serving_ttft_p99": {"median": 5}},
+                "pagedlm": {"single_tps": {"median": 50.0}}}
+    best = compare.best_of_each_peer(figures2, specs)
+    assert best["vllm"] == {"single_tps": "vllm-bf16", "serving_ttft_p99": "vllm-f32"}
+    text = compare.render(figures, ratios, {"d": "RuntimeError: boom"}, {"vllm": {}})
+    assert "| a | 200.0 (180.0-210.0) | - | 2.5 (2.0-3.0) | - |" in text
+    assert "| b | 100.0 | - | 1.0 | 20.0 |" in text
+    assert "2.00x" in text and "FAILED d" in text
+
+
+def test_capacity_search_on_a_fake_latency_model(capacity):
+    """TPOT grows as the rate nears a saturation rate; the search must land within its
+    precision below the true capacity, measuring only rates it needs."""
+    slo, search = capacity.Slo(), capacity.Search(start_rate=1.0, precision=0.1, max_points=8)
+
+    def model(true_capacity: float, failed_at: float = math.inf):
+        seen = []
+
+        def measure(rate: float):
+            seen.append(rate)
+            # 50 ms a token at rate 0, 100 ms (the SLO) exactly at true_capacity.
+            tpot = 50.0 / max(1e-9, 1 - rate / (2 * true_capacity))
+            return capacity.Point(rate, 200, int(rate >= failed_at), 300.0, tpot, 10.0, 60.0)
+        return measure, seen
+
+    measure, seen = model(3.3)
+    found = capacity.find_capacity(measure, slo, search)
+    assert found.bracketed and 3.3 * (1 - search.precision) <= found.rate <= 3.3
+    assert seen[:3] == [1.0, 2.0, 4.0] and len(seen) <= search.max_points
+    assert [p.rate for p in found.points] == seen
+
+    # A start rate above capacity: halve until a rate passes, then bisect.
+    measure, seen = model(0.3)
+    found = capacity.find_capacity(measure, slo, search)
+    assert seen[:3] == [1.0, 0.5, 0.25] and 0.27 <= found.rate <= 0.3
+
+    # Nothing passes: capacity 0, and the search stops at the minimum rate.
+    measure, seen = model(0.001)
+    found = capacity.find_capacity(measure, slo, capacity.Search(min_rate=0.1))
+    assert found.rate == 0.0 and min(seen) >= 0.1
+
+    # A failed request fails the point however fast the others were.
+    measure, seen = model(100.0, failed_at=1.5)
+    found = capacity.find_capacity(measure, slo, search)
+    assert 1.0 <= found.rate < 1.5 and found.bracketed
+
+    # Never bracketed within the point budget: a lower bound, said so.
+    measure, seen = model(1000.0)
+    found = capacity.find_capacity(measure, slo, capacity.Search(max_points=3))
+    assert found.rate == 4.0 and not found.bracketed and len(seen) == 3
+    doc = found.to_json(slo)
+    assert doc["slo"] == {"ttft_p99_ms": 1000.0, "tpot_p99_ms": 100.0}
+    assert [p["meets_slo"] for p in doc["points"]] == [True, True, True]
+
+    with pytest.raises(ValueError):
+        capacity.Search(precision=0)
+
+
+def test_capacity_points(capacity, bench):
+    client = bench["lib.client"]
+    assert capacity.point_size(1.0, 60, 200) == 200  # p99 of 60 requests is their maximum
+    assert capacity.point_size(10.0, 60, 200) == 600
+    vocab = list(range(100, 200))
+    reqs, arrivals = capacity.point_workload(vocab, 2.0, 50, 128, 128, seed=0)
+    assert (reqs, arrivals) == capacity.point_workload(vocab, 2.0, 50, 128, 128, seed=0)
+    assert reqs != capacity.point_workload(vocab, 2.5, 50, 128, 128, seed=0)[0]
+    assert all(len(r.prompt) == 128 and r.max_tokens == 128 for r in reqs)
+    assert len(arrivals) == 50 and arrivals == sorted(arrivals)
+    results = [client.RequestResult(ok=True, output_tokens=11, ttft=t / 1000, latency=t / 1000 + 1)
+               for t in range(1, 101)]
+    point = capacity.point_of(2.0, results, elapsed=10.0)
+    assert point.ttft_p99_ms == pytest.approx(99) and point.tpot_p99_ms == pytest.approx(100)
+    assert point.meets(capacity.Slo()) and point.output_throughput == 110.0
+    assert not point.meets(capacity.Slo(tpot_p99_ms=99.9))
+
+
+def test_server_command_lines_per_workload(compare, servers, tmp_path):
+    """Each workload's servers are sized for it: llama.cpp with one slot per concurrent request
+    and its repacked kernels on, vLLM with its own thread binding and tcmalloc preloaded."""
+    args = compare.parse_args(["--threads", "2"])
+    batch, single, cap = (compare.settings_for(w, args) for w in ("batch", "single", "capacity"))
+    assert (batch.concurrency, batch.max_model_len) == (128, 768)
+    assert (single.concurrency, single.max_model_len) == (1, 288)
+    assert (cap.concurrency, cap.max_model_len) == (64, 256)
+
+    def value(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    llama = servers.peers.LlamaCppInstall("/peers/llama-server", "/peers/llama-quantize", "b1")
+    for settings in (batch, single, cap):
+        spec = servers.parse_system("llamacpp-q4_0")
+        launch = servers.plan_llamacpp(spec, settings, 8080, llama, "/m/q4_0.gguf")
+        argv = launch.argv
+        assert value(argv, "-np") == str(settings.concurrency)
+        assert value(argv, "-c") == str(settings.concurrency * settings.max_model_len)
+        assert value(argv, "-t") == value(argv, "-tb") == "2"
+        assert value(argv, "-m") == "/m/q4_0.gguf"
+        assert "--no-repack" not in argv and "--no-kv-unified" not in argv
+        assert "no-repack" in launch.crash_hint and launch.env == {}
+    spec = servers.parse_system("llamacpp-q4_1:plain=--no-repack")
+    assert servers.plan_llamacpp(spec, single, 1, llama, "m").crash_hint == ""
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "num_hidden_layers": 30}))
+    vllm = servers.peers.VllmInstall("/peers/venv/bin/python", "0.32.0")
+    kv = {}
+    for name in ("vllm-f32", "vllm-bf16", "vllm"):
+        launch = servers.plan_vllm(servers.parse_system(name), batch, 8000, vllm, str(tmp_path),
+                                   "/usr/lib/libtcmalloc_minimal.so.4", "/v/libiomp5.so", 2)
+        argv, env = launch.argv, launch.env
+        assert value(argv, "--max-num-seqs") == "128" and value(argv, "--max-model-len") == "768"
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "OMP_NUM_THREADS" not in env
+        assert env["LD_PRELOAD"] == "/usr/lib/libtcmalloc_minimal.so.4:/v/libiomp5.so"
+        assert env["VLLM_TARGET_DEVICE"] == "cpu"
+        kv[name] = int(value(argv, "--kv-cache-memory-bytes"))
+        if name == "vllm":
+            assert "--dtype" not in argv  # its own default
+        else:
+            assert value(argv, "--dtype") == {"vllm-f32": "float32",
+                                              "vllm-bf16": "bfloat16"}[name]
+    # Every sequence at full length: 128 x 768 tokens of 30 layers' K and V, 3 heads of 64.
+    assert kv["vllm-f32"] == 128 * 768 * 2 * 30 * 3 * 64 * 4 == 2 * kv["vllm-bf16"]
+    plain = servers.plan_vllm(servers.parse_system("vllm-bf16-notcmalloc"), single, 8000, vllm,
+                              str(tmp_path), "/usr/lib/libtcmalloc_minimal.so.4", None, 2)
+    assert "LD_PRELOAD" not in plain.env
+    assert int(value(plain.argv, "--kv-cache-memory-bytes")) == 64 * 2**20  # its floor
+    missing = servers.plan_vllm(servers.parse_system("vllm-bf16"), single, 8000, vllm,
+                                str(tmp_path), None, None, 2)
+    assert "LD_PRELOAD" not in missing.env and "not found" in missing.notes["preload"]["tcmalloc"]
+    # Fewer threads than cores: the core list to bind, its documented way.
+    fewer = compare.parse_args(["--threads", "1"])
+    launch = servers.plan_vllm(servers.parse_system("vllm-bf16"),
+                               compare.settings_for("single", fewer), 8000, vllm,
+                               str(tmp_path), None, None, 2)
+    assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+
+    launch = servers.plan_pagedlm(servers.parse_system("pagedlm:gguf=--quantization gguf"),
+                                  cap, 9000, "abc123")
+    assert value(launch.argv, "--max-num-seqs") == "64"
+    assert value(launch.argv, "--num-gpu-blocks-override") == str(64 * 16)
+    assert launch.argv[-2:] == ["--quantization", "gguf"]
+    assert launch.env["OMP_NUM_THREADS"] == "2" and launch.version == "pagedlm abc123"
+
+
+def test_fresh_process_legs(bench, tmp_path):
+    legs = bench["lib.legs"]
+    argv = ["--a", "1", "--b=2", "--flag", "--c", "3"]
+    assert legs.strip_option(argv, "--a") == ["--b=2", "--flag", "--c", "3"]
+    assert legs.strip_option(argv, "--b") == ["--a", "1", "--flag", "--c", "3"]
+    assert legs.strip_flag(argv, "--flag") == ["--a", "1", "--b=2", "--c", "3"]
+    # A leg runs with its tree first on PYTHONPATH, and a script that imported pagedlm from
+    # elsewhere is refused.
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    (tree / "bench" / "leg.py").write_text(textwrap.dedent("""
+        import json, os, sys
+        out = sys.argv[sys.argv.index("--output-json") + 1]
+        first = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+        path = sys.argv[1] if sys.argv[1] != "own" else os.path.join(first, "pagedlm")
+        json.dump({"config": {"pagedlm_path": path}}, open(out, "w"))
+    """))
+    got = legs._run(str(tree), "bench/leg.py", ["own"], str(tmp_path))
+    assert got["config"]["pagedlm_path"] == str(tree / "pagedlm")
+    with pytest.raises(RuntimeError, match="not from its own tree"):
+        legs._run(str(tree), "bench/leg.py", ["/elsewhere/pagedlm"], str(tmp_path))
 
 
 STAND_IN = textwrap.dedent("""
@@ -149,3 +415,16 @@ def test_server_lifecycle_leaves_nothing_behind(servers, tmp_path):
     with pytest.raises(RuntimeError, match=r"exited with -11 while starting \(try --no-repack\)"):
         with servers.Server("crashing", crashing, servers.free_port(), tmp_path / "c.log", 60):
             pass
+
+
+def test_logs_are_trimmed_to_a_committable_size(servers, tmp_path):
+    log = tmp_path / "big.log"
+    log.write_bytes(b"head\n" + b"x" * 10_000 + b"\ntail\n")
+    servers.trim_log(log, max_bytes=1000)
+    text = log.read_text()
+    assert text.startswith("head\n") and text.endswith("\ntail\n") and "left out" in text
+    assert log.stat().st_size < 1100
+    small = tmp_path / "small.log"
+    small.write_text("ok\n")
+    servers.trim_log(small, max_bytes=1000)
+    assert small.read_text() == "ok\n"

@@ -436,9 +436,10 @@ def test_non_streaming_request_is_aborted_when_the_client_hangs_up(server):
     assert_all_blocks_free(engine)
 
 
-def test_serving_benchmark_against_the_server(server, tmp_path):
+def test_serving_benchmark_against_the_server(server, tmp_path, monkeypatch):
     """benchmarks/serving.py end to end (a small run): every request succeeds and is timed."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # as for a script: its folder holds `lib`
     spec = importlib.util.spec_from_file_location("serving_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up there

@@ -11,7 +11,7 @@
 Each step writes a marker file last, so a step that was interrupted is redone, and a finished one
 is never repeated. Run it alone to set everything up ahead of a comparison:
 
-    python benchmarks/peers.py [--peers-dir DIR] [--only vllm|llamacpp]
+    python benchmarks/lib/peers.py [--peers-dir DIR] [--only vllm|llamacpp]
 """
 from __future__ import annotations
 

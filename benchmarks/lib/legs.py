@@ -8,7 +8,10 @@ ran the same requests in 37.0, 58.5, 45.5 and 61.9 s (forward time; last session
 goes away, so a figure never depends on what ran before it in the same interpreter.
 
 For a commit, it is checked out into a temporary git worktree and its own copy of the script
-runs there; the script puts its tree first on sys.path, so it imports that commit's pagedlm.
+runs there. Every leg runs with its tree first on PYTHONPATH, so it imports that tree's pagedlm
+and not the one installed in editable mode (this tree's): scripts of older commits also put their
+tree first on sys.path themselves, newer ones rely on this. A script that records where it
+imported pagedlm from (throughput.py: config.pagedlm_path) is checked against its tree.
 """
 import json
 import os
@@ -16,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_script_at_commit(rev: str, script: str, argv: list[str]) -> dict:
@@ -46,10 +49,18 @@ def run_script_fresh(script: str, argv: list[str]) -> dict:
 
 def _run(tree: str, script: str, argv: list[str], tmp: str) -> dict:
     out = os.path.join(tmp, "figures.json")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
     subprocess.run([sys.executable, os.path.join(tree, script), *argv, "--output-json", out],
-                   check=True, cwd=tree)
+                   check=True, cwd=tree, env=env)
     with open(out) as f:
-        return json.load(f)
+        figures = json.load(f)
+    imported = figures.get("config", {}).get("pagedlm_path")
+    expected = os.path.join(os.path.realpath(tree), "pagedlm")
+    if imported is not None and os.path.realpath(imported) != expected:
+        raise RuntimeError(f"{script} in {tree} imported pagedlm from {imported}, not from its "
+                           f"own tree ({expected}): its figures would be another tree's")
+    return figures
 
 
 def strip_option(argv: list[str], name: str) -> list[str]:
