@@ -6,11 +6,12 @@ does and runs each of its linear layers (and the LM head) once per pass, at each
 each path that can run it, reporting the median pass time and the weight bandwidth it implies:
 
   float32: gemv (pagedlm's row-major kernel, kernels/gemv.py), panels (its panel kernel, which
-           the layers use past gemv.GEMV_MAX_ROWS on AVX-512), onednn (oneDNN's pre-packed GEMM,
-           their path where the panel kernel does not run), torch (plain F.linear);
+           the layers use at every row count where it runs: AVX2 or AVX-512), onednn (oneDNN's
+           pre-packed GEMM, their path where the panel kernel does not run), torch (F.linear);
   quantized: the layer's own path (its LinearMethod.apply).
 
     python benchmarks/gemv.py                                  # float32, rows 1 2 4 8 16
+    python benchmarks/gemv.py --rows 32 128 2048 --repeats 5 --paths panels onednn
     python benchmarks/gemv.py --quantization gguf int8 int4 --rows 1 4
 """
 from __future__ import annotations
@@ -72,24 +73,27 @@ def in_features(layer: torch.nn.Module) -> int:
     return layer.weight.shape[1]
 
 
-def bench(layers, rows: int, repeats: int) -> dict[str, float]:
-    """Median seconds of one pass over every layer, per path."""
+def bench(layers, rows: int, repeats: int,
+          only: list[str] | None = None) -> dict[str, tuple[float, float]]:
+    """Median and least seconds of one pass over every layer, per path. The paths take turns
+    within each repeat (in a rotating order), so a load change on a shared machine hits them
+    alike."""
     per_layer = [paths(layer) for layer in layers]
     inputs = [torch.randn(rows, in_features(layer)) for layer in layers]
-    names = [n for n in per_layer[0] if all(n in p for p in per_layer)]
-    result = {}
-    for name in names:
-        fns = [p[name] for p in per_layer]
-        for fn, x in zip(fns, inputs):  # warm-up (packing caches, page faults)
+    names = [n for n in per_layer[0] if all(n in p for p in per_layer)
+             and (only is None or n in only)]
+    fns = {name: [p[name] for p in per_layer] for name in names}
+    for name in names:  # warm-up (packing caches, page faults)
+        for fn, x in zip(fns[name], inputs):
             fn(x)
-        times = []
-        for _ in range(repeats):
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             t = time.perf_counter()
-            for fn, x in zip(fns, inputs):
+            for fn, x in zip(fns[name], inputs):
                 fn(x)
-            times.append(time.perf_counter() - t)
-        result[name] = statistics.median(times)
-    return result
+            times[name].append(time.perf_counter() - t)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def main() -> None:
@@ -100,17 +104,23 @@ def main() -> None:
                     help="weight formats to load (none: float32)")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--paths", nargs="+", default=None,
+                    help="float32 paths to run (default: every one that runs the layers)")
+    ap.add_argument("--threads", type=int, default=None, help="default: torch's")
     args = ap.parse_args()
-    print(f"threads {torch.get_num_threads()}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"threads {torch.get_num_threads()}; ms a pass: median (least) of the repeats")
     for quant in args.quantization:
         llm = LLM(model=args.model, quantization=None if quant == "none" else quant)
         layers = linear_layers(llm)
         total = sum(weight_bytes(layer) for layer in layers)
         print(f"\n{quant}: {len(layers)} matrices, {total / 1e6:.1f} MB of weights")
         for rows in args.rows:
-            times = bench(layers, rows, args.repeats)
-            cells = "  ".join(f"{name} {t * 1e3:6.2f} ms {total / t / 1e9:5.1f} GB/s"
-                              for name, t in times.items())
+            times = bench(layers, rows, args.repeats, args.paths)
+            cells = "  ".join(f"{name} {t * 1e3:7.2f} ({least * 1e3:7.2f}) ms "
+                              f"{total / t / 1e9:5.1f} GB/s"
+                              for name, (t, least) in times.items())
             print(f"  rows {rows:3d}: {cells}")
         del llm, layers
         gc.collect()

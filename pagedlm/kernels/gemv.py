@@ -1,14 +1,24 @@
 """Float32 linear layers through the native kernels of csrc/gemv_f32.c.
 
 A decode step multiplies one row per running sequence by every weight matrix, so with few
-sequences the step's time is how fast the weights stream from memory. On AVX-512 builds the
-layers run on the panel kernel, over a copy of the weight packed with the output columns along
-the vector lanes: no horizontal sums, one sequential weight stream per thread. Every matrix of
-SmolLM2-135M once (benchmarks/gemv.py, 2 threads, a Sapphire Rapids-class Xeon), against the
-row-major GEMV kernel and oneDNN's packed GEMM: 19.5 / 20.7 / 22.8 ms at 1 row, 23.3 / 31.6 /
-28.6 at 8, 36.4 / 73.0 / 45.9 at 32, 94.7 / 246.9 / 111.7 at 128. Without AVX-512 the layers
-run on the GEMV kernel up to GEMV_MAX_ROWS rows (it streams the row-major weight as fast as
-oneDNN or faster there, see the C file) and on oneDNN's packed GEMM past them.
+sequences the step's time is how fast the weights stream from memory. Where the build has the
+panel kernel (AVX2 or AVX-512) the layers run on it at every row count, over a copy of the
+weight packed with the output columns along the vector lanes: no horizontal sums, one
+sequential weight stream per thread, and each output one FMA chain over K, so a row's result
+does not depend on the batch it is in (deterministic inference needs that). Every matrix of
+SmolLM2-135M once (benchmarks/gemv.py), panel kernel / row-major GEMV kernel / oneDNN's packed
+GEMM:
+  - AVX-512, a Sapphire Rapids-class Xeon, 2 threads: 19.5 / 20.7 / 22.8 ms at 1 row, 23.3 /
+    31.6 / 28.6 at 8, 36.4 / 73.0 / 45.9 at 32, 94.7 / 246.9 / 111.7 at 128.
+  - AVX2, an AMD EPYC (Zen 3), 1 thread (medians of interleaved repeats, on a machine other
+    jobs loaded to 5 runnable threads a core, so the absolute times are several times an idle
+    machine's; 2 threads there were too disturbed to compare): 172 / 184 / 254 ms at 1 row,
+    164 / 185 / 263 at 2, 159 / 199 / 277 at 4, 198 / 272 / 346 at 8; panels / oneDNN 290 /
+    488 at 16, 380 / 486 at 32, 632 / 860 at 64, 1429 / 1756 at 128, 2974 / 3004 at 256,
+    22084 / 25682 at 2048.
+Without the panel kernel the layers run on the GEMV kernel up to GEMV_MAX_ROWS rows (it streams
+the row-major weight as fast as oneDNN or faster there, see the C file) and on oneDNN's packed
+GEMM past them.
 
 `PAGEDLM_DISABLE_KERNELS=1` or a failed build (pagedlm/kernels/loader.py) leaves every layer
 on its GEMM path.
@@ -28,13 +38,14 @@ library = typed_library({
     "gemm_panel_width": ([], _i),
 })
 
-# Measured (benchmarks/gemv.py: every matrix of SmolLM2-135M once, float32, 2 threads): on an
-# AVX2-only EPYC the kernel against oneDNN's pre-packed GEMM took 30 vs 43 ms at 1 row, 42 vs 49
-# at 4, 63 vs 69 at 8 and 100 vs 105 at 16; on an AVX-512 EPYC the two tie at 1 to 4 rows and
-# oneDNN wins at 8 (24 vs 34 ms). 8 is kept because the fused decode stack
-# (model_executor/layers/fused_decode.py), which saves more than that per step, runs on this
-# kernel where the panel kernel does not run; it is also the most rows the stack takes off the
-# panel kernel.
+# Where the panel kernel does not run (no AVX2), the most rows the float32 layers run on the
+# GEMV kernel. Measured (benchmarks/gemv.py: every matrix of SmolLM2-135M once, float32, 2
+# threads): on an AVX2-only EPYC, before it had the panel kernel, the kernel against oneDNN's
+# pre-packed GEMM took 30 vs 43 ms at 1 row, 42 vs 49 at 4, 63 vs 69 at 8 and 100 vs 105 at 16;
+# on an AVX-512 EPYC the two tie at 1 to 4 rows and oneDNN wins at 8 (24 vs 34 ms). 8 is kept
+# because the fused decode stack (model_executor/layers/fused_decode.py), which saves more than
+# that per step, runs on this kernel where the panel kernel does not run; it is also the most
+# rows the stack takes off the panel kernel.
 GEMV_MAX_ROWS = 8
 
 
@@ -66,7 +77,8 @@ def _call(name: str, fn, x: torch.Tensor, weight: torch.Tensor, n: int, k: int,
 
 
 def panel_width() -> int:
-    """Output columns per panel of the panel kernel; 0 where it is unavailable."""
+    """Output columns per panel of the panel kernel (16 on AVX2 builds, 32 on AVX-512 ones);
+    0 where it is unavailable (no AVX2, or the kernels are disabled or failed to build)."""
     return library().gemm_panel_width() if available() else 0
 
 

@@ -4,11 +4,13 @@
   multiple of the 4-row group, K not a multiple of 8, a matrix small enough to stay on one
   thread), 1 to GEMV_MAX_ROWS rows; one and two threads give the same bits (each output is
   summed by one thread, in one order).
-- The panel kernel (the float32 layers past GEMV_MAX_ROWS rows on AVX-512) the same way, at row
-  counts around its 12-row tiles and 192-row blocks, and through UnquantizedLinearMethod. The
-  layer tests run on every CPU, with the kernels on and disabled: they check the layer took
-  the kernel production takes there (without AVX-512: GEMV, then oneDNN) and hold it to the
-  panel kernel's assertions.
+- The panel kernel (the float32 layers at every row count with AVX2 or AVX-512) the same way,
+  at row counts around its tiles (6 rows with AVX2, 12 with AVX-512) and 192-row blocks, and
+  through UnquantizedLinearMethod; bit for bit against a sequential float32 FMA chain over K
+  (libm's fmaf), and a row's output bit for bit the same whatever the row count, the row's
+  position and the thread count. The layer tests run on every CPU, with the kernels on and
+  disabled: they check the layer took the kernel production takes there (without the panel
+  kernel: GEMV, then oneDNN) and hold it to the panel kernel's assertions.
 - The fused decode stack against the layer-by-layer path of the same engine configuration:
   the same tokens and bit-identical logprobs for Llama (GQA), Qwen2 (biased q/k/v), Mistral
   (a sliding window shorter than the prompts), a bfloat16 KV cache, and int8 / int4 weights.
@@ -19,6 +21,8 @@
   int8, int4; none for a method with its own matmul), and the decoder layers that declare the
   standard structure (not Qwen3's q/k-norm attention, which says why it runs layer by layer).
 """
+import ctypes
+import ctypes.util
 import os
 import sys
 
@@ -74,9 +78,16 @@ def _has_avx512() -> bool:
         return " avx512f" in f.read()
 
 
-needs_panels = pytest.mark.skipif(not _has_avx512(), reason="the panel kernel needs AVX-512")
-# Around the panel kernel's 12-row tiles and 192-row blocks.
-PANEL_ROWS = [1, 9, 12, 13, 25, 64, 192, 200]
+def _has_panels() -> bool:
+    """Whether this build has the panel kernel (AVX2 or AVX-512), whatever the environment."""
+    lib = gemv.library()
+    return lib is not None and lib.gemm_panel_width() > 0
+
+
+needs_panels = pytest.mark.skipif(not _has_panels(),
+                                  reason="the panel kernel needs AVX2 or AVX-512")
+# Around the panel kernel's 6-row (AVX2) and 12-row (AVX-512) tiles and 192-row blocks.
+PANEL_ROWS = [1, 5, 6, 7, 9, 12, 13, 25, 64, 192, 200]
 
 
 @needs_gcc
@@ -84,13 +95,14 @@ PANEL_ROWS = [1, 9, 12, 13, 25, 64, 192, 200]
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", PANEL_ROWS)
 def test_gemm_panels_matches_float64(n, k, m):
-    """The panel kernel itself (AVX-512 only: test_float32_linear_matches_float64 runs the same
-    checks on whichever kernel a CPU without it uses)."""
-    assert gemv.panel_width() == 32
+    """The panel kernel itself (AVX2 or AVX-512: test_float32_linear_matches_float64 runs the
+    same checks on whichever kernel a CPU without it uses)."""
+    width = gemv.panel_width()
+    assert width == 32 or (width == 16 and not _has_avx512())
     g = torch.Generator().manual_seed(n * 5 + k + m)
     w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n)
     panels = gemv.pack_panels(w)
-    assert panels.shape == (-(-n // 32), k, 32)
+    assert panels.shape == (-(-n // width), k, width)
     got = gemv.gemm_panels(x, panels, n, b)
     # One running float32 sum per output over K (no partial sums as in gemv): at K=1536 the
     # rounding reaches 1e-4 on outputs of magnitude ~40.
@@ -104,6 +116,60 @@ def test_gemm_panels_matches_float64(n, k, m):
     lib.gemm_panels_f32(one.data_ptr(), x.data_ptr(), panels.data_ptr(), m, n, k, 1)
     lib.gemm_panels_f32(two.data_ptr(), x.data_ptr(), panels.data_ptr(), m, n, k, 2)
     assert torch.equal(one, two) and torch.equal(one + b, got)
+
+
+def _fma_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T with each output one float32 FMA chain over k ascending from 0.0 (libm's fmaf,
+    correctly rounded): the order the panel kernel promises, computed without it."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    fmaf = libm.fmaf
+    fmaf.argtypes, fmaf.restype = [ctypes.c_float] * 3, ctypes.c_float
+    xs, ws = x.tolist(), w.tolist()
+    out = []
+    for xr in xs:
+        row = []
+        for wr in ws:
+            c = 0.0
+            for a, b in zip(xr, wr):
+                c = fmaf(a, b, c)
+            row.append(c)
+        out.append(row)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@needs_gcc
+@needs_panels
+@pytest.mark.parametrize("m,n,k", [(7, 37, 45), (13, 16, 3), (1, 50, 100), (6, 33, 1),
+                                   (2, 17, 64)])
+def test_gemm_panels_is_one_fma_chain_per_output(m, n, k):
+    """Bit for bit the sequential FMA order, so the same bits with AVX2 and AVX-512 builds."""
+    g = torch.Generator().manual_seed(m * 31 + n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    assert torch.equal(gemv.gemm_panels(x, gemv.pack_panels(w), n), _fma_chain(x, w))
+
+
+@needs_gcc
+@needs_panels
+@pytest.mark.parametrize("n,k", [(1000, 131), (37, 100), (576, 576)])
+def test_gemm_panels_row_is_batch_invariant(n, k):
+    """A row's output has the same bits whatever batch it is in: the row count (inside one
+    tile, at a tile's edge, across tiles and 192-row blocks), its position, and 1 or 2
+    threads; N ragged against both panel widths, K odd."""
+    g = torch.Generator().manual_seed(n + k)
+    w, probe = torch.randn(n, k, generator=g), torch.randn(1, k, generator=g)
+    panels, lib = gemv.pack_panels(w), gemv.library()
+    alone = torch.empty(1, n)
+    lib.gemm_panels_f32(alone.data_ptr(), probe.data_ptr(), panels.data_ptr(), 1, n, k, 1)
+    for m in (1, 5, 6, 7, 37, 200):
+        for pos in sorted({0, m // 2, m - 1}):
+            x = torch.randn(m, k, generator=g)
+            x[pos] = probe[0]
+            for threads in (1, 2):
+                y = torch.full((m, n), float("nan"))
+                lib.gemm_panels_f32(y.data_ptr(), x.data_ptr(), panels.data_ptr(), m, n, k,
+                                    threads)
+                assert torch.equal(y[pos], alone[0]), (m, pos, threads)
+                assert not y.isnan().any()  # every output written
 
 
 def _float_layer(out_features: int, in_features: int, weight: torch.Tensor | None = None):
@@ -120,7 +186,7 @@ def _float_layer(out_features: int, in_features: int, weight: torch.Tensor | Non
 
 def _expected_path(rows: int) -> str:
     """The kernel a float32 layer runs `rows` rows on, on this CPU (gemv.py's dispatch)."""
-    if gemv.available() and _has_avx512():
+    if gemv.available() and _has_panels():
         return "panels"
     if gemv.available() and rows <= gemv.GEMV_MAX_ROWS:
         return "gemv"
@@ -192,8 +258,9 @@ def test_linear_layers_pick_their_kernel(kernels, monkeypatch):
     # gemm_panels checks its input before the kernel runs, so on every CPU that builds it.
     panels = (layer.panel_weight if layer.panel_weight is not None
               else torch.zeros(4, 96, 32))
-    with pytest.raises(ValueError, match="do not fit 4 panels"):
-        gemv.gemm_panels(torch.randn(3, 96), panels, 200)
+    num_panels, _, width = panels.shape
+    with pytest.raises(ValueError, match=f"do not fit {num_panels} panels of {width}"):
+        gemv.gemm_panels(torch.randn(3, 96), panels, num_panels * width + 1)
     if gemv.library() is not None:
         with pytest.raises(ValueError, match=r"x must be float32 \[M, 96\]"):
             gemv.gemm_panels(torch.randn(3, 95), panels, 100)
@@ -269,7 +336,7 @@ def test_fused_stack_equals_layer_by_layer(tiny, monkeypatch, arch, engine_args)
     assert got == ref  # tokens and every logprob, bit for bit
     # On the panel kernel the stack takes decode steps of any size (here the 10-decode ones
     # too); on other kernels only those the layers run on the same kernel.
-    panels = _has_avx512() and "quantization" not in engine_args
+    panels = _has_panels() and "quantization" not in engine_args
     assert stack.max_rows == (sys.maxsize if panels else gemv.GEMV_MAX_ROWS)
 
 
@@ -287,7 +354,7 @@ def test_linear_methods_describe_their_native_form():
 
     layer = loaded(UnquantizedLinearMethod())
     form = UnquantizedLinearMethod().native_form(layer)
-    if _has_avx512():
+    if _has_panels():
         assert form == NativeLinear(WeightFormat.FLOAT_PANELS, layer.panel_weight)
     else:
         assert form.fmt == WeightFormat.FLOAT and form.weight is layer.weight
