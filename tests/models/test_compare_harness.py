@@ -1,7 +1,7 @@
 """The benchmark library (benchmarks/lib) and benchmarks/compare.py, without the peers (vLLM,
 llama.cpp) they compare against: requests, statistics, count checks, the capacity search on a
-fake latency model, the server command lines each workload gets, ratios, the fresh-process legs
-and the server lifecycle (a stand-in HTTP server)."""
+fake latency model, the server command lines each workload gets, the report (medians, ranges,
+ratios), the fresh-process legs and the server lifecycle (a stand-in HTTP server)."""
 from __future__ import annotations
 
 import importlib
@@ -26,8 +26,8 @@ def bench():
     sys.path.insert(0, str(BENCHMARKS))
     try:
         yield {name: importlib.import_module(name)
-               for name in ("compare", "lib.capacity", "lib.client", "lib.legs", "lib.servers",
-                            "lib.stats", "lib.workload")}
+               for name in ("compare", "lib.capacity", "lib.client", "lib.legs", "lib.report",
+                            "lib.servers", "lib.stats", "lib.workload")}
     finally:
         sys.path.remove(str(BENCHMARKS))
         for name in [m for m in sys.modules if m in ("compare", "lib") or m.startswith("lib.")]:
@@ -179,18 +179,19 @@ def test_stats(bench):
     assert summary["total_input_tokens"] == 16 and summary["tpot_ms"]["p99"] == pytest.approx(100)
 
 
-def test_ratios_render_and_best_variant(compare, servers):
+def test_ratios_render_and_best_variant(bench, servers):
+    report = bench["lib.report"]
     runs = {"a": [{"batch": {"output_tokens_per_s": 200.0}, "capacity": {"rate": 2.0}},
                   {"batch": {"output_tokens_per_s": 180.0}, "capacity": {"rate": 3.0}},
                   {"batch": {"output_tokens_per_s": 210.0}}],  # its capacity run failed
             "b": [{"batch": {"output_tokens_per_s": 100.0}, "capacity": {"rate": 1.0},
                    "serving": {"ttft_ms": {"p99": 20.0}}}],
             "c": [{"single": {"tokens_per_s": 10.0}}]}
-    figures = compare.figures_of(runs)
+    figures = report.figures_of(runs)
     assert figures["a"]["batch_output_tps"] == {"median": 200.0, "min": 180.0, "max": 210.0,
                                                 "runs": 3}
     assert figures["a"]["capacity_rps"]["median"] == 2.5
-    ratios = compare.ratios_of(figures, ["b", "missing"])
+    ratios = report.ratios_of(figures, ["b", "missing"])
     assert set(ratios) == {"b"}
     # Above 1 means better, of the medians.
     assert ratios["b"]["a"] == {"batch_output_tps": 2.0, "capacity_rps": 2.5}
@@ -199,9 +200,9 @@ def test_ratios_render_and_best_variant(compare, servers):
     figures2 = {"vllm-bf16": {"single_tps": {"median": 60.0}, "serving_ttft_p99": {"median": 9}},
                 "vllm-f32": {"single_tps": {"median": 40.0}, "serving_ttft_p99": {"median": 5}},
                 "pagedlm": {"single_tps": {"median": 50.0}}}
-    best = compare.best_of_each_peer(figures2, specs)
+    best = report.best_of_each_peer(figures2, specs)
     assert best["vllm"] == {"single_tps": "vllm-bf16", "serving_ttft_p99": "vllm-f32"}
-    text = compare.render(figures, ratios, {"d": "RuntimeError: boom"}, {"vllm": {}})
+    text = report.render(figures, ratios, {"d": "RuntimeError: boom"}, {"vllm": {}})
     assert "| a | 200.0 (180.0-210.0) | - | 2.5 (2.0-3.0) | - |" in text
     assert "| b | 100.0 | - | 1.0 | 20.0 |" in text
     assert "2.00x" in text and "FAILED d" in text
