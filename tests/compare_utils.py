@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from pagedlm.outputs import CompletionOutput
+from tests.conftest import needs_gcc
 
 # Logprob gap under which two tokens count as tied. Float32 reordering moves SmolLM2's logprobs
 # by ~1e-5; a real difference (a wrong cache block, a wrong shard) moves them by far more.
@@ -77,3 +80,30 @@ def assert_greedy_logprobs_match(refs: Sequence[CompletionOutput],
             for tid in common:
                 assert abs(pos_r[tid].logprob - pos_g[tid].logprob) < atol, (tid, pos_r, pos_g)
     return identical
+
+
+# Parametrize a cross-path test over both modes: the default, compared as above, and
+# deterministic=True (issue 31), whose paths must agree bitwise (it needs the native kernels).
+MODES = [pytest.param(False, id="default"),
+         pytest.param(True, marks=needs_gcc, id="deterministic")]
+
+
+def _bits(out: CompletionOutput) -> tuple:
+    return (list(out.token_ids), out.cumulative_logprob,
+            [{t: (lp.logprob, lp.rank) for t, lp in pos.items()} for pos in out.logprobs or []])
+
+
+def assert_outputs_bitwise_equal(refs: Sequence[CompletionOutput],
+                                 gots: Sequence[CompletionOutput]) -> None:
+    """Under deterministic=True (issue 31) two compute paths give the same bits: token ids,
+    cumulative logprob and every logprob entry (value and rank) are equal, not close."""
+    assert len(refs) == len(gots), f"{len(refs)} reference outputs, {len(gots)} to compare"
+    for n, (r, g) in enumerate(zip(refs, gots)):
+        a, b = _bits(r), _bits(g)
+        if a == b:
+            continue
+        i = next((i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y), None)
+        where = "" if i is None else (
+            f" first at position {i}: {a[2][i]} vs {b[2][i]}")
+        raise AssertionError(f"output {n} is not bitwise the reference: tokens {a[0]} vs "
+                             f"{b[0]}, cumulative logprob {a[1]!r} vs {b[1]!r}{where}")

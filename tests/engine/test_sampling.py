@@ -15,6 +15,8 @@ from pagedlm.model_executor.layers.sampler import (
     SamplingMetadata,
     _apply_penalties,
 )
+from tests.compare_utils import assert_outputs_bitwise_equal
+from tests.conftest import needs_gcc
 
 # ---------------------------------------------------------------------------------------------
 # Sampler on hand-built logits
@@ -360,6 +362,38 @@ def test_n_greater_than_one(llm):
     assert [c.index for c in greedy] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in greedy}) == 1 and len(greedy[0].token_ids) == 6
     assert_all_blocks_free(llm)
+
+
+@needs_gcc
+def test_deterministic_draws_do_not_depend_on_the_batch():
+    """Under deterministic=True (issue 31) the two tests above need no batches of one shape: a
+    seeded request (n=1 and n=4) and a greedy one give the same tokens and logprobs, bit for
+    bit, alone and in batches of other sizes and compositions, with unseeded neighbours."""
+    from pagedlm import LLM
+    llm = LLM(kv_cache_memory_bytes=256 * 2**20, deterministic=True)
+    probes = [(PROMPT, SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True,
+                                      logprobs=3)),
+              (PROMPT, SamplingParams(n=4, temperature=1.0, seed=99, max_tokens=12,
+                                      ignore_eos=True, logprobs=3)),
+              ("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                   logprobs=3))]
+    others = [("Write a haiku about rain.", SamplingParams(temperature=0.8, max_tokens=10,
+                                                         ignore_eos=True)),
+              ("1 2 3 4", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)),
+              ("Hello there", SamplingParams(n=3, temperature=1.0, max_tokens=6,
+                                             ignore_eos=True)),
+              ("Once", SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True))]
+    try:
+        alone = [gen(llm, [p], sp)[0].outputs for p, sp in probes]
+        for batch in (others[:1] + probes + others[1:], probes[::-1] + others[2:]):
+            outs = {id(sp): o.outputs for (_, sp), o in
+                    zip(batch, gen(llm, [p for p, _ in batch], [sp for _, sp in batch]))}
+            for (_, sp), ref in zip(probes, alone):
+                assert_outputs_bitwise_equal(ref, outs[id(sp)])
+        assert len({tuple(c.token_ids) for c in alone[1]}) > 1
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_min_tokens_prevents_eos(llm):
