@@ -131,3 +131,72 @@ def test_bad_inputs_raise_value_error():
     qi8, _ = kernels.quantize_i8(torch.randn(8, 40))
     with pytest.raises(ValueError, match="scale"):
         kernels.quantized_matmul("i8", torch.randn(1, 40), qi8, None)
+
+
+@pytest.mark.parametrize("fmt,shape", [
+    ("q4_1", (3072, 576)), ("q4_1", (4099, 576)), ("q4_1", (64, 32)), ("q8_0", (4099, 576)),
+    ("q8_0", (64, 32)), ("i8", (4099, 576)), ("i8", (37, 100)), ("i8", (960, 1536)),
+], ids=str)
+def test_batch_invariant_rows_do_not_depend_on_the_batch(fmt, shape):
+    """batch_invariant=True (deterministic=True): a row's output is the same bits alone on one
+    thread, in a batch past the row count where the default switches to dequantize + GEMM, at
+    any place in the kernels' tiles of x rows (4 with AVX-512, 2 with AVX2, and remainders),
+    on 1 or 2 threads. Shapes: odd N (a partial group of weight rows, an uneven thread split),
+    one too small to parallelise, and K with a scalar tail (i8)."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    qweight, scale = _pack(fmt, torch.randn(n, k, generator=gen) * 0.05)
+    bias = torch.randn(n, generator=gen)
+    rows = max(70, quant.dequant_gemm_min_rows(fmt) + 3)
+    x = torch.randn(rows, k, generator=gen)
+
+    def matmul(x_rows):
+        return kernels.quantized_matmul(fmt, x_rows, qweight, scale, bias, batch_invariant=True)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([matmul(x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(matmul(x), alone)
+        torch.set_num_threads(2)
+        assert torch.equal(matmul(x), alone)
+        for start, size in [(1, 1), (1, 2), (2, 3), (3, 5), (5, 7), (6, 37)]:
+            assert torch.equal(matmul(x[start:start + size]), alone[start:start + size]), \
+                (start, size)
+    finally:
+        torch.set_num_threads(threads)
+    # Same values as the default path (up to its sum order): it is still the format's matmul.
+    torch.testing.assert_close(alone, kernels.quantized_matmul(fmt, x, qweight, scale, bias),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_batch_invariant_refuses_to_run_without_the_kernels(monkeypatch):
+    monkeypatch.setenv("PAGEDLM_DISABLE_KERNELS", "1")
+    qweight = kernels.quantize_q4_1(torch.randn(8, 64))
+    assert kernels.quantized_matmul("q4_1", torch.randn(1, 64), qweight).shape == (1, 8)
+    with pytest.raises(ValueError, match="needs the native kernels"):
+        kernels.quantized_matmul("q4_1", torch.randn(1, 64), qweight, batch_invariant=True)
+
+
+def test_deterministic_linear_methods_run_one_kernel_at_every_row_count():
+    """Every linear method built with deterministic=True (as the loader builds them under
+    ModelConfig.deterministic): a row's output is the same bits alone and in batches past
+    gemv.GEMV_MAX_ROWS and past the default's switch to dequantize + GEMM, and the fused decode
+    stack may run its kernel at any row count (NativeLinear.batch_invariant)."""
+    from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+    from pagedlm.model_executor.layers.quantization.weight_only import (Int4LinearMethod,
+                                                                        Int8LinearMethod)
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(600, 576, generator=gen) * 0.05, torch.randn(600, generator=gen)
+    x = torch.randn(300, 576, generator=gen)
+    for cls in (UnquantizedLinearMethod, Int8LinearMethod, Int4LinearMethod):
+        method = cls(deterministic=True)
+        layer = torch.nn.Module()
+        method.create_weights(layer, 576, [600], 576, 600, torch.float32, None)
+        layer.weight.data.copy_(weight)
+        method.process_weights_after_loading(layer)
+        assert method.native_form(layer).batch_invariant, cls
+        assert not cls().native_form(layer).every_row_count, cls
+        alone = torch.cat([method.apply(layer, x[i:i + 1], bias) for i in range(300)])
+        for rows in (9, 40, 300):
+            assert torch.equal(method.apply(layer, x[:rows], bias), alone[:rows]), (cls, rows)

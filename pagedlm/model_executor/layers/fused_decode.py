@@ -5,9 +5,9 @@ A decoder layer takes part by declaring the standard structure (StandardDecoderL
 pre-norm attention block with rotary positions, then a pre-norm SiLU-gated MLP); the stack
 checks the parts it is handed (float32 RMSNorms, rotary paged attention on the native kernels,
 linear layers whose LinearMethod has a native form), not the model class. When every layer
-qualifies, pure decode steps run fused (at any batch size on the panel kernel, else up to
-gemv.GEMV_MAX_ROWS sequences); anything else (LoRA, tensor parallelism, other dtypes,
-prefills) goes layer by layer. Both give the same values.
+qualifies, pure decode steps run fused (at any batch size on the panel kernel or under
+deterministic=True, else up to gemv.GEMV_MAX_ROWS sequences); anything else (LoRA, tensor
+parallelism, other dtypes, prefills) goes layer by layer. Both give the same values.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pagedlm.attention.layer import Attention
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
-from pagedlm.model_executor.layers.linear import LinearBase, WeightFormat
+from pagedlm.model_executor.layers.linear import LinearBase
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -144,20 +144,19 @@ class FusedDecodeStack:
     """Runs a stage's decoder layers in one call of llama_decode.c for pure decode steps.
     Same kernels, same order, same values as the layer-by-layer path.
 
-    How many sequences: any number when every linear is on the panel kernel, which the layers
-    run at every row count too; even at 128 rows the ~20 dispatches a layer cost more than the
-    call (the 128-request benchmark, same prompts in one process: 65.1 -> 62.8 and 67.2 ->
-    65.0 s). Otherwise gemv.GEMV_MAX_ROWS: past it the layers switch to another kernel (oneDNN,
-    or a dequantized GEMM), which the stack would have to match."""
+    How many sequences: any number when every linear runs its kernel at every row count (the
+    panel kernel; any kernel under deterministic=True: NativeLinear.batch_invariant); even at
+    128 rows the ~20 dispatches a layer cost more than the call (the 128-request benchmark,
+    same prompts in one process: 65.1 -> 62.8 and 67.2 -> 65.0 s). Otherwise
+    gemv.GEMV_MAX_ROWS: past it the layers switch to another kernel (oneDNN, or a dequantized
+    GEMM), which the stack would have to match."""
 
-    def __init__(self, lib: ctypes.CDLL, dims: _Dims, layers: list[_Layer]) -> None:
+    def __init__(self, lib: ctypes.CDLL, dims: _Dims, layers: list[_Layer],
+                 batch_invariant: bool) -> None:
+        """batch_invariant: every linear's method runs its kernel at every row count."""
         self.lib, self.dims = lib, dims
         self.layers = (_Layer * len(layers))(*layers)
-        panels = WeightFormat.FLOAT_PANELS
-        self.max_rows = (sys.maxsize if all(lin.fmt == panels for layer in layers
-                                            for lin in (layer.qkv, layer.o, layer.gate_up,
-                                                        layer.down))
-                         else kernels.gemv.GEMV_MAX_ROWS)
+        self.max_rows = sys.maxsize if batch_invariant else kernels.gemv.GEMV_MAX_ROWS
         self.cache_ptrs: tuple[int, ...] = ()
         self.steps = 0  # steps it ran (tests check that it ran at all)
 
@@ -194,7 +193,10 @@ class FusedDecodeStack:
                      attn.num_kv_heads, attn.head_dim, first.down_proj.input_size, 0, 0,
                      first.rotary.cos.shape[1], first.rotary.cos.data_ptr(),
                      first.rotary.sin.data_ptr(), eps, attn.scale)
-        return cls(lib, dims, structs)
+        batch_invariant = all(
+            lin.linear_method.native_form(lin).batch_invariant for p in parts
+            for lin in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj))
+        return cls(lib, dims, structs, batch_invariant)
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
             kv_caches: list[KVCache], meta: AttentionMetadata

@@ -83,10 +83,27 @@ class NativeLinear:
     fmt: WeightFormat
     weight: torch.Tensor
     scale: torch.Tensor | None = None  # WeightFormat.I8's per-row scales
+    # `apply` runs this kernel at every row count (deterministic=True), not only at decode
+    # batch sizes; panel weights always do.
+    every_row_count: bool = False
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether `apply` runs this kernel whatever the row count: a caller may then run it
+        on any number of rows and still compute what `apply` does."""
+        return self.every_row_count or self.fmt == WeightFormat.FLOAT_PANELS
 
 
 class LinearMethodBase(ABC):
-    """How a linear layer stores its weight and multiplies by it."""
+    """How a linear layer stores its weight and multiplies by it.
+
+    deterministic (ModelConfig.deterministic, given at construction): `apply` runs one kernel,
+    with one sum order per output element, at every row count, so a row's result does not
+    depend on how many other rows are in the batch or where it sits among them.
+    """
+
+    def __init__(self, *, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
@@ -114,7 +131,10 @@ class LinearMethodBase(ABC):
 class UnquantizedLinearMethod(LinearMethodBase):
     """A dense weight [out, in]; the matmul runs on the panel kernel's packed copy of it, or
     where that kernel does not run (no AVX-512), on the GEMV kernel for a few rows and oneDNN's
-    packed copy past them (gemv.py)."""
+    packed copy past them (gemv.py). Deterministic, it runs the GEMV kernel at every row count
+    where there are no panels: its sum for one output reads one W row against one x row in a
+    fixed K order, whatever the x tile the row sits in or the thread that owns the W row
+    (gemv_f32.c, wrow)."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader) -> None:
@@ -128,15 +148,23 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         layer.panel_weight = gemv.pack_panels(layer.weight)
-        layer.packed_weight = pack_weight(layer.weight) if layer.panel_weight is None else None
         layer.use_gemv = gemv.runs(layer.weight)
+        if self.deterministic and layer.panel_weight is None and not layer.use_gemv:
+            raise ValueError(f"deterministic=True needs pagedlm's native kernels for every "
+                             f"linear layer; a {layer.weight.dtype} weight of shape "
+                             f"{tuple(layer.weight.shape)} cannot run on them (float32 only, "
+                             f"and not with PAGEDLM_DISABLE_KERNELS).")
+        # Deterministic, oneDNN never runs: no packed copy.
+        layer.packed_weight = (pack_weight(layer.weight)
+                               if layer.panel_weight is None and not self.deterministic
+                               else None)
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         panels = getattr(layer, "panel_weight", None)
         if panels is not None and x.dim() == 2 and x.dtype == torch.float32:
             return gemv.gemm_panels(x, panels, layer.weight.shape[0], bias)
-        if (getattr(layer, "use_gemv", False) and x.dim() == 2
-                and x.shape[0] <= gemv.GEMV_MAX_ROWS and x.dtype == torch.float32):
+        if (getattr(layer, "use_gemv", False) and x.dim() == 2 and x.dtype == torch.float32
+                and (x.shape[0] <= gemv.GEMV_MAX_ROWS or self.deterministic)):
             return gemv.gemv(x, layer.weight, bias)
         if layer.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none",
@@ -150,8 +178,18 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if panels is not None:
             return NativeLinear(WeightFormat.FLOAT_PANELS, panels)
         if getattr(layer, "use_gemv", False):
-            return NativeLinear(WeightFormat.FLOAT, layer.weight)
+            return NativeLinear(WeightFormat.FLOAT, layer.weight,
+                                every_row_count=self.deterministic)
         return None  # oneDNN or F.linear
+
+
+def use_deterministic_linear_methods(model: nn.Module) -> None:
+    """Give every layer of `model` on the default float method the deterministic one (the
+    loader calls this under ModelConfig.deterministic once the model is built, before loading;
+    quantized methods get the flag from their QuantizationConfig)."""
+    for module in model.modules():
+        if type(getattr(module, "linear_method", None)) is UnquantizedLinearMethod:
+            module.linear_method = UnquantizedLinearMethod(deterministic=True)
 
 
 class LinearBase(nn.Module):

@@ -7,6 +7,7 @@ from pagedlm.attention.backends import get_attn_backend
 import logging
 
 from pagedlm.config import ModelConfig
+from pagedlm.model_executor.layers.linear import use_deterministic_linear_methods
 from pagedlm.model_executor.layers.quantization import get_quantization_config
 from pagedlm.model_executor.layers.quantization.base import weight_formats
 from pagedlm.model_executor.model_loader.weight_utils import iterate_safetensors
@@ -25,7 +26,8 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
     only its heads, features and layers, and loads its slices of the full checkpoint tensors.
     """
     cls = get_model_class(config.architecture)
-    quant_config = get_quantization_config(config.quantization, config.model_dir)
+    quant_config = get_quantization_config(config.quantization, config.model_dir,
+                                           deterministic=config.deterministic)
     # Chosen once, for every layer.
     attn_backend = get_attn_backend(config.dtype, device, deterministic=config.deterministic)
     old = torch.get_default_dtype()
@@ -38,6 +40,8 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
             model = cls(config, attn_backend)
     finally:
         torch.set_default_dtype(old)
+    if config.deterministic:
+        use_deterministic_linear_methods(model)
     weights = iterate_safetensors(config.model_dir)
     if quant_config is not None:
         quant_config.apply(model)

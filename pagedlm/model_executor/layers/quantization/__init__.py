@@ -26,11 +26,13 @@ def verify_quantization(value: object) -> str | None:
                      f"(float weights), got {value!r}.")
 
 
-def get_quantization_config(name: str | None, model_dir: str) -> QuantizationConfig | None:
-    """The config for `quantization=name` on the model in `model_dir` (None: unquantized)."""
+def get_quantization_config(name: str | None, model_dir: str, *, deterministic: bool = False
+                            ) -> QuantizationConfig | None:
+    """The config for `quantization=name` on the model in `model_dir` (None: unquantized);
+    deterministic: ModelConfig.deterministic, which every linear method it makes gets."""
     if verify_quantization(name) is None:
         return None
-    return QUANTIZATION_METHODS[name].from_model_dir(model_dir)
+    return QUANTIZATION_METHODS[name].from_model_dir(model_dir, deterministic=deterministic)
 
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config",

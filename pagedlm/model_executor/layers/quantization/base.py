@@ -15,13 +15,18 @@ import pagedlm.model_executor.layers.quantization.kernels as kernels
 
 
 class QuantizationConfig(ABC):
-    """One `quantization=` choice for one model."""
+    """One `quantization=` choice for one model. deterministic: the linear methods it makes
+    run one kernel at every row count (LinearMethodBase)."""
 
     name: str
 
+    def __init__(self, *, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+
     @classmethod
     @abstractmethod
-    def from_model_dir(cls, model_dir: str) -> "QuantizationConfig":
+    def from_model_dir(cls, model_dir: str, *, deterministic: bool = False
+                       ) -> "QuantizationConfig":
         """The config for the (resolved, HF-format) model directory; ValueError if the
         method cannot run this model."""
 
@@ -78,13 +83,14 @@ class PackedLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         return kernels.quantized_matmul(layer.quant_format, x, layer.qweight_data, layer.qscale,
-                                        bias)
+                                        bias, batch_invariant=self.deterministic)
 
     def native_form(self, layer) -> NativeLinear | None:
         fmt = _NATIVE_FORMATS.get(layer.quant_format)
         if type(self).apply is not PackedLinearMethod.apply or fmt is None:
             return None  # a subclass that multiplies another way describes its own form
-        return NativeLinear(fmt, layer.qweight_data, layer.qscale)
+        return NativeLinear(fmt, layer.qweight_data, layer.qscale,
+                            every_row_count=self.deterministic)
 
 
 def weight_formats(model: nn.Module) -> Counter:

@@ -68,7 +68,7 @@ class GGUFLinearMethod(PackedLinearMethod):
         # One shard per stacked matrix ([q, k, v], [gate, up]); one for any other layer.
         expected = len(getattr(layer, "output_sizes", None) or [None])
         if qweight.qformat is None or qweight.mixed or len(qweight.shards) != expected:
-            layer.linear_method = UnquantizedLinearMethod()
+            layer.linear_method = UnquantizedLinearMethod(deterministic=self.deterministic)
             layer.linear_method.process_weights_after_loading(layer)
             return
         blocks = qweight.data
@@ -90,11 +90,12 @@ class GGUFLinearMethod(PackedLinearMethod):
 class GGUFConfig(QuantizationConfig):
     name = "gguf"
 
-    def __init__(self, gguf_path: str) -> None:
+    def __init__(self, gguf_path: str, *, deterministic: bool = False) -> None:
+        super().__init__(deterministic=deterministic)
         self.gguf_path = gguf_path
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> "GGUFConfig":
+    def from_model_dir(cls, model_dir: str, *, deterministic: bool = False) -> "GGUFConfig":
         from pagedlm.model_executor.model_loader.gguf_loader import gguf_tensor_types
         marker = os.path.join(model_dir, CONVERSION_MARKER)
         if not os.path.isfile(marker):
@@ -113,10 +114,10 @@ class GGUFConfig(QuantizationConfig):
                 f"quantized. Supported: {', '.join(RUNNABLE_TYPES)} (and {', '.join(FLOAT_TYPES)} "
                 f"tensors, kept float). Load it without quantization to run it dequantized to "
                 f"float32.")
-        return cls(path)
+        return cls(path, deterministic=deterministic)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
-        return GGUFLinearMethod()
+        return GGUFLinearMethod(deterministic=self.deterministic)
 
     def weights(self, float_weights):
         from pagedlm.model_executor.model_loader.gguf_loader import iterate_gguf_blocks

@@ -132,9 +132,14 @@ def dequantize(fmt: str, qweight: torch.Tensor, scale: torch.Tensor | None = Non
 
 
 def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
-                     scale: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T (+ bias) with W in format `fmt` (see the module docstring)."""
+                     scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+                     batch_invariant: bool = False) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T (+ bias) with W in format `fmt` (see the module docstring).
+
+    batch_invariant: the kernels at every row count, never dequantize + float GEMM (whose sum
+    order changes with M): each output is then one weight row against one x row in a fixed K
+    order, whatever M, the row's place in the kernel's tile of rows, or the thread count
+    (csrc/quant_matmul.c)."""
     n, k = _shape(fmt, qweight)
     _check("qweight", qweight, torch.int8 if fmt == "i8" else torch.uint8)
     if fmt == "i8":
@@ -150,7 +155,11 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
     m = x2.shape[0]
-    if not available() or m >= native.dequant_gemm_min_rows(fmt):
+    if batch_invariant:
+        if not available():
+            raise ValueError("quantized_matmul(batch_invariant=True) needs the native kernels "
+                             "(unset PAGEDLM_DISABLE_KERNELS; a C compiler must be available)")
+    elif not available() or m >= native.dequant_gemm_min_rows(fmt):
         y = F.linear(x2, dequantize(fmt, qweight, scale), bias)
         return y.reshape(*lead, n).to(x.dtype)
     y = torch.empty(m, n, dtype=torch.float32)

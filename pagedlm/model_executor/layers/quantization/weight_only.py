@@ -43,21 +43,21 @@ class Int8Config(QuantizationConfig):
     name = "int8"
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> "Int8Config":
-        return cls()
+    def from_model_dir(cls, model_dir: str, *, deterministic: bool = False) -> "Int8Config":
+        return cls(deterministic=deterministic)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
-        return Int8LinearMethod()
+        return Int8LinearMethod(deterministic=self.deterministic)
 
 
 class Int4Config(QuantizationConfig):
     name = "int4"
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> "Int4Config":
-        return cls()
+    def from_model_dir(cls, model_dir: str, *, deterministic: bool = False) -> "Int4Config":
+        return cls(deterministic=deterministic)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if isinstance(layer, VocabParallelEmbedding):  # the LM head
-            return Int8LinearMethod()
-        return Int4LinearMethod()
+            return Int8LinearMethod(deterministic=self.deterministic)
+        return Int4LinearMethod(deterministic=self.deterministic)
