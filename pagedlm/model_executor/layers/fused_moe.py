@@ -13,6 +13,15 @@ the same everywhere and needs no exchange of tokens.
 The experts run per expert, not per token: the (token, choice) pairs are sorted by expert, each
 expert with tokens does one GEMM pair over its contiguous group, and the weighted results are
 added back to their tokens with one index_add.
+
+Deterministic (ModelConfig.deterministic): a token's result must not depend on the batch, but
+how many tokens an expert gets does, and a torch GEMM's sum order changes with its row count.
+The experts then run on pagedlm's kernels, which give each output element one sum order at
+every row count: the panel kernel over per-expert packed copies where it exists, the GEMV
+kernel otherwise (gemv.py); silu(gate) * up runs on the native per-row kernel (torch's SiLU
+gives vector blocks and leftover elements different bits), and each token's weighted expert
+outputs are summed in its own top-k order. Routing is per row already (a
+softmax and top-k along each token's logits).
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.distributed.parallel_state import get_tp_group
+from pagedlm.kernels import fused_ops, gemv
 from pagedlm.model_executor.layers.linear import ReplicatedLinear
 from pagedlm.model_executor.model_loader.weight_utils import check_shape
 
@@ -84,6 +94,16 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return Routing(ids, weights)
 
 
+def sigmoid_per_element(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid with every element through the same code. On a contiguous tensor torch
+    computes whole vector blocks with one exp and the leftover elements with another, which
+    differ in the last bit, so an element's result would depend on its place in the batch; a
+    strided view makes every element take the scalar loop."""
+    strided = torch.empty(x.numel(), 2, dtype=x.dtype, device=x.device)[:, 0]
+    strided.copy_(x.reshape(-1))
+    return torch.sigmoid(strided).view(x.shape)
+
+
 class TopKRouter(ReplicatedLinear):
     """The gate: hidden states -> router logits (a linear layer held whole on every rank, so
     its checkpoint name is `<gate>.weight`) -> this step's Routing."""
@@ -103,7 +123,7 @@ class TopKRouter(ReplicatedLinear):
 class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 reduce_results: bool = True) -> None:
+                 reduce_results: bool = True, deterministic: bool = False) -> None:
         super().__init__()
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
@@ -114,6 +134,10 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.intermediate_size_per_partition = n = intermediate_size // self.tp_size
         self.reduce_results = reduce_results
+        self.deterministic = deterministic
+        # Deterministic, on builds with the panel kernel: every expert's packed matrices.
+        self.w13_panels: torch.Tensor | None = None
+        self.w2_panels: torch.Tensor | None = None
         # Uninitialised: the loader fills every expert (and says which it did not).
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size),
                                        requires_grad=False)
@@ -140,6 +164,20 @@ class FusedMoE(nn.Module):
             check_shape(loaded_weight, (self.hidden_size, self.intermediate_size))
             param.data[expert].copy_(loaded_weight.narrow(1, rank * n, n))
 
+    def process_weights_after_loading(self) -> None:
+        """Deterministic: check the experts can run on the native kernels, and pack them for
+        the panel kernel where it exists."""
+        if not self.deterministic:
+            return
+        if not (gemv.runs(self.w13_weight[0]) and gemv.runs(self.w2_weight[0])):
+            raise ValueError(f"deterministic=True needs pagedlm's native kernels for the "
+                             f"experts; {self.w13_weight.dtype} experts cannot run on them "
+                             f"(float32 only, and not with PAGEDLM_DISABLE_KERNELS).")
+        w13 = [gemv.pack_panels(w) for w in self.w13_weight]
+        if all(p is not None for p in w13):
+            self.w13_panels = torch.stack(w13)
+            self.w2_panels = torch.stack([gemv.pack_panels(w) for w in self.w2_weight])
+
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> sum over each token's experts of weight * expert(x) [T, H] (this rank's
         partial sum when reduce_results is False)."""
@@ -153,21 +191,42 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         grouped = x[token_of]
         out = torch.empty_like(grouped)
-        n = self.intermediate_size_per_partition
+        expert = self._expert_invariant if self.deterministic else self._expert
         start = 0
         for e, count in enumerate(counts):
             if count == 0:
                 continue
             end = start + count
-            h = F.linear(grouped[start:end], self.w13_weight[e])
-            h = F.silu(h[:, :n]) * h[:, n:]
-            out[start:end] = F.linear(h, self.w2_weight[e])
+            out[start:end] = expert(grouped[start:end], e)
             start = end
         out.mul_(weight_of.unsqueeze(1).to(out.dtype))
-        y = torch.zeros_like(x).index_add_(0, token_of, out)
+        if self.deterministic:
+            # Back to [token, choice] order, then each token's sum in its own top-k order.
+            per_choice = torch.empty_like(out)
+            per_choice[order] = out
+            per_choice = per_choice.view(num_tokens, top_k, -1)
+            y = per_choice[:, 0].clone()
+            for j in range(1, top_k):
+                y += per_choice[:, j]
+        else:
+            y = torch.zeros_like(x).index_add_(0, token_of, out)
         if self.reduce_results:
             y = self.tp_group.all_reduce(y)
         return y
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        n = self.intermediate_size_per_partition
+        h = F.linear(x, self.w13_weight[e])
+        return F.linear(F.silu(h[:, :n]) * h[:, n:], self.w2_weight[e])
+
+    def _expert_invariant(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """What _expert computes, with one sum order per output element whatever x's rows."""
+        if self.w13_panels is not None:
+            h = gemv.gemm_panels(x, self.w13_panels[e], self.w13_weight.shape[1])
+            return gemv.gemm_panels(fused_ops.silu_and_mul(h), self.w2_panels[e],
+                                    self.hidden_size)
+        h = gemv.gemv(x, self.w13_weight[e])
+        return gemv.gemv(fused_ops.silu_and_mul(h), self.w2_weight[e])
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "

@@ -33,6 +33,8 @@ class CausalLMBase(nn.Module):
             method = getattr(module, "linear_method", None)
             if method is not None:
                 method.process_weights_after_loading(module)
+            elif module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()  # a layer of its own kind (FusedMoE)
 
     def _on_this_stage(self, name: str) -> bool:
         """Whether a (renamed) checkpoint weight belongs to a module this stage has."""

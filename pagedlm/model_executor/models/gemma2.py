@@ -161,7 +161,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
         # transformers rounds sqrt(hidden) to the model dtype before multiplying.
         self.embed_scale = float(torch.tensor(hf.hidden_size ** 0.5, dtype=cfg.dtype))
-        attn_backend = attn_backend or get_attn_backend(cfg.dtype)
+        attn_backend = attn_backend or get_attn_backend(
+            cfg.dtype, deterministic=cfg.deterministic)
         rotary, layer_types = self._rotary_tables(cfg), _layer_types(cfg)
         self.layers = make_layers(stage, lambda i: GemmaDecoderLayer(
             cfg, i, rotary[layer_types[i]], attn_backend, self.qk_norm))

@@ -26,7 +26,8 @@ class MixtralMoE(nn.Module):
         hf = cfg.hf_config
         self.gate = TopKRouter(hf.hidden_size, hf.num_local_experts, hf.num_experts_per_tok,
                                renormalize=True)
-        self.experts = FusedMoE(hf.num_local_experts, hf.hidden_size, hf.intermediate_size)
+        self.experts = FusedMoE(hf.num_local_experts, hf.hidden_size, hf.intermediate_size,
+                                deterministic=cfg.deterministic)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))

@@ -116,7 +116,8 @@ class OPTForCausalLM(CausalLMBase):
                                                                  hidden)
             if proj_dim != hidden:
                 self.project_in = ReplicatedLinear(proj_dim, hidden)
-        attn_backend = attn_backend or get_attn_backend(cfg.dtype)
+        attn_backend = attn_backend or get_attn_backend(
+            cfg.dtype, deterministic=cfg.deterministic)
         self.layers = make_layers(stage, lambda i: OPTDecoderLayer(cfg, attn_backend))
         self.final_layer_norm = self.project_out = self.lm_head = None
         if stage.is_last:

@@ -95,7 +95,8 @@ class Phi3ForCausalLM(CausalLMBase):
                                  cfg.rope_scaling, rotary_dim=_rotary_dim(cfg),
                                  max_position_embeddings=max_pos or None,
                                  max_model_len=cfg.max_model_len)
-        attn_backend = attn_backend or get_attn_backend(cfg.dtype)
+        attn_backend = attn_backend or get_attn_backend(
+            cfg.dtype, deterministic=cfg.deterministic)
         self.layers = make_layers(stage, lambda i: _phi3_layer(cfg, rotary, attn_backend, i))
         self.norm = self.lm_head = None
         if stage.is_last:

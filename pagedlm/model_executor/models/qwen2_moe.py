@@ -19,7 +19,7 @@ from pagedlm.config import ModelConfig
 from pagedlm.distributed.parallel_state import get_tp_group
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.fused_moe import (FusedMoE, TopKRouter, expert_param,
-                                                     split_stacked_experts)
+                                                     sigmoid_per_element, split_stacked_experts)
 from pagedlm.model_executor.layers.linear import (MergedColumnParallelLinear, ReplicatedLinear,
                                                   RowParallelLinear)
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -49,18 +49,19 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         self.gate = TopKRouter(hf.hidden_size, hf.num_experts, hf.num_experts_per_tok,
                                renormalize=bool(cfg.get_hf("norm_topk_prob", False)))
         self.experts = FusedMoE(hf.num_experts, hf.hidden_size, hf.moe_intermediate_size,
-                                reduce_results=False)
+                                reduce_results=False, deterministic=cfg.deterministic)
         shared = cfg.get_hf("shared_expert_intermediate_size", 0)
         self.shared_expert = self.shared_expert_gate = None
         if shared:
             self.shared_expert = SharedExpert(hf.hidden_size, shared)
             self.shared_expert_gate = ReplicatedLinear(hf.hidden_size, 1)
         self.tp_group = get_tp_group()
+        self.sigmoid = sigmoid_per_element if cfg.deterministic else torch.sigmoid
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
-            y += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            y += self.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp_group.all_reduce(y)
 
 
