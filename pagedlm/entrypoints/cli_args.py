@@ -78,7 +78,7 @@ _HELP = {
                      "gives a row the same bits whether its prefix was computed fresh, in other "
                      "chunks or read from the prefix cache (every row reads the K/V as stored, "
                      "through the paged kernel); whole outputs match only where the linear "
-                     "layers run one kernel at every row count (the AVX-512 panel kernel). "
+                     "layers run one kernel at every row count (the panel kernel: AVX2, AVX-512). "
                      "Needs the native kernels (float32 model on the CPU).",
 }
 # Fixed choices of str fields.
