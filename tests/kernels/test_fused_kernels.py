@@ -120,6 +120,25 @@ def test_write_kv_rounds_like_torch(cache_dtype):
     torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
 
 
+@needs_gcc
+def test_write_kv_rounds_bfloat16_ties_to_even():
+    """Random values almost never sit on a bfloat16 tie. Every upper half, with the lower half
+    just under, on and just over the tie: the C write and torch must round them alike, or a
+    fresh prompt (rounded by torch) and its cached copy (by the C write) would differ."""
+    upper = torch.arange(1 << 16, dtype=torch.int32) << 16
+    bits = torch.cat([upper | 0x7fff, upper | 0x8000, upper | 0x8001, upper])
+    x = bits.view(torch.float32)
+    x = x[~x.isnan()]
+    head_dim = 64
+    x = x[:x.numel() // head_dim * head_dim].view(-1, 1, head_dim).contiguous()
+    k_cache = torch.empty(x.shape[0], 1, 1, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    kernels.fused_ops.write_kv(x, -x, k_cache, v_cache, torch.arange(x.shape[0]))
+    assert torch.equal(k_cache.view(x.shape).view(torch.int16), x.bfloat16().view(torch.int16))
+    assert torch.equal(v_cache.view(x.shape).view(torch.int16),
+                       (-x).bfloat16().view(torch.int16))
+
+
 def _rounded_scenario(scenario, dtype):
     """The scenario with its cache in `dtype`, and the dense reference's K/V rounded the same
     way for every row: fresh prompts too attend to K/V as the cache holds them, so results do

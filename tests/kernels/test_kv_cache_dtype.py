@@ -3,9 +3,12 @@ same memory, greedy tokens and logprobs stay close to the float32 cache's, prefi
 swap preemption reproduce the narrow cache's own outputs, and bad values are rejected."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.attention.layer import Attention
 from pagedlm.engine.arg_utils import EngineArgs
 
 # A shared preamble longer than a block, so prompts have full blocks for the prefix cache.
@@ -83,6 +86,52 @@ def test_narrow_cache_prefix_caching_and_swap(narrow):
     assert_same_run(run(small), got)
     stats = small.llm_engine.stats
     assert stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out
+
+
+def test_prefix_hit_attends_over_the_kv_as_stored(narrow, monkeypatch):
+    """Cold prefill against a prefix hit, where every path must attend over the K/V as the
+    narrow cache holds them: the cold step's fresh prompt (SDPA or the prefill kernel), the hit
+    step's recomputed last block over cached context (the paged kernel). The hit step computes
+    the recomputed rows' K/V again, by other sums than the cold step; one float32 bit there can
+    flip a 2-byte rounding (a 0.4% step for bfloat16), which grows over the layers into the 5e-3
+    to 4e-2 logprob differences measured between such runs. So the hit step is handed the cold
+    step's float32 K/V for those rows: then both runs attend over the same stored values, and
+    their first tokens' logprobs agree to float32 rounding (2e-5 measured; a cold SDPA path
+    attending over its unrounded fresh K/V, as it once did, gives 5e-3 to 1.3e-2)."""
+    name, llm, _ = narrow
+    tok = llm.get_tokenizer()
+    vocab = sorted(set(tok.get_vocab().values()) - set(tok.all_special_ids))
+    rng = random.Random(31)
+    block = llm.llm_engine.config.cache_config.block_size
+    prompts = [[rng.choice(vocab) for _ in range(3 * block)] for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+    cold_kv, hit_contexts = [], []
+
+    def forward(self, query, key, value, kv_cache, attn_metadata):
+        p = attn_metadata.prefills
+        if len(p) == 1 and p[0].context_len == 0:
+            cold_kv.append((key.clone(), value.clone()))
+        elif len(p) == 1 and p[0].context_len:
+            ctx = p[0].context_len
+            hit_contexts.append(ctx)
+            k, v = cold_kv[len(hit_contexts) - 1]
+            key, value = k[ctx:].clone(), v[ctx:].clone()
+        return attention_forward(self, query, key, value, kv_cache, attn_metadata)
+
+    attention_forward = Attention.forward
+    monkeypatch.setattr(Attention, "forward", forward)
+    worst = 0.0
+    for ids in prompts:
+        cold_kv.clear()
+        hit_contexts.clear()
+        cold, hit = (llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+                     .outputs[0] for _ in range(2))
+        assert hit_contexts and set(hit_contexts) == {2 * block}, hit_contexts  # a prefix hit
+        assert len(hit_contexts) == len(cold_kv)
+        a, b = cold.logprobs[0], hit.logprobs[0]
+        assert cold.token_ids == hit.token_ids
+        worst = max([worst] + [abs(a[t].logprob - b[t].logprob) for t in a.keys() & b.keys()])
+    assert worst < 5e-4, (name, worst)
 
 
 @pytest.mark.parametrize("bad", ["int8", "fp8", "bf16", 16, None])
