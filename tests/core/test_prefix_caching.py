@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedlm import LLM, SamplingParams
-from tests.compare_utils import assert_greedy_outputs_match
+from tests.compare_utils import MODES, assert_greedy_outputs_match, assert_outputs_bitwise_equal
 
 # About 200 tokens: 12 shared blocks of 16, enough to tell computed from cached (the 24-rule
 # version took 100 s of the suite for no extra coverage).
@@ -17,6 +17,7 @@ QUESTIONS = ["Where do poetry books go?", "How are atlases sorted?", "What about
 PROMPTS = [f"{SYSTEM}\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
 # A cache hit computes the prompt's last tokens against cached K/V instead of the whole prompt
 # at once: the logits differ in the last bits, so outputs match up to a near-tie (logprobs=2).
+# Under deterministic=True (issue 31) they are the same bits, logprobs included.
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
 
 
@@ -24,17 +25,41 @@ def greedy(llm, prompts=PROMPTS):
     return [o.outputs[0] for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
 
 
+def assert_same(ref, got, deterministic):
+    if deterministic:
+        assert_outputs_bitwise_equal(ref, got)
+    else:
+        assert_greedy_outputs_match(ref, got)
+
+
 @pytest.fixture(scope="module")
-def reference():
-    llm = LLM(enable_prefix_caching=False, kv_cache_memory_bytes=256 * 2**20)
-    return llm, greedy(llm)
+def references():
+    """references(deterministic) -> (an engine without prefix caching, its outputs), built on
+    first use."""
+    built = {}
+
+    def get(deterministic: bool = False):
+        if deterministic not in built:
+            llm = LLM(enable_prefix_caching=False, kv_cache_memory_bytes=256 * 2**20,
+                      deterministic=deterministic)
+            built[deterministic] = llm, greedy(llm)
+        return built[deterministic]
+
+    return get
 
 
-def test_shared_prefix_is_computed_once(reference):
-    ref_llm, ref = reference
-    llm = LLM(enable_prefix_caching=True, kv_cache_memory_bytes=256 * 2**20)
+@pytest.fixture(scope="module")
+def reference(references):
+    return references()
+
+
+@pytest.mark.parametrize("deterministic", MODES)
+def test_shared_prefix_is_computed_once(references, deterministic):
+    ref_llm, ref = references(deterministic)
+    llm = LLM(enable_prefix_caching=True, kv_cache_memory_bytes=256 * 2**20,
+              deterministic=deterministic)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    assert_greedy_outputs_match(ref, [o.outputs[0] for o in outs])
+    assert_same(ref, [o.outputs[0] for o in outs], deterministic)
     tok = llm.get_tokenizer()
     total = sum(len(o.prompt_token_ids) for o in outs)
     common = len(tok(SYSTEM + "\nQuestion:").input_ids) - 1  # margin for the joint token
@@ -50,14 +75,17 @@ def test_shared_prefix_is_computed_once(reference):
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
 
 
-def test_cache_survives_across_batches_and_eviction_keeps_outputs_right(reference):
-    _, ref = reference
+@pytest.mark.parametrize("deterministic", MODES)
+def test_cache_survives_across_batches_and_eviction_keeps_outputs_right(references,
+                                                                        deterministic):
+    _, ref = references(deterministic)
     # 40 blocks: one batch's prefix fits, but other prompts in between force evictions.
-    llm = LLM(enable_prefix_caching=True, num_gpu_blocks_override=40, max_num_seqs=4)
+    llm = LLM(enable_prefix_caching=True, num_gpu_blocks_override=40, max_num_seqs=4,
+              deterministic=deterministic)
     stats, bm = llm.llm_engine.stats, llm.llm_engine.block_manager
-    assert_greedy_outputs_match(ref[:2], greedy(llm, PROMPTS[:2]))
+    assert_same(ref[:2], greedy(llm, PROMPTS[:2]), deterministic)
     before = stats.num_prompt_tokens
-    assert_greedy_outputs_match(ref[2:4], greedy(llm, PROMPTS[2:4]))
+    assert_same(ref[2:4], greedy(llm, PROMPTS[2:4]), deterministic)
     second = stats.num_prompt_tokens - before
     assert second < 0.3 * sum(len(llm.get_tokenizer()(p).input_ids) for p in PROMPTS[2:4])
     # Unrelated long prompts push the old prefix out, least recently used first.
@@ -65,7 +93,7 @@ def test_cache_survives_across_batches_and_eviction_keeps_outputs_right(referenc
     greedy(llm, other)
     assert bm.device.num_evictions > 0
     before = stats.num_prompt_tokens
-    assert_greedy_outputs_match(ref[4:], greedy(llm, PROMPTS[4:]))
+    assert_same(ref[4:], greedy(llm, PROMPTS[4:]), deterministic)
     assert stats.num_prompt_tokens - before > 0
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
 
