@@ -16,7 +16,6 @@ from pagedlm.attention.backends.native import kernel_plan, prefill_plan
 from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
-from pagedlm.kernels import gemv
 from tests.conftest import needs_gcc
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16]
@@ -102,19 +101,11 @@ def test_prefix_hit_is_bitwise_cold_prefill(kv_cache_dtype):
     assert warm == cold
 
 
-# Without the AVX-512 panel kernel, float32 linear layers run pagedlm's GEMV kernel up to
-# gemv.GEMV_MAX_ROWS rows and oneDNN past it, whose sums differ in the last bits (and oneDNN's
-# own differ between row counts): a step that computes a few rows (a small chunk, a prefix hit
-# alone with a short remainder) then differs. The GEMM part of issue 31 is still to do.
-# On panel-kernel (AVX-512) builds every row count takes the panel kernel, so this should pass
-# there, but no AVX-512 machine has run it yet: until one has, it must not fail CI there.
-_ROW_COUNT_GEMM = pytest.mark.xfail(
-    strict=gemv.panel_width() == 0,
-    reason="linear layers switch kernels by row count on builds without the panel kernel "
-           "(strict there); not yet run on a panel-kernel build")
-
-
-@_ROW_COUNT_GEMM
+# A step that computes a few rows (a small chunk, a prefix hit alone with a short remainder)
+# gives the bits of a cold prefill only where every float32 linear layer runs one kernel with
+# one sum order per output at every row count: the panel kernel (AVX2 or AVX-512 builds), or,
+# under deterministic=True without it, the GEMV kernel at every row count. Before the AVX2 panel
+# kernel this failed on AVX2 machines (GEMV up to gemv.GEMV_MAX_ROWS rows, oneDNN past them).
 @needs_gcc
 def test_small_chunks_and_a_lone_prefix_hit_are_bitwise_cold_prefill():
     kw = dict(deterministic=True, kv_cache_memory_bytes=32 * 2**20)
