@@ -10,15 +10,15 @@ the TP ranks (each computes a slice; no communication unless gather_output), a
 RowParallelLinear splits the input features (each computes a partial sum, then one all-reduce).
 An MLP or attention block is column-then-row, so it costs one all-reduce.
 
-Why oneDNN in UnquantizedLinearMethod: on this class of CPU (AMD EPYC, AVX-512), torch's default
-fp32 GEMM (MKL) reaches 60-140 GFLOPS on the decode and prefill shapes of a small model, while
-oneDNN with a pre-packed weight reaches 160-190 (measured here; see the closing notes of the
-core-engine issue). The packed tensor is opaque, so the plain weight is kept for loading and
-inspection.
-
-At decode batch sizes (up to gemv.GEMV_MAX_ROWS rows) a float32 layer runs on pagedlm's own
-GEMV kernel instead, which streams the weight as fast as oneDNN or faster and which the fused
-decode stack can call from C (gemv.py).
+A float32 layer runs on pagedlm's panel kernel at every row count where the build has it (AVX2
+or AVX-512): as fast as oneDNN's packed GEMM or faster from 1 row to 2048 (an AVX-512 Xeon at
+2 threads, an AVX2-only EPYC at 1; gemv.py has the figures), callable from C by the fused
+decode stack, and with each output one FMA chain over K whatever the batch. Without it, up to
+gemv.GEMV_MAX_ROWS rows it runs on pagedlm's GEMV kernel, which streams the row-major weight
+as fast as oneDNN or faster, and past them on oneDNN with a pre-packed weight: on an AVX-512
+AMD EPYC, torch's default fp32 GEMM (MKL) reaches 60-140 GFLOPS on the decode and prefill
+shapes of a small model, oneDNN 160-190 (see the closing notes of the core-engine issue). The
+packed tensors are opaque, so the plain weight is kept for loading and inspection.
 """
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ class LinearMethodBase(ABC):
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A dense weight [out, in]; the matmul runs on the panel kernel's packed copy of it, or
-    where that kernel does not run (no AVX-512), on the GEMV kernel for a few rows and oneDNN's
+    where that kernel does not run (no AVX2), on the GEMV kernel for a few rows and oneDNN's
     packed copy past them (gemv.py). Deterministic, it runs the GEMV kernel at every row count
     where there are no panels: its sum for one output reads one W row against one x row in a
     fixed K order, whatever the x tile the row sits in or the thread that owns the W row
