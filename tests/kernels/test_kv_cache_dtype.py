@@ -10,6 +10,7 @@ import pytest
 from pagedlm import LLM, SamplingParams
 from pagedlm.attention.layer import Attention
 from pagedlm.engine.arg_utils import EngineArgs
+from tests.conftest import needs_gcc
 
 # A shared preamble longer than a block, so prompts have full blocks for the prefix cache.
 PREAMBLE = ("You are a helpful assistant. Answer briefly and precisely, in plain English, and "
@@ -86,6 +87,27 @@ def test_narrow_cache_prefix_caching_and_swap(narrow):
     assert_same_run(run(small), got)
     stats = small.llm_engine.stats
     assert stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out
+
+
+@needs_gcc
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_deterministic_prefix_caching_and_swap_are_bitwise(name):
+    """Under deterministic=True (issue 31) every row attends over the K/V as stored, in one sum
+    order, and no sum depends on the batch: a prefix-cache hit and swap preemption give a narrow
+    cache's own cold outputs bit for bit, where the default needs assert_same_run's margins."""
+    llm = LLM(kv_cache_memory_bytes=BUDGET, kv_cache_dtype=name, deterministic=True)
+    cold = run(llm)
+    bm = llm.llm_engine.block_manager
+    hits = bm.prefix_hits
+    assert run(llm) == cold
+    assert bm.prefix_hits > hits
+    llm.shutdown()
+    small = LLM(num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.25,
+                kv_cache_dtype=name, deterministic=True)
+    assert run(small) == cold
+    stats = small.llm_engine.stats
+    assert stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out
+    small.shutdown()
 
 
 def test_prefix_hit_attends_over_the_kv_as_stored(narrow, monkeypatch):
