@@ -11,6 +11,12 @@ All slots sit side by side, so one step's tokens of any mix of adapters take two
 The mask is built once per step and width (LoRABatch) and shared by every layer. A step with no
 adapter skips all of it.
 
+Deterministic (ModelConfig.deterministic): those two GEMMs' sum orders change with the number of
+tokens and of slots in the step, so a token's delta would depend on its batch. Each slot's
+tokens then take two calls of the GEMV kernel on that slot's own A [R, in] and B [out, R], whose
+sum for one output is one row against one row in a fixed order whatever the row count
+(gemv.py); tokens without an adapter get no delta at all.
+
 Tensor parallelism follows the base layer: a column layer's B is sliced by the base layer's own
 weight_loader (so QKV head replication is handled the same way), a row layer's A is sliced on
 its input; its delta is added to the partial sum before the all-reduce, which sums it as well.
@@ -20,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlm.kernels import gemv
 from pagedlm.model_executor.layers.linear import (ColumnParallelLinear,
                                                   MergedColumnParallelLinear, QKVParallelLinear,
                                                   RowParallelLinear)
@@ -28,12 +35,15 @@ from pagedlm.model_executor.layers.linear import (ColumnParallelLinear,
 class LoRABatch:
     """The step's token -> slot mapping, shared by every LoRA layer of one model."""
 
-    def __init__(self, max_loras: int) -> None:
+    def __init__(self, max_loras: int, deterministic: bool = False) -> None:
         self.max_loras = max_loras
+        self.deterministic = deterministic
         self.active = False
         self.num_slots = 0  # slots [0, num_slots) cover every adapter in the step
         self.token_slots: torch.Tensor | None = None
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        # Deterministic: (slot, the indices of its tokens) for each slot with tokens this step.
+        self.slot_rows: list[tuple[int, torch.Tensor]] = []
 
     def set(self, token_slots: torch.Tensor | None) -> None:
         """token_slots [num_tokens]: each token's slot, -1 for the base model; None: no adapter
@@ -42,6 +52,12 @@ class LoRABatch:
         self.token_slots = token_slots
         self.active = token_slots is not None
         self.num_slots = int(token_slots.max()) + 1 if self.active else 0
+        self.slot_rows = []
+        if self.active and self.deterministic:
+            for slot in range(self.num_slots):
+                rows = torch.nonzero(token_slots == slot).squeeze(1)
+                if rows.numel():
+                    self.slot_rows.append((slot, rows))
 
     def mask(self, rank_per_slot: int, dtype: torch.dtype) -> torch.Tensor:
         key = (rank_per_slot, dtype)
@@ -73,11 +89,30 @@ class BaseLayerWithLoRA(nn.Module):
                              persistent=False)
         self.register_buffer("lora_b_t", torch.zeros(n, out_dim, dtype=dtype, device=dev),
                              persistent=False)
+        # Deterministic: each slot's B [out, R] as well, the layout the GEMV kernel reads.
+        if batch.deterministic and not gemv.runs(self.lora_a):
+            raise ValueError(f"deterministic=True needs pagedlm's native kernels for LoRA; "
+                             f"{dtype} layers cannot run on them (float32 only, and not with "
+                             f"PAGEDLM_DISABLE_KERNELS).")
+        self.register_buffer("lora_b", torch.zeros(batch.max_loras, out_dim, self.rank_per_slot,
+                                                   dtype=dtype, device=dev)
+                             if batch.deterministic else None, persistent=False)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_b is not None:
+            return self._delta_per_slot(x)
         w = self.batch.num_slots * self.rank_per_slot
         shrunk = x @ self.lora_a[:w].T
         return (shrunk * self.batch.mask(self.rank_per_slot, x.dtype)) @ self.lora_b_t[:w]
+
+    def _delta_per_slot(self, x: torch.Tensor) -> torch.Tensor:
+        """What `delta` computes, each slot's tokens on their own, one sum order per output."""
+        out = torch.zeros(x.shape[0], self.lora_b.shape[1], dtype=x.dtype, device=x.device)
+        r = self.rank_per_slot
+        for slot, rows in self.batch.slot_rows:
+            shrunk = gemv.gemv(x[rows], self.lora_a[slot * r:(slot + 1) * r])
+            out[rows] = gemv.gemv(shrunk, self.lora_b[slot])
+        return out
 
     # -- adapter weights ----------------------------------------------------------------------
     @property
@@ -134,6 +169,8 @@ class BaseLayerWithLoRA(nn.Module):
         else:
             self.lora_a[rows].copy_(weights[0])
             self.lora_b_t[rows].copy_(weights[1])
+        if self.lora_b is not None:
+            self.lora_b[slot].copy_(self.lora_b_t[rows].T)
 
     def extra_repr(self) -> str:
         return f"slots={self.batch.max_loras}, rank_per_slot={self.rank_per_slot}"

@@ -117,12 +117,12 @@ class LoRAModelManager:
     model); `set_active_loras` puts the step's adapters into slots."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
-                 pipeline_parallel: bool = False) -> None:
+                 pipeline_parallel: bool = False, deterministic: bool = False) -> None:
         self.model = model
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         # With pipeline stages a valid adapter names layers this rank does not have.
         self.pipeline_parallel = pipeline_parallel
-        self.batch = LoRABatch(max_loras)
+        self.batch = LoRABatch(max_loras, deterministic)
         self.layers: dict[str, BaseLayerWithLoRA] = {}
         for name, module in list(model.named_modules()):
             cls = lora_layer_class(module)

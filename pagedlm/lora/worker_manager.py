@@ -16,10 +16,12 @@ from pagedlm.model_io import LoRAStats
 class WorkerLoRAManager:
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int, pipeline_parallel: bool = False) -> None:
+                 max_cpu_loras: int, pipeline_parallel: bool = False,
+                 deterministic: bool = False) -> None:
         self.max_cpu_loras = max_cpu_loras
         self.max_lora_rank = max_lora_rank
-        self.manager = LoRAModelManager(model, max_loras, max_lora_rank, pipeline_parallel)
+        self.manager = LoRAModelManager(model, max_loras, max_lora_rank, pipeline_parallel,
+                                        deterministic)
         self._cache: OrderedDict[int, tuple[LoRARequest, SlotWeights]] = OrderedDict()
         self.stats = LoRAStats()
 

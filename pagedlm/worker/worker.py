@@ -75,7 +75,8 @@ class Worker:
         if lc is not None:
             self.lora_manager = WorkerLoRAManager(
                 self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras,
-                pipeline_parallel=self.config.parallel_config.pipeline_parallel_size > 1)
+                pipeline_parallel=self.config.parallel_config.pipeline_parallel_size > 1,
+                deterministic=self.model_config.deterministic)
         self.runner = ModelRunner(self.model_config, self.model, self.cache_config.block_size,
                                   self.eos_token_ids, self.lora_manager)
 
