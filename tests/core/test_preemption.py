@@ -1,12 +1,13 @@
 """Preemption under a KV cache too small for the batch: by recompute and by swap, greedy outputs
 equal those of a roomy cache (up to a near-tie), sampled ones run to completion, the counters
-show it happened, and every block comes back."""
+show it happened, and every block comes back. Under deterministic=True (issue 31) greedy and
+sampled outputs are bitwise those of the roomy cache."""
 from __future__ import annotations
 
 import pytest
 
 from pagedlm import LLM, SamplingParams
-from tests.compare_utils import assert_greedy_outputs_match
+from tests.compare_utils import MODES, assert_greedy_outputs_match, assert_outputs_bitwise_equal
 
 PROMPTS = ["The history of the printing press", "List three prime numbers:",
            "A short poem about rain:", "def add(a, b):", "Translate 'good morning' to French:",
@@ -16,23 +17,50 @@ PROMPTS = ["The history of the printing press", "List three prime numbers:",
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
 # Forked groups (n=3) preempted and resumed. The same last-bit noise can move a draw anywhere
 # (measured: flips between neighbouring token ids, inverse-CDF sampling's boundaries), so these
-# are not compared with the roomy run; each must run to max_tokens.
+# are not compared with the roomy run in the default mode; each must run to max_tokens.
 SAMPLED = SamplingParams(n=3, temperature=1.0, top_k=20, seed=7, max_tokens=24, ignore_eos=True)
 
 
 def run(llm):
+    """(greedy outputs, the sampled groups' outputs in order)."""
     greedy = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     sampled = llm.generate(PROMPTS[:4], SAMPLED, use_tqdm=False)
     for o in sampled:
         assert [c.index for c in o.outputs] == [0, 1, 2]
         assert all(len(c.token_ids) == 24 and c.finish_reason == "length" for c in o.outputs)
-    return greedy
+    return greedy, [c for o in sampled for c in o.outputs]
 
 
 @pytest.fixture(scope="module")
-def reference():
-    llm = LLM(kv_cache_memory_bytes=256 * 2**20)
-    return [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+def references():
+    """references(deterministic) -> the roomy cache's (greedy, sampled) outputs, built on first
+    use; sampled is None in the default mode, which does not compare them."""
+    built = {}
+
+    def get(deterministic: bool = False):
+        if deterministic not in built:
+            llm = LLM(kv_cache_memory_bytes=256 * 2**20, deterministic=deterministic)
+            built[deterministic] = (run(llm) if deterministic else
+                                    ([o.outputs[0] for o in llm.generate(PROMPTS, GREEDY,
+                                                                         use_tqdm=False)],
+                                     None))
+            llm.shutdown()
+        return built[deterministic]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references()
+
+
+def assert_keeps_outputs(ref, got):
+    (ref_greedy, ref_sampled), (greedy, sampled) = ref, got
+    if ref_sampled is None:
+        assert_greedy_outputs_match(ref_greedy, greedy)
+    else:
+        assert_outputs_bitwise_equal(ref_greedy + ref_sampled, greedy + sampled)
 
 
 def assert_all_blocks_free(llm):
@@ -43,21 +71,24 @@ def assert_all_blocks_free(llm):
     assert not (sched.waiting or sched.running or sched.swapped)
 
 
+@pytest.mark.parametrize("deterministic", MODES)
 @pytest.mark.parametrize("caching", [True, False])
-def test_recompute_preemption_keeps_outputs(reference, caching):
+def test_recompute_preemption_keeps_outputs(references, caching, deterministic):
     # 14 blocks of 16 tokens for 8 sequences growing to ~50 tokens (4 blocks each).
     llm = LLM(num_gpu_blocks_override=14, preemption_mode="recompute",
-              enable_prefix_caching=caching)
-    assert_greedy_outputs_match(reference, run(llm))
+              enable_prefix_caching=caching, deterministic=deterministic)
+    assert_keeps_outputs(references(deterministic), run(llm))
     stats = llm.llm_engine.stats
     assert stats.num_preemptions > 0 and stats.num_swapped_out == 0
     assert_all_blocks_free(llm)
 
 
-def test_swap_preemption_keeps_outputs(reference):
-    llm = LLM(num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.25)
+@pytest.mark.parametrize("deterministic", MODES)
+def test_swap_preemption_keeps_outputs(references, deterministic):
+    llm = LLM(num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.25,
+              deterministic=deterministic)
     assert llm.llm_engine.block_manager.cpu.num_blocks > 0
-    assert_greedy_outputs_match(reference, run(llm))
+    assert_keeps_outputs(references(deterministic), run(llm))
     stats = llm.llm_engine.stats
     assert stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out
     # Every preemption was a swap: the host pool had room.
@@ -71,7 +102,7 @@ def test_swap_falls_back_to_recompute_when_host_pool_is_too_small(reference):
     llm = LLM(num_gpu_blocks_override=14, preemption_mode="swap",
               swap_space=2 * per_block / 2**30)
     assert llm.llm_engine.block_manager.cpu.num_blocks == 2
-    assert_greedy_outputs_match(reference, run(llm))
+    assert_greedy_outputs_match(reference[0], run(llm)[0])
     stats = llm.llm_engine.stats
     assert stats.num_preemptions > 0
     assert stats.num_swapped_out < stats.num_preemptions
