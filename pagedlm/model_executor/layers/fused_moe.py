@@ -35,6 +35,7 @@ from torch import nn
 
 from pagedlm.distributed.parallel_state import get_tp_group
 from pagedlm.kernels import fused_ops, gemv
+from pagedlm.model_executor.layers.activation import per_element
 from pagedlm.model_executor.layers.linear import ReplicatedLinear
 from pagedlm.model_executor.model_loader.weight_utils import check_shape
 
@@ -95,13 +96,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 
 def sigmoid_per_element(x: torch.Tensor) -> torch.Tensor:
-    """torch.sigmoid with every element through the same code. On a contiguous tensor torch
-    computes whole vector blocks with one exp and the leftover elements with another, which
-    differ in the last bit, so an element's result would depend on its place in the batch; a
-    strided view makes every element take the scalar loop."""
-    strided = torch.empty(x.numel(), 2, dtype=x.dtype, device=x.device)[:, 0]
-    strided.copy_(x.reshape(-1))
-    return torch.sigmoid(strided).view(x.shape)
+    """torch.sigmoid with every element through the same code (activation.per_element says
+    why), for gates under the deterministic mode."""
+    return per_element(torch.sigmoid, x)
 
 
 class TopKRouter(ReplicatedLinear):

@@ -107,11 +107,12 @@ class GemmaAttention(nn.Module):
 
 class GemmaMLP(nn.Module):
 
-    def __init__(self, hidden: int, intermediate: int, approximate: str) -> None:
+    def __init__(self, hidden: int, intermediate: int, approximate: str,
+                 deterministic: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
                                                        bias=False)
-        self.act = GeluAndMul(approximate)
+        self.act = GeluAndMul(approximate, deterministic)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,8 @@ class GemmaDecoderLayer(nn.Module):
         hf = cfg.hf_config
         eps = cfg.get_hf("rms_norm_eps", 1e-6)
         self.self_attn = GemmaAttention(cfg, layer, rotary, attn_backend, qk_norm)
-        self.mlp = GemmaMLP(hf.hidden_size, hf.intermediate_size, _gelu_approximation(cfg))
+        self.mlp = GemmaMLP(hf.hidden_size, hf.intermediate_size, _gelu_approximation(cfg),
+                            cfg.deterministic)
         self.input_layernorm = GemmaRMSNorm(hf.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hf.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hf.hidden_size, eps)

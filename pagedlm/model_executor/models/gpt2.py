@@ -71,10 +71,10 @@ class GPT2Attention(nn.Module):
 
 class GPT2MLP(nn.Module):
 
-    def __init__(self, hidden: int, inner: int, act: str) -> None:
+    def __init__(self, hidden: int, inner: int, act: str, deterministic: bool = False) -> None:
         super().__init__()
         self.c_fc = ColumnParallelLinear(hidden, inner, bias=True)
-        self.act = get_act_fn(act, "activation_function")
+        self.act = get_act_fn(act, "activation_function", deterministic)
         self.c_proj = RowParallelLinear(inner, hidden, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ class GPT2Block(nn.Module):
         self.attn = GPT2Attention(cfg, layer_idx, attn_backend)
         self.ln_2 = nn.LayerNorm(hidden, eps=eps)
         self.mlp = GPT2MLP(hidden, cfg.get_hf("n_inner") or 4 * hidden,
-                           cfg.get_hf("activation_function", "gelu_new"))
+                           cfg.get_hf("activation_function", "gelu_new"), cfg.deterministic)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -80,7 +80,8 @@ class OPTDecoderLayer(nn.Module):
         self.self_attn = OPTAttention(cfg, bias, attn_backend)
         self.self_attn_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine)
         self.fc1 = ColumnParallelLinear(hf.hidden_size, hf.ffn_dim, bias=bias)
-        self.act = get_act_fn(cfg.get_hf("activation_function", "relu"), "activation_function")
+        self.act = get_act_fn(cfg.get_hf("activation_function", "relu"), "activation_function",
+                              cfg.deterministic)
         self.fc2 = RowParallelLinear(hf.ffn_dim, hf.hidden_size, bias=bias)
         self.final_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine)
 

@@ -48,10 +48,12 @@ class _GatedAct(nn.Module):
 
 class Phi3MLP(nn.Module):
 
-    def __init__(self, hidden: int, intermediate: int, hidden_act: str) -> None:
+    def __init__(self, hidden: int, intermediate: int, hidden_act: str,
+                 deterministic: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
-        act = get_act_fn(hidden_act, "hidden_act")
+        # The native SiluAndMul runs every row's elements through one code path already.
+        act = get_act_fn(hidden_act, "hidden_act", deterministic and hidden_act != "silu")
         self.act = SiluAndMul() if isinstance(act, nn.SiLU) else _GatedAct(act)
         self.down_proj = RowParallelLinear(intermediate, hidden)
 
@@ -66,7 +68,8 @@ def _phi3_layer(cfg: ModelConfig, rotary: RotaryEmbedding, attn_backend: Attenti
     window every layer (sliding_window, e.g. 2047 in Phi-3-mini)."""
     hf = cfg.hf_config
     attn = LlamaAttention(cfg, rotary, attn_backend, layer, qkv_bias=False, o_bias=False)
-    mlp = Phi3MLP(hf.hidden_size, hf.intermediate_size, cfg.get_hf("hidden_act", "silu"))
+    mlp = Phi3MLP(hf.hidden_size, hf.intermediate_size, cfg.get_hf("hidden_act", "silu"),
+                  cfg.deterministic)
     return LlamaDecoderLayer(cfg, rotary, attn_backend, layer, self_attn=attn, mlp=mlp)
 
 
