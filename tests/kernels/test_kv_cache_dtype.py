@@ -63,14 +63,19 @@ def assert_same_run(got, want):
     """The same greedy tokens; logprobs close. A prefix read from the cache goes through the
     paged kernel, a fresh one through SDPA: same values, other sums, and a float32 difference
     in the last bit can flip the 2-byte rounding of a later token's K/V (one bf16 step is
-    0.4%), which is how a 6e-3 logprob difference was measured here."""
+    0.4%), which is how a 6e-3 logprob difference was measured here. The flips compound over
+    the layers (1 K element at layer 1, ~700 of 3072 by layer 14): reruns of 48-token prompts
+    differed by up to 0.037 (benchmarks/determinism.py) and this test by 0.028 after the AVX2
+    panel kernel changed the float32 sums, which is the bfloat16 cache's own error against a
+    float32 cache (0.005-0.024 on first tokens). So the margin is 5e-2; bit-for-bit agreement
+    is what deterministic mode gives (test_deterministic_prefix_caching_and_swap_are_bitwise)."""
     # Such a flip can also, rarely, tip a greedy near-tie (seen once in 8 prompts x 32 tokens
     # with float16): at most one prompt may part ways, and only after agreeing logprobs.
     same = 0
     for (g_ids, g_lp), (w_ids, w_lp) in zip(got, want):
         same += g_ids == w_ids
         n = next((i for i, (a, b) in enumerate(zip(g_ids, w_ids)) if a != b), len(w_ids))
-        assert n > 0 and max(abs(a - b) for a, b in zip(g_lp[:n], w_lp[:n])) < 2e-2
+        assert n > 0 and max(abs(a - b) for a, b in zip(g_lp[:n], w_lp[:n])) < 5e-2
     assert same >= len(want) - 1, f"only {same} of {len(want)} prompts identical"
 
 
