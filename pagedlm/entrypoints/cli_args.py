@@ -71,15 +71,12 @@ _HELP = {
                     "Default: float weights.",
     "structured_outputs_backend": "Library that compiles requests' structured-output grammars "
                                   "(JSON schema, regex, choice, EBNF): xgrammar.",
-    "deterministic": "Bitwise-reproducible outputs (being built, issue 31): the goal is the same "
-                     "token ids and logprobs for a request however the engine runs it (batch, "
-                     "chunking, prefix cache, preemption, threads), for a fixed block size and "
-                     "KV-cache dtype on one machine and build. Guaranteed so far: attention "
-                     "gives a row the same bits whether its prefix was computed fresh, in other "
-                     "chunks or read from the prefix cache (every row reads the K/V as stored, "
-                     "through the paged kernel); whole outputs match only where the linear "
-                     "layers run one kernel at every row count (the panel kernel: AVX2, AVX-512). "
-                     "Needs the native kernels (float32 model on the CPU).",
+    "deterministic": "Bitwise-reproducible outputs: a request's token ids and logprobs do not "
+                     "depend on how the engine runs it (batch size and mix, chunking, prefix "
+                     "cache, preemption, threads), for a fixed block size and KV-cache dtype on "
+                     "one machine and build, one worker (not tensor/pipeline parallel). Every "
+                     "kernel then sums in an order set by the row alone; costs prefill time. "
+                     "Needs the native kernels (float32 activations on the CPU).",
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
