@@ -35,10 +35,13 @@ def format_len(span: tuple[int, int]) -> str:
 
 
 def ordinary_token_ids(tokenizer) -> list[int]:
-    """Ids of a transformers tokenizer's ordinary tokens, sorted. Special and added tokens (BOS,
-    EOS, chat-template markers) would change what the model does, so prompts never hold them."""
-    excluded = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    return sorted(set(tokenizer.get_vocab().values()) - excluded)
+    """Ids of a transformers tokenizer's non-special tokens, sorted. Special tokens (BOS, EOS,
+    chat markers) would change what the model does, so prompts never hold them. Added tokens
+    that are not special stay in: the vocabulary's size decides how many random draws each
+    token takes, so a different list would change every later request's lengths too, and
+    `--baseline-commit` legs, which run the old commit's own script, would no longer run the
+    same requests."""
+    return sorted(set(tokenizer.get_vocab().values()) - set(tokenizer.all_special_ids))
 
 
 def make_requests(vocab: list[int], n: int, input_len: tuple[int, int],

@@ -95,7 +95,9 @@ def test_narrow_cache_prefix_caching_and_swap(narrow):
 
 
 @needs_gcc
-@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+# bfloat16 only: float16 goes through the same paths with another conversion (its write and
+# reads are covered by the kernel tests above), and each dtype costs about two minutes of CPU.
+@pytest.mark.parametrize("name", ["bfloat16"])
 def test_deterministic_prefix_caching_and_swap_are_bitwise(name):
     """Under deterministic=True (issue 31) every row attends over the K/V as stored, in one sum
     order, and no sum depends on the batch: a prefix-cache hit and swap preemption give a narrow
