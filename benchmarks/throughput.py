@@ -114,7 +114,9 @@ def parse_args():
                    help="torch.set_num_threads for both runs (default: torch's choice)")
     p.add_argument("--quantization", nargs="+", default=None,
                    choices=["none", "gguf", "int8", "int4"],
-                   help="run pagedlm once per weight format listed (none: float32)")
+                   help="one value: the weight format of every pagedlm run (baselines and "
+                        "--repeats included); several: pagedlm once per format listed, compared "
+                        "with a roofline column (none: float32)")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--output-json", default=None, help="write config and all figures here")
     p.add_argument("--no-tqdm", action="store_true")
@@ -150,6 +152,10 @@ def run_pagedlm(requests, args, model_file, **overrides):
         "distributed_executor_backend": args.distributed_executor_backend,
         "trace_file": args.trace_file,
         "deterministic": args.deterministic or None,
+        # One --quantization value is the run's weight format (so baselines and --repeats apply
+        # to it); several are compared by run_quantizations.
+        "quantization": (args.quantization[0] if args.quantization and len(args.quantization) == 1
+                         and args.quantization[0] != "none" else None),
     }.items() if v is not None}
     engine_kwargs.update(overrides)
     start = time.perf_counter()
@@ -283,7 +289,7 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"gguf_file": gguf} if gguf else {}))
     requests = workload(tokenizer, args)
 
-    if args.quantization:
+    if args.quantization and len(args.quantization) > 1:
         run_quantizations(requests, args, model_file)
         return
     baselines = [args.baseline] if args.baseline != "none" else []
