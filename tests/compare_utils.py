@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import pytest
 
 from pagedlm.outputs import CompletionOutput
-from tests.conftest import needs_gcc
+from tests.conftest import needs_kernels
 
 # Logprob gap under which two tokens count as tied. Float32 reordering moves SmolLM2's logprobs
 # by ~1e-5; a real difference (a wrong cache block, a wrong shard) moves them by far more.
@@ -85,7 +85,7 @@ def assert_greedy_logprobs_match(refs: Sequence[CompletionOutput],
 # Parametrize a cross-path test over both modes: the default, compared as above, and
 # deterministic=True (issue 31), whose paths must agree bitwise (it needs the native kernels).
 MODES = [pytest.param(False, id="default"),
-         pytest.param(True, marks=needs_gcc, id="deterministic")]
+         pytest.param(True, marks=needs_kernels, id="deterministic")]
 
 
 def _bits(out: CompletionOutput) -> tuple:

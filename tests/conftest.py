@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from pagedlm.kernels.loader import kernels_disabled
+
 
 def pytest_configure(config):
     # Under pytest-xdist the cores are shared by the workers: more torch threads than cores
@@ -60,9 +62,12 @@ def hf_default_model(default_model_dir):
     return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
 
 
-# The native kernels are built with gcc at first use; without it every op takes its PyTorch
-# path, which the tests of that path cover.
-needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
+# The native kernels are built with gcc at first use; without it, or with
+# PAGEDLM_DISABLE_KERNELS=1, every op takes its PyTorch path, which the tests of that path cover
+# (and deterministic=True, which needs the kernels, is refused).
+needs_kernels = pytest.mark.skipif(
+    shutil.which("gcc") is None or kernels_disabled(),
+    reason="the native kernels are off (no C compiler, or PAGEDLM_DISABLE_KERNELS=1)")
 
 
 def make_tiny_model(root, arch: str, default_model_dir: str, **overrides) -> str:

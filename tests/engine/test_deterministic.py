@@ -16,7 +16,7 @@ from pagedlm.attention.backends.native import kernel_plan, prefill_plan
 from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
-from tests.conftest import needs_gcc
+from tests.conftest import needs_kernels
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16]
 
@@ -57,7 +57,7 @@ def _step(backend, q, k, v, k_cache, v_cache, spans, block_table):
     return backend.forward(qs, ks, vs, k_cache, v_cache, meta, 0.125)[5:]
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_attention_rows_do_not_depend_on_how_the_context_was_computed(cache_dtype):
     """A 50-token prompt (3 kv heads of 3 query heads, blocks of 16, shuffled) fresh in one
@@ -86,7 +86,7 @@ def test_attention_rows_do_not_depend_on_how_the_context_was_computed(cache_dtyp
         torch.set_num_threads(threads)
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 def test_prefix_hit_is_bitwise_cold_prefill(kv_cache_dtype):
     llm = LLM(deterministic=True, enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype,
@@ -106,7 +106,7 @@ def test_prefix_hit_is_bitwise_cold_prefill(kv_cache_dtype):
 # one sum order per output at every row count: the panel kernel (AVX2 or AVX-512 builds), or,
 # under deterministic=True without it, the GEMV kernel at every row count. Before the AVX2 panel
 # kernel this failed on AVX2 machines (GEMV up to gemv.GEMV_MAX_ROWS rows, oneDNN past them).
-@needs_gcc
+@needs_kernels
 def test_small_chunks_and_a_lone_prefix_hit_are_bitwise_cold_prefill():
     kw = dict(deterministic=True, kv_cache_memory_bytes=32 * 2**20)
     llm = LLM(enable_prefix_caching=True, **kw)
@@ -118,7 +118,7 @@ def test_small_chunks_and_a_lone_prefix_hit_are_bitwise_cold_prefill():
     assert chunked_out == cold
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_default_keeps_the_fast_paths(cache_dtype):
     """Off by default, and off means the paths of before (a fresh prefill attends over its own

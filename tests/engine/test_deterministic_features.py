@@ -18,9 +18,9 @@ from pagedlm.model_executor.layers.activation import GeluAndMul, get_act_fn
 from pagedlm.model_executor.layers.fused_moe import FusedMoE, Routing, sigmoid_per_element
 from pagedlm.model_executor.layers.linear import ColumnParallelLinear
 from pagedlm.sampling_params import StructuredOutputsParams
-from tests.conftest import make_tiny_model, needs_gcc
+from tests.conftest import make_tiny_model, needs_kernels
 
-pytestmark = needs_gcc  # the mode runs on the native kernels
+pytestmark = needs_kernels  # the mode runs on the native kernels
 
 WORDS = ("the river town market bread green stone window quiet seven blue morning letter "
          "garden train paper silver winter road music table orange cloud bridge north "

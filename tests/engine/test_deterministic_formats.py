@@ -14,7 +14,7 @@ import pytest
 from pagedlm import LLM, SamplingParams
 from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 from pagedlm.model_executor.layers.quantization.base import weight_formats
-from tests.conftest import needs_gcc
+from tests.conftest import needs_kernels
 
 # Two probes: their prefills are 30-60 rows alone (past the default's switch to dequantize +
 # GEMM on AVX2 builds for q8_0/i8) and their decode steps 1-2 rows.
@@ -41,7 +41,7 @@ def _linear_methods(model) -> list[LinearMethodBase]:
             if isinstance(getattr(m, "linear_method", None), LinearMethodBase)]
 
 
-@needs_gcc
+@needs_kernels
 def test_the_switch_reaches_every_float_linear_method():
     model = LLM(deterministic=True).llm_engine.executor.worker.model
     methods = _linear_methods(model)
@@ -51,7 +51,7 @@ def test_the_switch_reaches_every_float_linear_method():
     assert not any(m.deterministic for m in _linear_methods(default))
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("quantization", ["gguf", "int8", "int4"])
 def test_quantized_request_is_bitwise_alone_and_in_a_batch(quantization):
     llm = LLM(deterministic=True, quantization=quantization, kv_cache_memory_bytes=32 * 2**20)

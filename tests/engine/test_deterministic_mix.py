@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from tests.conftest import needs_gcc
+from tests.conftest import needs_kernels
 
 WORDS = ("the river town market bread green stone window quiet seven blue morning letter "
          "garden train paper silver winter road music table orange cloud bridge north "
@@ -197,7 +197,7 @@ def _assert_all_blocks_free(llm: LLM):
     assert bm.cpu.num_free_blocks == bm.cpu.num_blocks and not any(bm.cpu.ref_counts)
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("seed", SEEDS)
 def test_probes_in_a_random_mix_are_bitwise_alone(reference, seed):
     s = draw(seed)

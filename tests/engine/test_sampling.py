@@ -16,7 +16,7 @@ from pagedlm.model_executor.layers.sampler import (
     _apply_penalties,
 )
 from tests.compare_utils import assert_outputs_bitwise_equal
-from tests.conftest import needs_gcc
+from tests.conftest import needs_kernels
 
 # ---------------------------------------------------------------------------------------------
 # Sampler on hand-built logits
@@ -364,7 +364,7 @@ def test_n_greater_than_one(llm):
     assert_all_blocks_free(llm)
 
 
-@needs_gcc
+@needs_kernels
 def test_deterministic_draws_do_not_depend_on_the_batch():
     """Under deterministic=True (issue 31) the two tests above need no batches of one shape: a
     seeded request (n=1 and n=4) and a greedy one give the same tokens and logprobs, bit for

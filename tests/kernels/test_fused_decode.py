@@ -34,15 +34,15 @@ from pagedlm.kernels import gemv
 from pagedlm.model_executor.layers.fused_decode import FusedDecode
 from pagedlm.model_executor.layers.linear import (NativeLinear, UnquantizedLinearMethod,
                                                   WeightFormat)
-from tests.conftest import make_tiny_model, needs_gcc
+from tests.conftest import make_tiny_model, needs_kernels
 
 # Not module-wide: the float32 layer tests' fallback variants run without a compiler too.
-NATIVE_AND_DISABLED = [pytest.param("native", marks=needs_gcc), "disabled"]
+NATIVE_AND_DISABLED = [pytest.param("native", marks=needs_kernels), "disabled"]
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4099, 576), (37, 100), (8, 64)]
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, gemv.GEMV_MAX_ROWS])
 def test_gemv_matches_float64(n, k, m):
@@ -63,7 +63,7 @@ def test_gemv_matches_float64(n, k, m):
     assert torch.equal(one, two) and torch.equal(one + b, got)
 
 
-@needs_gcc
+@needs_kernels
 def test_gemv_rejects_bad_input():
     w = torch.randn(16, 32)
     with pytest.raises(ValueError, match=r"x must be float32 \[M, 32\]"):
@@ -90,7 +90,7 @@ needs_panels = pytest.mark.skipif(not _has_panels(),
 PANEL_ROWS = [1, 5, 6, 7, 9, 12, 13, 25, 64, 192, 200]
 
 
-@needs_gcc
+@needs_kernels
 @needs_panels
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", PANEL_ROWS)
@@ -137,7 +137,7 @@ def _fma_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float32)
 
 
-@needs_gcc
+@needs_kernels
 @needs_panels
 @pytest.mark.parametrize("m,n,k", [(7, 37, 45), (13, 16, 3), (1, 50, 100), (6, 33, 1),
                                    (2, 17, 64)])
@@ -148,7 +148,7 @@ def test_gemm_panels_is_one_fma_chain_per_output(m, n, k):
     assert torch.equal(gemv.gemm_panels(x, gemv.pack_panels(w), n), _fma_chain(x, w))
 
 
-@needs_gcc
+@needs_kernels
 @needs_panels
 @pytest.mark.parametrize("n,k", [(1000, 131), (37, 100), (576, 576)])
 def test_gemm_panels_row_is_batch_invariant(n, k):
@@ -318,7 +318,7 @@ def _run(model: str, fused: bool, monkeypatch, **engine_args):
     return result, fused_decode
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("arch,engine_args", [
     ("llama", {}),
     ("qwen2", {}),
@@ -340,7 +340,7 @@ def test_fused_stack_equals_layer_by_layer(tiny, monkeypatch, arch, engine_args)
     assert stack.max_rows == (sys.maxsize if panels else gemv.GEMV_MAX_ROWS)
 
 
-@needs_gcc
+@needs_kernels
 def test_linear_methods_describe_their_native_form():
     from pagedlm.model_executor.layers.quantization.weight_only import (Int4LinearMethod,
                                                                         Int8LinearMethod)
@@ -378,7 +378,7 @@ def test_linear_methods_describe_their_native_form():
     assert OwnMatmul().native_form(loaded(OwnMatmul())) is None
 
 
-@needs_gcc
+@needs_kernels
 def test_qwen3_layers_are_not_the_standard_block(tmp_path, default_model_dir):
     """Qwen3's q/k norms are work llama_decode.c does not do: its layers run one by one."""
     from tests.models.test_moe import make_tiny_moe_model

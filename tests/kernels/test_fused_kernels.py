@@ -18,12 +18,12 @@ from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from tests.kernels.test_paged_attention import CASES, _dense_reference, _scenario
-from tests.conftest import needs_gcc
+from tests.conftest import needs_kernels
 
 # Not module-wide: the PyTorch paths production takes without a compiler run the same checks.
 
 
-@pytest.fixture(params=[pytest.param("native", marks=needs_gcc), "disabled"])
+@pytest.fixture(params=[pytest.param("native", marks=needs_kernels), "disabled"])
 def kernel_path(request, monkeypatch) -> str:
     """The layers' native kernels, or their PyTorch path (PAGEDLM_DISABLE_KERNELS=1)."""
     if request.param == "disabled":
@@ -70,7 +70,7 @@ def test_silu_and_mul(tokens, inter, kernel_path):
     torch.testing.assert_close(act(x), ref, rtol=2e-6, atol=1e-6)
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [
     (9, 3, 64, None),    # the default model (GQA 3:1)
@@ -98,7 +98,7 @@ def test_rotary_in_place(tokens, heads, kv_heads, head_dim, rotary_dim):
     assert torch.equal(v, v_before)
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("cache_dtype", kernels.kv_types.KERNEL_KV_DTYPES)
 def test_write_kv_rounds_like_torch(cache_dtype):
     g = torch.Generator().manual_seed(3)
@@ -120,7 +120,7 @@ def test_write_kv_rounds_like_torch(cache_dtype):
     torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
 
 
-@needs_gcc
+@needs_kernels
 def test_write_kv_rounds_bfloat16_ties_to_even():
     """Random values almost never sit on a bfloat16 tie. Every upper half, with the lower half
     just under, on and just over the tie: the C write and torch must round them alike, or a
@@ -149,7 +149,7 @@ def _rounded_scenario(scenario, dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", [pytest.param(NativeKernelBackend, marks=needs_gcc),
+@pytest.mark.parametrize("backend", [pytest.param(NativeKernelBackend, marks=needs_kernels),
                                      TorchSDPABackend])
 # Decodes only, decodes with a context chunk, fresh prompts around one, long (SDPA) chunks.
 @pytest.mark.parametrize("case", [1, 4, 5, 6, 8])
@@ -171,7 +171,7 @@ def test_attention_over_narrow_cache(cache_dtype, backend, case, head_dim):
     assert torch.equal(written, key.to(cache_dtype))
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 def test_narrow_cache_window_and_soft_cap(cache_dtype):
     """Sliding window and soft-capping read the narrow cache the same way in both backends."""

@@ -10,7 +10,7 @@ import pytest
 from pagedlm import LLM, SamplingParams
 from pagedlm.attention.layer import Attention
 from pagedlm.engine.arg_utils import EngineArgs
-from tests.conftest import needs_gcc
+from tests.conftest import needs_kernels
 
 # A shared preamble longer than a block, so prompts have full blocks for the prefix cache.
 PREAMBLE = ("You are a helpful assistant. Answer briefly and precisely, in plain English, and "
@@ -94,7 +94,7 @@ def test_narrow_cache_prefix_caching_and_swap(narrow):
     assert stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out
 
 
-@needs_gcc
+@needs_kernels
 # bfloat16 only: float16 goes through the same paths with another conversion (its write and
 # reads are covered by the kernel tests above), and each dtype costs about two minutes of CPU.
 @pytest.mark.parametrize("name", ["bfloat16"])

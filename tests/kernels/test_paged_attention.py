@@ -16,7 +16,7 @@ from pagedlm.attention.backends import paged_attention
 from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
 from pagedlm.kernels import attention as attn
 from pagedlm.kernels import loader
-from tests.conftest import needs_gcc
+from tests.conftest import needs_kernels
 
 # The kernel is optional only where there is no C compiler; with one, a failed build must fail.
 TOL = 2e-5
@@ -142,7 +142,7 @@ CASES = [
 ]
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("decode_lens,chunks", CASES)
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [
     # 40: a head size off the AVX-512 scoring path's multiple of 16 (the portable loop).
@@ -181,7 +181,7 @@ def test_metadata_variants(disable, with_mask, with_seq_lens, int32_tables, monk
     assert (out - dense).abs().max().item() < TOL
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32, 128])
 def test_kernel_block_sizes(block_size, monkeypatch):
     sc = _scenario(11, [1, 9, 130, 257], [(33, 6)], 3, 3, 64, block_size=block_size)
@@ -190,7 +190,7 @@ def test_kernel_block_sizes(block_size, monkeypatch):
     assert (got - dense).abs().max().item() < TOL
 
 
-@needs_gcc
+@needs_kernels
 def test_kernel_direct_api_and_threads():
     """The decode kernel on hand-built inputs; results independent of the thread count."""
     g = torch.Generator().manual_seed(0)
@@ -224,7 +224,7 @@ def test_kernel_direct_api_and_threads():
                              ctx, 0.125)
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_plan_and_tiles(cache_dtype):
     """Prompts of many row tiles (and one row) through the prefill kernel, against the dense
@@ -287,7 +287,7 @@ def test_disable_env_and_build_failure(monkeypatch, tmp_path):
         loader.load_library.cache_clear()
 
 
-@needs_gcc
+@needs_kernels
 def test_bad_metadata_rejected(monkeypatch):
     sc = _scenario(5, [10, 20], [], 2, 2, 64)
     query, key, value, k_cache, v_cache, meta, _ = sc

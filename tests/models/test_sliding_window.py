@@ -16,7 +16,7 @@ from pagedlm import LLM, SamplingParams
 from pagedlm.attention.backends import paged_attention
 from pagedlm.kernels import attention as attn
 from tests.kernels.test_paged_attention import _scenario
-from tests.conftest import needs_gcc
+from tests.conftest import needs_kernels
 
 TOL = 2e-5
 
@@ -63,7 +63,7 @@ CASES = [
 SETTINGS = [(32, None), (1, None), (17, None), (None, 5.0), (32, 2.0), (300, 50.0)]
 
 
-@pytest.mark.parametrize("disable", [pytest.param(False, marks=needs_gcc), True],
+@pytest.mark.parametrize("disable", [pytest.param(False, marks=needs_kernels), True],
                          ids=["kernel", "torch"])
 @pytest.mark.parametrize("window,cap", SETTINGS)
 @pytest.mark.parametrize("decode_lens,chunks", CASES)
@@ -82,7 +82,7 @@ def test_window_and_soft_cap_match_dense(decode_lens, chunks, window, cap, disab
         assert (got - plain).abs().max().item() > 1e-3
 
 
-@needs_gcc
+@needs_kernels
 @pytest.mark.parametrize("decode_lens,chunks", CASES)
 def test_kernel_matches_torch_path_with_window_and_cap(decode_lens, chunks, monkeypatch):
     sc = _scenario(5, decode_lens, chunks, 4, 2, 128, block_size=8)
@@ -91,7 +91,7 @@ def test_kernel_matches_torch_path_with_window_and_cap(decode_lens, chunks, monk
     assert (got - ref).abs().max().item() < TOL
 
 
-@needs_gcc
+@needs_kernels
 def test_kernel_skips_keys_outside_the_window():
     """Blocks wholly before every window are never read: poisoning them (and their block-table
     entries) changes nothing."""
