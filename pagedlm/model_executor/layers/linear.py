@@ -74,6 +74,7 @@ class WeightFormat(enum.IntEnum):
     Q8_0 = 2
     I8 = 3  # with a float32 scale per output row
     FLOAT_PANELS = 4  # float32 panels of gemv.pack_panels, gemm_panels_f32
+    BF16_PANELS = 5  # bfloat16 panels of gemv.pack_panels, gemm_panels_bf16 (float32 math)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ class NativeLinear:
     def batch_invariant(self) -> bool:
         """Whether `apply` runs this kernel whatever the row count: a caller may then run it
         on any number of rows and still compute what `apply` does."""
-        return self.every_row_count or self.fmt == WeightFormat.FLOAT_PANELS
+        return self.every_row_count or self.fmt in (WeightFormat.FLOAT_PANELS,
+                                                    WeightFormat.BF16_PANELS)
 
 
 class LinearMethodBase(ABC):
