@@ -130,33 +130,48 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
  * layer, 30 layers' weights (read from memory), ms a layer against oneDNN's packed GEMM: 0.56 vs
  * 0.87 at 9 rows, 0.95 vs 1.29 at 32, 1.47 vs 2.01 at 64, 2.48 vs 3.03 at 128, 4.59 vs 5.00 at
  * 256, 34.4 vs 35.2 at 2048.
+ *
+ * gemm_panels_bf16 runs the same tiles over bfloat16 panels (same layout, 2-byte elements): a
+ * bfloat16 is the top half of a float32, so each panel row is widened exactly (bits << 16) and
+ * then meets the same FMA chain. Its outputs are bit for bit gemm_panels_f32's on the widened
+ * weight, at any M, tile position or thread count, and it reads half the bytes. No
+ * AVX512-BF16 (vdpbf16ps) or AMX path: both round x to bfloat16 and add pairs of products
+ * before accumulating, so the sums (and bits) would differ from this chain and from every CPU
+ * without them, and none of this project's test machines has them to check them on.
  */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #define MBLOCK 192
+/* Bytes of panel rows to prefetch ahead of the loads, whatever the element size. The hardware
+ * streamer alone runs too few lines ahead of loads this far apart: on the AVX-512 Xeon 9 rows
+ * took 0.83 ms a layer without, 0.56 with (64 float32 rows of 128 bytes ahead). */
+#define PREFETCH_BYTES 8192
 
 #ifdef __AVX512F__
 #define PANEL 32
 #define MR 12 /* rows of a tile: 24 sums + 2 panel vectors + 1 broadcast of the 32 registers */
-/* Panel rows (k steps of 128 bytes) to prefetch ahead. The hardware streamer alone runs too
- * few lines ahead of loads this far apart: 9 rows took 0.83 ms a layer without, 0.56 with. */
-#define PREFETCH_K 64
+typedef __m512 pvec;
+#define PZERO _mm512_setzero_ps
+#define PFMA _mm512_fmadd_ps
+#define PBROADCAST(p) _mm512_set1_ps(*(p))
 
-static inline __attribute__((always_inline)) void panel_tile(
-        float *y, const float *x, const float *wp, const int mr, int N, int K, int cols) {
-    __m512 c0[MR], c1[MR];
-    for (int m = 0; m < mr; m++) c0[m] = _mm512_setzero_ps(), c1[m] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k++) {
-        const char *ahead = (const char *)(wp + (size_t)(k + PREFETCH_K) * PANEL);
-        _mm_prefetch(ahead, _MM_HINT_T1);
-        _mm_prefetch(ahead + 64, _MM_HINT_T1);
-        const __m512 w0 = _mm512_loadu_ps(wp + (size_t)k * PANEL);
-        const __m512 w1 = _mm512_loadu_ps(wp + (size_t)k * PANEL + 16);
-        for (int m = 0; m < mr; m++) {
-            const __m512 xv = _mm512_set1_ps(x[(size_t)m * K + k]);
-            c0[m] = _mm512_fmadd_ps(xv, w0, c0[m]);
-            c1[m] = _mm512_fmadd_ps(xv, w1, c1[m]);
-        }
+/* Panel row k as two vectors of 16 floats; bf16: the weights are bfloat16, widened exactly. */
+static inline __attribute__((always_inline)) void panel_row(
+        const void *wp, const int bf16, const int k, pvec *w0, pvec *w1) {
+    if (bf16) {
+        const uint16_t *r = (const uint16_t *)wp + (size_t)k * PANEL;
+        *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)r)), 16));
+        *w1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + 16))), 16));
+    } else {
+        const float *r = (const float *)wp + (size_t)k * PANEL;
+        *w0 = _mm512_loadu_ps(r);
+        *w1 = _mm512_loadu_ps(r + 16);
     }
+}
+
+static inline __attribute__((always_inline)) void tile_store(
+        float *y, const pvec *c0, const pvec *c1, const int mr, int N, int cols) {
     const __mmask16 k0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
     const __mmask16 k1 = cols >= 32 ? 0xffff
                        : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
@@ -168,23 +183,29 @@ static inline __attribute__((always_inline)) void panel_tile(
 #else
 #define PANEL 16
 #define MR 6 /* rows of a tile: 12 sums + 2 panel vectors + 1 broadcast of the 16 registers */
-/* Panel rows (k steps of one 64-byte line) to prefetch ahead. */
-#define PREFETCH_K 128
+typedef __m256 pvec;
+#define PZERO _mm256_setzero_ps
+#define PFMA _mm256_fmadd_ps
+#define PBROADCAST(p) _mm256_broadcast_ss(p)
 
-static inline __attribute__((always_inline)) void panel_tile(
-        float *y, const float *x, const float *wp, const int mr, int N, int K, int cols) {
-    __m256 c0[MR], c1[MR];
-    for (int m = 0; m < mr; m++) c0[m] = _mm256_setzero_ps(), c1[m] = _mm256_setzero_ps();
-    for (int k = 0; k < K; k++) {
-        _mm_prefetch((const char *)(wp + (size_t)(k + PREFETCH_K) * PANEL), _MM_HINT_T1);
-        const __m256 w0 = _mm256_loadu_ps(wp + (size_t)k * PANEL);
-        const __m256 w1 = _mm256_loadu_ps(wp + (size_t)k * PANEL + 8);
-        for (int m = 0; m < mr; m++) {
-            const __m256 xv = _mm256_broadcast_ss(x + (size_t)m * K + k);
-            c0[m] = _mm256_fmadd_ps(xv, w0, c0[m]);
-            c1[m] = _mm256_fmadd_ps(xv, w1, c1[m]);
-        }
+/* Panel row k as two vectors of 8 floats; bf16: the weights are bfloat16, widened exactly. */
+static inline __attribute__((always_inline)) void panel_row(
+        const void *wp, const int bf16, const int k, pvec *w0, pvec *w1) {
+    if (bf16) {
+        const uint16_t *r = (const uint16_t *)wp + (size_t)k * PANEL;
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)r)), 16));
+        *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + 8))), 16));
+    } else {
+        const float *r = (const float *)wp + (size_t)k * PANEL;
+        *w0 = _mm256_loadu_ps(r);
+        *w1 = _mm256_loadu_ps(r + 8);
     }
+}
+
+static inline __attribute__((always_inline)) void tile_store(
+        float *y, const pvec *c0, const pvec *c1, const int mr, int N, int cols) {
     if (cols == PANEL) {
         for (int m = 0; m < mr; m++) {
             _mm256_storeu_ps(y + (size_t)m * N, c0[m]);
@@ -203,34 +224,81 @@ static inline __attribute__((always_inline)) void panel_tile(
 }
 #endif
 
+/* mr rows of x against one panel (float32, or bfloat16 when bf16: a constant after inlining,
+ * so each element type gets its own loop). */
+static inline __attribute__((always_inline)) void panel_tile(
+        float *y, const float *x, const void *wp, const int bf16, const int mr, int N, int K,
+        int cols) {
+    /* A panel row is 128 bytes (AVX-512 float32), 64 or 32: one prefetch a line. */
+    const int row_bytes = PANEL * (bf16 ? 2 : 4);
+    pvec c0[MR], c1[MR];
+    for (int m = 0; m < mr; m++) c0[m] = PZERO(), c1[m] = PZERO();
+    for (int k = 0; k < K; k++) {
+        const char *ahead = (const char *)wp + (size_t)k * row_bytes + PREFETCH_BYTES;
+        if (row_bytes >= 64 || !(k & 1)) _mm_prefetch(ahead, _MM_HINT_T1);
+        if (row_bytes == 128) _mm_prefetch(ahead + 64, _MM_HINT_T1);
+        pvec w0, w1;
+        panel_row(wp, bf16, k, &w0, &w1);
+        for (int m = 0; m < mr; m++) {
+            const pvec xv = PBROADCAST(x + (size_t)m * K + k);
+            c0[m] = PFMA(xv, w0, c0[m]);
+            c1[m] = PFMA(xv, w1, c1[m]);
+        }
+    }
+    tile_store(y, c0, c1, mr, N, cols);
+}
+
 /* Rows 0..M-1 (at most MBLOCK) of panels lo..hi-1. */
-static void panels_range(float *y, const float *x, const float *wp, int M, int N, int K,
-                         int lo, int hi) {
+static inline __attribute__((always_inline)) void panels_range(
+        float *y, const float *x, const void *wp, const int bf16, int M, int N, int K, int lo,
+        int hi) {
     for (int p = lo; p < hi; p++) {
-        const float *w = wp + (size_t)p * K * PANEL;
+        const char *w = (const char *)wp + (size_t)p * K * PANEL * (bf16 ? 2 : 4);
         const int n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
         for (int m0 = 0; m0 < M; m0 += MR) {
             float *ym = y + (size_t)m0 * N + n0;
             const float *xm = x + (size_t)m0 * K;
             /* Constant tile heights let the compiler keep every sum in a register. */
             switch (M - m0 >= MR ? MR : M - m0) {
-#define TILE_CASE(r) case r: panel_tile(ym, xm, w, r, N, K, cols); break;
+#define TILE_CASE(r) case r: panel_tile(ym, xm, w, bf16, r, N, K, cols); break;
                 TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
 #if MR > 6
                 TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
 #endif
-                default: panel_tile(ym, xm, w, MR, N, K, cols);
+                default: panel_tile(ym, xm, w, bf16, MR, N, K, cols);
 #undef TILE_CASE
             }
         }
     }
 }
 
-static void panels_rows(float *y, const float *x, const float *wp, int M, int N, int K, int lo,
-                        int hi) {
-    for (int m0 = 0; m0 < M; m0 += MBLOCK)
-        panels_range(y + (size_t)m0 * N, x + (size_t)m0 * K, wp,
-                     M - m0 < MBLOCK ? M - m0 : MBLOCK, N, K, lo, hi);
+static void panels_rows(float *y, const float *x, const void *wp, int bf16, int M, int N, int K,
+                        int lo, int hi) {
+    for (int m0 = 0; m0 < M; m0 += MBLOCK) {
+        float *ym = y + (size_t)m0 * N;
+        const float *xm = x + (size_t)m0 * K;
+        const int mb = M - m0 < MBLOCK ? M - m0 : MBLOCK;
+        if (bf16)
+            panels_range(ym, xm, wp, 1, mb, N, K, lo, hi);
+        else
+            panels_range(ym, xm, wp, 0, mb, N, K, lo, hi);
+    }
+}
+
+static void gemm_panels(float *y, const float *x, const void *wp, int bf16, int M, int N, int K,
+                        int nthreads) {
+    const int P = (N + PANEL - 1) / PANEL;
+    if ((long)M * N * K < PAR_MIN_WEIGHTS || nthreads < 2 || P < 2) {
+        panels_rows(y, x, wp, bf16, M, N, K, 0, P);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads < P ? nthreads : P)
+    {
+        int t, nt;
+        omp_team(&t, &nt);
+        panels_rows(y, x, wp, bf16, M, N, K, (int)((long)P * t / nt),
+                    (int)((long)P * (t + 1) / nt));
+    }
 }
 
 /* The panel width the packing must use; 0 where this build has no panel kernel (no AVX2). */
@@ -238,23 +306,23 @@ int gemm_panel_width(void) { return PANEL; }
 
 void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
                      int nthreads) {
-    const int P = (N + PANEL - 1) / PANEL;
-    if ((long)M * N * K < PAR_MIN_WEIGHTS || nthreads < 2 || P < 2) {
-        panels_rows(y, x, wp, M, N, K, 0, P);
-        return;
-    }
-#pragma omp parallel num_threads(nthreads < P ? nthreads : P)
-    {
-        int t, nt;
-        omp_team(&t, &nt);
-        panels_rows(y, x, wp, M, N, K, (int)((long)P * t / nt), (int)((long)P * (t + 1) / nt));
-    }
+    gemm_panels(y, x, wp, 0, M, N, K, nthreads);
+}
+
+void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                      int nthreads) {
+    gemm_panels(y, x, wp, 1, M, N, K, nthreads);
 }
 #else
 int gemm_panel_width(void) { return 0; }
 
 void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
                      int nthreads) {
+    (void)y, (void)x, (void)wp, (void)M, (void)N, (void)K, (void)nthreads;
+}
+
+void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                      int nthreads) {
     (void)y, (void)x, (void)wp, (void)M, (void)N, (void)K, (void)nthreads;
 }
 #endif

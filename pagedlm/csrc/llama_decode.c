@@ -24,6 +24,7 @@ static void linear(const linear_t *l, float *y, const float *x, int M, int N, in
     switch (l->fmt) {
     case W_F32: gemv_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
     case W_F32_PANELS: gemm_panels_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
+    case W_BF16_PANELS: gemm_panels_bf16(y, x, (const uint16_t *)l->weight, M, N, K, nt); break;
     case W_Q4_1: qmm_q4_1(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     case W_Q8_0: qmm_q8_0(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     default: qmm_i8(y, x, (const int8_t *)l->weight, l->scale, M, N, K, nt); break;

@@ -35,6 +35,7 @@ _p, _i = ctypes.c_void_p, ctypes.c_int
 library = typed_library({
     "gemv_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "gemm_panels_bf16": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panel_width": ([], _i),
 })
 
@@ -82,25 +83,44 @@ def panel_width() -> int:
     return library().gemm_panel_width() if available() else 0
 
 
+# The panel kernel's weight element types, each with its C entry point. bfloat16 panels are
+# widened exactly to float32 as they are read and meet the same FMA chain, so their outputs
+# are bit for bit the float32 kernel's on weight.float(), at half the bytes read.
+_PANEL_KERNELS = {torch.float32: "gemm_panels_f32", torch.bfloat16: "gemm_panels_bf16"}
+
+
+def panel_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes `pack_panels` packs for the panel kernel here; empty where it is
+    unavailable."""
+    return tuple(_PANEL_KERNELS) if panel_width() else ()
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] as [ceil(N / W), K, W] panels (W = panel_width(), zero columns past N) for
-    `gemm_panels`, or None where the panel kernel does not run it."""
-    width = panel_width()
-    if not width or not runs(weight):
+    """weight [N, K] (float32 or bfloat16, contiguous, on the CPU) as [ceil(N / W), K, W]
+    panels of the same dtype (W = panel_width(), zero columns past N) for `gemm_panels`, or
+    None where the panel kernel does not run it."""
+    if (weight.dtype not in panel_dtypes() or weight.dim() != 2
+            or not weight.is_contiguous() or weight.device.type != "cpu"):
         return None
+    width = panel_width()
     n, k = weight.shape
     num_panels = -(-n // width)
-    padded = torch.zeros(num_panels * width, k, dtype=torch.float32)
+    padded = torch.zeros(num_panels * width, k, dtype=weight.dtype)
     padded[:n] = weight
     return padded.view(num_panels, width, k).transpose(1, 2).contiguous()
 
 
 def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) -> [M, n] for the W that `pack_panels` turned into `panels`; x
-    must be float32 [M, K] (copied to a contiguous tensor if it is not)."""
+    """x [M, K] @ W^T (+ bias) -> float32 [M, n] for the W that `pack_panels` turned into
+    `panels` (float32 or bfloat16: the products and sums are float32 either way); x must be
+    float32 [M, K] (copied to a contiguous tensor if it is not), bias float32 [n]."""
     num_panels, k, width = panels.shape
     if not (num_panels - 1) * width < n <= num_panels * width:
         raise ValueError(f"gemm_panels: {n} output columns do not fit {num_panels} panels of "
                          f"{width}")
-    return _call("gemm_panels", library().gemm_panels_f32, x, panels, n, k, bias)
+    name = _PANEL_KERNELS.get(panels.dtype)
+    if name is None or not panels.is_contiguous():
+        raise ValueError(f"gemm_panels: panels must be contiguous float32 or bfloat16, got "
+                         f"{panels.dtype}{'' if panels.is_contiguous() else ' (strided)'}")
+    return _call("gemm_panels", getattr(library(), name), x, panels, n, k, bias)

@@ -48,6 +48,8 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
 int gemm_panel_width(void);
 void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
                      int nthreads);
+void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                      int nthreads);
 
 /* ---------------------------------------------------------------- quant_matmul.c */
 
@@ -65,7 +67,7 @@ void dequant_i8(float *out, const int8_t *w, const float *scale, int N, int K, i
 /* The fused decode driver (model_executor/layers/fused_decode.py) fills these through ctypes
  * Structures of the same fields in the same order; layers/linear.py's WeightFormat mirrors
  * this enum. */
-enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3, W_F32_PANELS = 4 };
+enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3, W_F32_PANELS = 4, W_BF16_PANELS = 5 };
 
 typedef struct {
     int64_t fmt;
