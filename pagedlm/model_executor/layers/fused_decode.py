@@ -4,7 +4,8 @@
 A decoder layer takes part by declaring the standard structure (StandardDecoderLayer: a
 pre-norm attention block with rotary positions, then a pre-norm SiLU-gated MLP); the stack
 checks the parts it is handed (float32 RMSNorms, rotary paged attention on the native kernels,
-linear layers whose LinearMethod has a native form), not the model class. When every layer
+linear layers whose LinearMethod has a native form: float32 or bfloat16 weights on the panel
+kernel, float32 on the GEMV kernel, or quantized), not the model class. When every layer
 qualifies, pure decode steps run fused (at any batch size on the panel kernel or under
 deterministic=True, else up to gemv.GEMV_MAX_ROWS sequences); anything else (LoRA, tensor
 parallelism, other dtypes, prefills) goes layer by layer. Both give the same values.
@@ -26,7 +27,7 @@ from pagedlm.attention.layer import Attention
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
-from pagedlm.model_executor.layers.linear import LinearBase
+from pagedlm.model_executor.layers.linear import LinearBase, WeightFormat
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# The element type llama_decode.c reads each float format's weight as (the activations and
+# sums are float32 in all of them); the quantized formats' bytes are the kernels' own.
+_FLOAT_FORMAT_DTYPES = {WeightFormat.FLOAT: torch.float32,
+                        WeightFormat.FLOAT_PANELS: torch.float32,
+                        WeightFormat.BF16_PANELS: torch.bfloat16}
+
+
 def _linear_struct(linear: nn.Module, out_features: int, in_features: int) -> _Linear | str:
     """The layer as llama_decode.c reads it, or why it cannot."""
     if not isinstance(linear, LinearBase):
@@ -108,6 +116,9 @@ def _linear_struct(linear: nn.Module, out_features: int, in_features: int) -> _L
     if (not form.weight.is_contiguous() or form.weight.device.type != "cpu"
             or not _fusable_tensor(form.scale) or not _fusable_tensor(linear.bias)):
         return "has a weight, scale or bias that is not a contiguous float32 CPU tensor"
+    dtype = _FLOAT_FORMAT_DTYPES.get(form.fmt)
+    if dtype is not None and form.weight.dtype != dtype:
+        return f"has a {form.weight.dtype} weight for {form.fmt.name}, which reads {dtype}"
     return _Linear(form.fmt, form.weight.data_ptr(), _ptr(form.scale), _ptr(linear.bias))
 
 
