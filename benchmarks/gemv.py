@@ -8,11 +8,14 @@ each path that can run it, reporting the median pass time and the weight bandwid
   float32: gemv (pagedlm's row-major kernel, kernels/gemv.py), panels (its panel kernel, which
            the layers use at every row count where it runs: AVX2 or AVX-512), onednn (oneDNN's
            pre-packed GEMM, their path where the panel kernel does not run), torch (F.linear);
+  bfloat16 (--dtype bfloat16): panels (bfloat16 panels, float32 x and sums, the layers' path),
+           onednn and torch on x rounded to bfloat16 (the bfloat16 path before the panels);
   quantized: the layer's own path (its LinearMethod.apply).
 
     python benchmarks/gemv.py                                  # float32, rows 1 2 4 8 16
     python benchmarks/gemv.py --rows 32 128 2048 --repeats 5 --paths panels onednn
     python benchmarks/gemv.py --quantization gguf int8 int4 --rows 1 4
+    python benchmarks/gemv.py --dtype float32 bfloat16 --rows 1 8 128 --paths panels
 """
 from __future__ import annotations
 
@@ -47,11 +50,22 @@ def weight_bytes(layer: torch.nn.Module) -> int:
     return layer.weight.numel() * layer.weight.element_size()
 
 
-def paths(layer: torch.nn.Module):
-    """name -> fn(x) for each way this layer's matmul can run."""
+def paths(layer: torch.nn.Module, onednn: bool = True):
+    """name -> fn(x) for each way this layer's matmul can run (onednn: try a packed copy of a
+    bfloat16 weight; oneDNN packs those only on some CPUs, warning once a layer)."""
     if hasattr(layer, "qweight_data"):
         return {"layer": lambda x: layer.linear_method.apply(layer, x)}
     out = {}
+    w = layer.weight
+    if w.dtype != torch.float32:  # x stays float32 on the panels; the others round it to w's
+        if layer.panel_weight is not None:
+            out["panels"] = lambda x: gemv.gemm_panels(x, layer.panel_weight, w.shape[0])
+        packed = pack_weight(w) if onednn else None
+        if packed is not None:
+            out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(
+                x.to(w.dtype), packed, None, "none", [], "")
+        out["torch"] = lambda x: F.linear(x.to(w.dtype), w)
+        return out
     if gemv.runs(layer.weight):
         out["gemv"] = lambda x: gemv.gemv(x, layer.weight)
     if layer.panel_weight is not None:
@@ -78,7 +92,8 @@ def bench(layers, rows: int, repeats: int,
     """Median and least seconds of one pass over every layer, per path. The paths take turns
     within each repeat (in a rotating order), so a load change on a shared machine hits them
     alike."""
-    per_layer = [paths(layer) for layer in layers]
+    first = paths(layers[0])
+    per_layer = [first] + [paths(layer, "onednn" in first) for layer in layers[1:]]
     inputs = [torch.randn(rows, in_features(layer)) for layer in layers]
     names = [n for n in per_layer[0] if all(n in p for p in per_layer)
              and (only is None or n in only)]
@@ -102,6 +117,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
     ap.add_argument("--quantization", nargs="+", default=["none"],
                     help="weight formats to load (none: float32)")
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="weight dtypes to load the unquantized model in")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--paths", nargs="+", default=None,
@@ -111,11 +128,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}; ms a pass: median (least) of the repeats")
-    for quant in args.quantization:
-        llm = LLM(model=args.model, quantization=None if quant == "none" else quant)
+    runs = [(q, "float32") for q in args.quantization if q != "none"]
+    if "none" in args.quantization:
+        runs += [("none", dtype) for dtype in args.dtype]
+    for quant, dtype in runs:
+        llm = LLM(model=args.model, quantization=None if quant == "none" else quant,
+                  dtype=dtype)
         layers = linear_layers(llm)
         total = sum(weight_bytes(layer) for layer in layers)
-        print(f"\n{quant}: {len(layers)} matrices, {total / 1e6:.1f} MB of weights")
+        name = dtype if quant == "none" else quant
+        print(f"\n{name}: {len(layers)} matrices, {total / 1e6:.1f} MB of weights")
         for rows in args.rows:
             times = bench(layers, rows, args.repeats, args.paths)
             cells = "  ".join(f"{name} {t * 1e3:7.2f} ({least * 1e3:7.2f}) ms "
