@@ -44,6 +44,9 @@ def _check_bool(name: str, value: object) -> None:
 class ModelConfig:
     model: str  # what the user asked for (None -> default)
     model_dir: str  # resolved HF-format directory
+    # The element type the weights are stored in (and the KV cache's "auto" type). Activations,
+    # norms and attention compute in compute_dtype whatever it is: a 2-byte dtype halves the
+    # weight bytes each token streams, as the weight-only quantized formats do.
     dtype: torch.dtype
     max_model_len: int
     architecture: str  # the HF name the registry maps to a model class
@@ -91,6 +94,13 @@ class ModelConfig:
                              f"{self.runner!r}, pooler_config {self.pooler_config!r}).")
         for i in range(self.num_layers):  # a bad window fails here, not inside a layer
             self.get_sliding_window(i)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What activations, norms, attention queries and matmul sums run in: float32 for every
+        `dtype` (2-byte weights widen as the kernels read them; the native kernels, the fused
+        decode stack and the deterministic mode all take float32 activations)."""
+        return torch.float32
 
     @property
     def derived_max_model_len(self) -> int:
@@ -215,7 +225,8 @@ class ModelConfig:
         arch = resolve_architecture(getattr(hf, "architectures", None))
         if dtype not in _DTYPES and dtype != "auto":
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}.")
-        # float32 by default: CPU matmuls gain nothing from fp16 and lose accuracy.
+        # float32 by default: the weights as the checkpoint has them; a 2-byte dtype rounds
+        # them (and the KV cache) to halve the bytes.
         torch_dtype = torch.float32 if dtype == "auto" else _DTYPES[dtype]
         if max_model_len is None:
             max_model_len = getattr(hf, "max_position_embeddings", None) or 2048

@@ -83,7 +83,9 @@ class BaseLayerWithLoRA(nn.Module):
         self.max_lora_rank = max_lora_rank
         self.rank_per_slot = len(self.shard_ids) * max_lora_rank
         out_dim, in_dim = base_layer.weight.shape  # this rank's partition
-        dtype, dev = base_layer.weight.dtype, base_layer.weight.device
+        # The activations' dtype, float32, also under a 2-byte model dtype (ModelConfig's
+        # compute_dtype): A and B are small, and the delta adds to float32 outputs.
+        dtype, dev = torch.float32, base_layer.weight.device
         n = batch.max_loras * self.rank_per_slot
         self.register_buffer("lora_a", torch.zeros(n, in_dim, dtype=dtype, device=dev),
                              persistent=False)
@@ -91,9 +93,9 @@ class BaseLayerWithLoRA(nn.Module):
                              persistent=False)
         # Deterministic: each slot's B [out, R] as well, the layout the GEMV kernel reads.
         if batch.deterministic and not gemv.runs(self.lora_a):
-            raise ValueError(f"deterministic=True needs pagedlm's native kernels for LoRA; "
-                             f"{dtype} layers cannot run on them (float32 only, and not with "
-                             f"PAGEDLM_DISABLE_KERNELS).")
+            raise ValueError("deterministic=True needs pagedlm's native kernels for LoRA, "
+                             "which do not run here (PAGEDLM_DISABLE_KERNELS, or no C "
+                             "compiler).")
         self.register_buffer("lora_b", torch.zeros(batch.max_loras, out_dim, self.rank_per_slot,
                                                    dtype=dtype, device=dev)
                              if batch.deterministic else None, persistent=False)

@@ -136,7 +136,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
     packed copy past them (gemv.py). Deterministic, it runs the GEMV kernel at every row count
     where there are no panels: its sum for one output reads one W row against one x row in a
     fixed K order, whatever the x tile the row sits in or the thread that owns the W row
-    (gemv_f32.c, wrow)."""
+    (gemv_f32.c, wrow).
+
+    A 2-byte weight (ModelConfig.dtype bfloat16 or float16) stays in that dtype and x stays
+    float32: bfloat16 runs on bfloat16 panels, which the kernel widens exactly as it reads them
+    (the float32 kernel's bits on weight.float(), half the bytes read). Where no kernel takes
+    the weight (float16; bfloat16 without AVX2 or with PAGEDLM_DISABLE_KERNELS), each call
+    widens it to a transient float32 copy for F.linear: no float32 copy stays resident, at the
+    cost of reading the matrix and writing the copy again per call."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader) -> None:
@@ -154,12 +161,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if self.deterministic and layer.panel_weight is None and not layer.use_gemv:
             raise ValueError(f"deterministic=True needs pagedlm's native kernels for every "
                              f"linear layer; a {layer.weight.dtype} weight of shape "
-                             f"{tuple(layer.weight.shape)} cannot run on them (float32 only, "
-                             f"and not with PAGEDLM_DISABLE_KERNELS).")
-        # Deterministic, oneDNN never runs: no packed copy.
+                             f"{tuple(layer.weight.shape)} cannot run on them here (they take "
+                             f"float32 weights, and bfloat16 ones on the panel kernel, which "
+                             f"needs AVX2; not with PAGEDLM_DISABLE_KERNELS).")
+        # Deterministic, oneDNN never runs: no packed copy. Nor for a 2-byte weight: oneDNN
+        # would multiply float32 activations rounded to the weight's dtype.
         layer.packed_weight = (pack_weight(layer.weight)
                                if layer.panel_weight is None and not self.deterministic
-                               else None)
+                               and layer.weight.dtype == torch.float32 else None)
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         panels = getattr(layer, "panel_weight", None)
@@ -171,14 +180,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if layer.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none",
                                                       [], "")
-        return F.linear(x, layer.weight, bias)
+        # A 2-byte weight no kernel takes: widened for this call only (see the class).
+        return F.linear(x, layer.weight.to(x.dtype), bias)
 
     def native_form(self, layer) -> NativeLinear | None:
         if type(self).apply is not UnquantizedLinearMethod.apply:
             return None  # a subclass that multiplies another way describes its own form
         panels = getattr(layer, "panel_weight", None)
         if panels is not None:
-            return NativeLinear(WeightFormat.FLOAT_PANELS, panels)
+            return NativeLinear(WeightFormat.BF16_PANELS if panels.dtype == torch.bfloat16
+                                else WeightFormat.FLOAT_PANELS, panels)
         if getattr(layer, "use_gemv", False):
             return NativeLinear(WeightFormat.FLOAT, layer.weight,
                                 every_row_count=self.deterministic)

@@ -59,11 +59,13 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows [num_tokens, dim]: a 2-byte table (ModelConfig.dtype) is widened row by
+        row as it is read, since activations compute in float32 (a no-op for a float32 one)."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight).float()
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill_(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        out = F.embedding(local_ids, self.weight).float().masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp_group.all_reduce(out)
 
     def extra_repr(self) -> str:
@@ -95,7 +97,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden [num_tokens, dim] -> logits [num_tokens, vocab] (model dtype)."""
+        """hidden [num_tokens, dim] -> float32 logits [num_tokens, vocab]."""
         logits = self.linear_method.apply(self, hidden_states)
         logits = self.tp_group.all_gather(logits, dim=-1)
         if self.num_embeddings_padded != self.org_vocab_size:

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from pagedlm.attention.backends import get_attn_backend
 import logging
 
 from pagedlm.config import ModelConfig
-from pagedlm.model_executor.layers.linear import use_deterministic_linear_methods
+from pagedlm.model_executor.layers.linear import LinearMethodBase, use_deterministic_linear_methods
 from pagedlm.model_executor.layers.quantization import get_quantization_config
 from pagedlm.model_executor.layers.quantization.base import weight_formats
+from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.weight_utils import iterate_safetensors
 from pagedlm.model_executor.models.registry import get_model_class
 
@@ -28,10 +30,12 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
     cls = get_model_class(config.architecture)
     quant_config = get_quantization_config(config.quantization, config.model_dir,
                                            deterministic=config.deterministic)
-    # Chosen once, for every layer.
-    attn_backend = get_attn_backend(config.dtype, device, deterministic=config.deterministic)
+    # Chosen once, for every layer, for the queries' dtype (float32 whatever the weights').
+    attn_backend = get_attn_backend(config.compute_dtype, device,
+                                    deterministic=config.deterministic)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(config.dtype)
+    # Built to compute in float32; store_weights_in then narrows the matrices to config.dtype.
+    torch.set_default_dtype(config.compute_dtype)
     try:
         # Built in place: every weight is created with torch.empty (nothing is initialised just
         # to be overwritten) and each parameter keeps its weight_loader attribute and ties,
@@ -46,9 +50,51 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
     if quant_config is not None:
         quant_config.apply(model)
         weights = quant_config.weights(weights)
+    store_weights_in(model, config.dtype)
     model.load_weights(weights)
+    round_other_weights(model, config.dtype)
     model.process_weights_after_loading()
     if quant_config is not None:
         logger.info("quantization=%r: linear layers by weight format: %s",
                     config.quantization, dict(weight_formats(model)))
     return model.eval().requires_grad_(False)
+
+
+def _stored_in_dtype(module: nn.Module) -> bool:
+    """Whether `module`'s weight is one of the matrices ModelConfig.dtype stores: a linear
+    layer's (quantized ones too, before they pack it), an embedding table, the LM head."""
+    return (isinstance(module, VocabParallelEmbedding)
+            or isinstance(getattr(module, "linear_method", None), LinearMethodBase))
+
+
+def store_weights_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give the model's matrices (`_stored_in_dtype`) `dtype` parameters before loading, which
+    rounds the checkpoint into them; the model was built in float32, its compute dtype. A
+    parameter two modules share (an LM head tied to the embedding) stays one parameter. MoE
+    experts stay float32 (round_other_weights): their matmuls run on float32 kernels."""
+    if dtype == torch.float32:
+        return
+    narrowed: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        old = module._parameters.get("weight") if _stored_in_dtype(module) else None
+        if old is None or old.dtype != torch.float32:
+            continue
+        if id(old) not in narrowed:
+            new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device),
+                               requires_grad=False)
+            new.__dict__.update(old.__dict__)  # weight_loader and the loaders' other marks
+            narrowed[id(old)] = new
+        module.weight = narrowed[id(old)]
+
+
+def round_other_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """After loading: the float32 parameters store_weights_in left (norms, biases, position
+    tables, MoE experts) keep float32 storage but hold their values rounded to `dtype`, so
+    every weight of the model is the checkpoint in `dtype`, as transformers holds it."""
+    if dtype == torch.float32:
+        return
+    for param in model.parameters():
+        if param.dtype == torch.float32:
+            # In slices: a stack of experts is rounded without a second copy of it.
+            for part in param.data.view(-1).split(1 << 22):
+                part.copy_(part.to(dtype))

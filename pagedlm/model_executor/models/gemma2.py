@@ -161,10 +161,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.embed_tokens = None
         if stage.holds_embedding(self.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size)
-        # transformers rounds sqrt(hidden) to the model dtype before multiplying.
+        # transformers rounds sqrt(hidden) to the model dtype before multiplying: the weights'
+        # dtype here (float32 activations are then scaled by the constant it would use).
         self.embed_scale = float(torch.tensor(hf.hidden_size ** 0.5, dtype=cfg.dtype))
         attn_backend = attn_backend or get_attn_backend(
-            cfg.dtype, deterministic=cfg.deterministic)
+            cfg.compute_dtype, deterministic=cfg.deterministic)
         rotary, layer_types = self._rotary_tables(cfg), _layer_types(cfg)
         self.layers = make_layers(stage, lambda i: GemmaDecoderLayer(
             cfg, i, rotary[layer_types[i]], attn_backend, self.qk_norm))

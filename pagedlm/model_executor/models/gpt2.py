@@ -117,7 +117,7 @@ class GPT2LMHeadModel(CausalLMBase):
         if stage.is_first:
             self.wpe = GPT2PositionEmbedding(hf.max_position_embeddings, hidden)
         attn_backend = attn_backend or get_attn_backend(
-            cfg.dtype, deterministic=cfg.deterministic)
+            cfg.compute_dtype, deterministic=cfg.deterministic)
         self.h = make_layers(stage, lambda i: GPT2Block(cfg, i, attn_backend))
         self.ln_f = self.lm_head = None
         if stage.is_last:

@@ -147,7 +147,7 @@ class LlamaForCausalLM(CausalLMBase):
         max_pos = max(cfg.max_model_len, cfg.get_hf("max_position_embeddings", 0))
         rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         attn_backend = attn_backend or get_attn_backend(
-            cfg.dtype, deterministic=cfg.deterministic)
+            cfg.compute_dtype, deterministic=cfg.deterministic)
         self.layers = make_layers(stage, lambda i: self.make_layer(cfg, i, rotary, attn_backend))
         self.norm = self.lm_head = None
         if stage.is_last:

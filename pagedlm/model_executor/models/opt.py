@@ -118,7 +118,7 @@ class OPTForCausalLM(CausalLMBase):
             if proj_dim != hidden:
                 self.project_in = ReplicatedLinear(proj_dim, hidden)
         attn_backend = attn_backend or get_attn_backend(
-            cfg.dtype, deterministic=cfg.deterministic)
+            cfg.compute_dtype, deterministic=cfg.deterministic)
         self.layers = make_layers(stage, lambda i: OPTDecoderLayer(cfg, attn_backend))
         self.final_layer_norm = self.project_out = self.lm_head = None
         if stage.is_last:

@@ -99,7 +99,7 @@ class Phi3ForCausalLM(CausalLMBase):
                                  max_position_embeddings=max_pos or None,
                                  max_model_len=cfg.max_model_len)
         attn_backend = attn_backend or get_attn_backend(
-            cfg.dtype, deterministic=cfg.deterministic)
+            cfg.compute_dtype, deterministic=cfg.deterministic)
         self.layers = make_layers(stage, lambda i: _phi3_layer(cfg, rotary, attn_backend, i))
         self.norm = self.lm_head = None
         if stage.is_last:

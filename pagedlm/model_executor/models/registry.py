@@ -5,8 +5,8 @@ exist (config validation, error messages) imports no model code. Every architect
 detail lives in the model's own module; the engine, loader and shared layers only see the
 interface below.
 
-A model class is built as `cls(model_config, attn_backend)` under the target dtype and device
-and provides:
+A model class is built as `cls(model_config, attn_backend)` under its compute dtype (float32)
+and the target device (the loader then narrows its matrices to model_config.dtype) and provides:
   forward(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors=None)
       -> final hidden states [num_tokens, hidden] on the last pipeline stage, else
          IntermediateTensors;

@@ -1,0 +1,103 @@
+"""dtype="bfloat16" (issue 32): the weights are stored in bfloat16 and activations compute in
+float32. Greedy tokens of the default model against transformers run in bfloat16, and what the
+model holds: bfloat16 matrices (2 bytes a weight, packed for the bfloat16 panel kernel where it
+runs, no float32 copy) and a bfloat16 KV cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.kernels import gemv
+from pagedlm.model_executor.layers.linear import LinearMethodBase, WeightFormat
+from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from tests.models.test_correctness import PROMPTS
+
+PROMPTS_14 = PROMPTS + [
+    "The largest planet in the solar system is",
+    "To be or not to be,",
+    "SELECT name FROM users WHERE",
+    "In 1492, Columbus",
+    "The best way to learn a new language is",
+    "for i in range(10):",
+]
+NUM_TOKENS = 8
+# Logprob gap (in pagedlm's distribution) under which a token where transformers in bfloat16
+# picks another counts as tied: bfloat16 compute rounds every activation to 8 bits of mantissa
+# and float32 compute does not, so their logits part by ~1e-2 where two float32 paths part by
+# ~1e-5 (compare_utils.NEAR_TIE).
+BF16_NEAR_TIE = 5e-2
+
+
+@pytest.fixture(scope="module")
+def bf16_llm():
+    return LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20)
+
+
+def _linear_layers(model) -> list:
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "linear_method", None), LinearMethodBase)]
+
+
+def test_greedy_matches_transformers_in_bfloat16(bf16_llm, default_model_dir):
+    """Our greedy tokens are transformers-in-bfloat16's greedy tokens at every position of our
+    sequences (one forward of each prompt and our tokens), for at least 13 of 14 prompts, and
+    every other token is a near-tie.
+
+    transformers rounds its logits to bfloat16, whose steps are 1/16 to 1/8 at logits of 8 to
+    32: it often holds two tokens exactly tied and takes the lower id, so a token on its
+    maximum is one of its greedy choices; and a token one step below is as close as it can
+    tell apart. pagedlm computes in float32 over the same bfloat16 weights, so its logits fall
+    between those steps: a differing token must be within one step of transformers' maximum
+    and a near-tie of pagedlm's own distribution (BF16_NEAR_TIE)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16).eval()
+    tok = bf16_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
+    identical, differences = 0, []
+    for prompt, out in zip(PROMPTS_14, bf16_llm.generate(PROMPTS_14, params, use_tqdm=False)):
+        ids, got = tok.encode(prompt), list(out.outputs[0].token_ids)
+        assert len(got) == NUM_TOKENS
+        with torch.inference_mode():
+            logits = hf(torch.tensor([ids + got])).logits[0, len(ids) - 1:-1].float()
+        top = logits.max(-1)
+        off_max = [i for i, token in enumerate(got) if logits[i, token] != top.values[i]]
+        identical += not off_max
+        for i in off_max:
+            token, theirs, ours = got[i], top.indices[i].item(), out.outputs[0].logprobs[i]
+            step = 2.0 ** (torch.floor(torch.log2(top.values[i].abs())).item() - 7)
+            differences.append((prompt, i, token, theirs))
+            assert top.values[i] - logits[i, token] <= step, (prompt, i, token, theirs)
+            assert theirs in ours, f"{prompt!r}: transformers' token {theirs} is not our 2nd"
+            assert ours[token].logprob - ours[theirs].logprob < BF16_NEAR_TIE, (prompt, i)
+    assert identical >= 13, differences
+
+
+def test_weights_are_stored_in_bfloat16(bf16_llm):
+    model = bf16_llm.llm_engine.executor.worker.model
+    layers = _linear_layers(model)
+    assert layers
+    stored = 0
+    for layer in layers:
+        assert layer.weight.dtype == torch.bfloat16, layer
+        # No float32 copy of the matrix: no oneDNN packing; panels are bfloat16 too.
+        assert layer.packed_weight is None
+        assert layer.panel_weight is None or layer.panel_weight.dtype == torch.bfloat16
+        stored += layer.weight.numel() * layer.weight.element_size()
+        if layer.bias is not None:
+            assert layer.bias.dtype == torch.float32
+    assert stored == 2 * sum(layer.weight.numel() for layer in layers)
+    embeddings = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
+    assert embeddings and all(m.weight.dtype == torch.bfloat16 for m in embeddings)
+    # Everything else is small and float32 (norms), holding bfloat16 values.
+    for name, param in model.named_parameters():
+        if param.dtype != torch.bfloat16:
+            assert param.dtype == torch.float32 and param.dim() == 1, name
+            assert torch.equal(param, param.bfloat16().float()), name
+    if torch.bfloat16 in gemv.panel_dtypes():
+        forms = {layer.linear_method.native_form(layer).fmt for layer in layers}
+        assert forms == {WeightFormat.BF16_PANELS}
+        assert model.fused_decode.stack is not None, model.fused_decode.off_reason
+    engine = bf16_llm.llm_engine
+    assert engine.config.model_config.dtype == torch.bfloat16
+    assert engine.executor.worker.cache_engine.kv_caches[0][0].dtype == torch.bfloat16
