@@ -1,18 +1,22 @@
-"""deterministic=True on quantized weights (issue 31): the GGUF file's own Q4_1/Q8_0 blocks,
-int8 and int4. A request's token ids and logprobs are the same bits run alone and in a batch
-with 20 other requests of varied lengths, greedy and seeded, because every linear layer (LM
-head included: int8 under int4, the file's Q8_0 blocks under gguf) runs the native kernel at
-every row count rather than dequantize + GEMM past a few rows, and the fused decode stack takes
-any number of rows (it runs the same kernels)."""
+"""deterministic=True on quantized and bfloat16 weights (issue 31): the GGUF file's own
+Q4_1/Q8_0 blocks, int8, int4, and bfloat16 (on the bfloat16 panel kernel). A request's token
+ids and logprobs are the same bits run alone and in a batch with 20 other requests of varied
+lengths, greedy and seeded, because every linear layer (LM head included: int8 under int4, the
+file's Q8_0 blocks under gguf) runs the native kernel at every row count rather than
+dequantize + GEMM past a few rows, and the fused decode stack takes any number of rows (it runs
+the same kernels)."""
 from __future__ import annotations
 
 import gc
 import sys
 
 import pytest
+import torch
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from pagedlm.kernels import gemv
+from pagedlm.model_executor.layers.linear import (LinearMethodBase, UnquantizedLinearMethod,
+                                                  WeightFormat)
 from pagedlm.model_executor.layers.quantization.base import weight_formats
 from tests.conftest import needs_kernels
 
@@ -66,6 +70,35 @@ def test_quantized_request_is_bitwise_alone_and_in_a_batch(quantization):
     batch = llm.generate(prompts, sampling, use_tqdm=False)
     assert _outputs([batch[7], batch[16]]) == alone
     # The decode steps of more than gemv.GEMV_MAX_ROWS rows ran fused too.
+    stack = model.fused_decode.stack
+    assert stack is not None and stack.max_rows == sys.maxsize
+    del llm, model
+    gc.collect()
+
+
+@needs_kernels
+def test_bfloat16_request_is_bitwise_alone_in_a_batch_and_from_the_prefix_cache():
+    """dtype="bfloat16" (issue 32): the weights on the bfloat16 panel kernel (one FMA chain
+    per output, as float32), the KV cache bfloat16. The probes alone from a cold cache, then in
+    the batch with their prefixes read from the prefix cache, then alone again from it."""
+    if torch.bfloat16 not in gemv.panel_dtypes():
+        pytest.skip("no bfloat16 panel kernel in this build (deterministic=True refuses it)")
+    llm = LLM(dtype="bfloat16", deterministic=True, kv_cache_memory_bytes=32 * 2**20)
+    model = llm.llm_engine.executor.worker.model
+    forms = {m.native_form(layer).fmt for layer in model.modules()
+             for m in [getattr(layer, "linear_method", None)]
+             if isinstance(m, LinearMethodBase)}
+    assert forms == {WeightFormat.BF16_PANELS}
+    assert llm.llm_engine.executor.worker.cache_engine.kv_caches[0][0].dtype == torch.bfloat16
+    params = [GREEDY, SEEDED]
+    cold = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(PROBES, params)]
+    prompts = OTHERS[:7] + PROBES[:1] + OTHERS[7:15] + PROBES[1:] + OTHERS[15:]
+    sampling = OTHER_PARAMS[:7] + params[:1] + OTHER_PARAMS[7:15] + params[1:] + OTHER_PARAMS[15:]
+    batch = llm.generate(prompts, sampling, use_tqdm=False)
+    hits = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(PROBES, params)]
+    assert [o.num_cached_tokens for o in cold] == [0, 0]
+    assert all(o.num_cached_tokens >= 16 for o in [batch[7], batch[16], *hits])
+    assert _outputs([batch[7], batch[16]]) == _outputs(cold) == _outputs(hits)
     stack = model.fused_decode.stack
     assert stack is not None and stack.max_rows == sys.maxsize
     del llm, model
