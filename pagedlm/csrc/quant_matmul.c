@@ -8,7 +8,8 @@
  *   i8:   one int8 row per output channel and one float scale per row; w = s*q. Any K.
  *
  * Decode (M of 1..few) is bound by reading W, so each weight block is unpacked once per tile
- * of input rows (see qmm below for q4_1 and q8_0); rows of W are split across threads. For
+ * of input rows; rows of W are split across threads. q4_1 and q8_0 run on 8-bit activations
+ * with integer dot products (see qmm below); i8 multiplies float x by its int8 weights. For
  * large M the caller dequantizes into a float scratch buffer and runs a float GEMM instead,
  * except under deterministic=True.
  *
@@ -20,6 +21,7 @@
  * (tests/kernels/test_quant_kernels.py checks it).
  */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -57,6 +59,7 @@ static inline float fp16_to_f32(uint16_t h) {
 }
 
 static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline int load_u32(const uint8_t *p) { int v; memcpy(&v, p, 4); return v; }
 
 /* Parallelising a tiny matmul costs more in thread wake-ups than it saves. */
 #define PAR_MIN_WEIGHTS (1 << 15)
@@ -104,39 +107,34 @@ void dequant_q8_0(float *out, const uint8_t *w, int N, int K, int nthreads) {
 
 /* ---------------------------------------------------------------- q4_1 and q8_0
  *
- * Each weight block is decoded to floats in registers (w = d*q + m, or d*q: the values
- * dequantize_reference gives, up to one rounding of the fma) and used for every x row of a
- * tile. The work is laid out as in gemv_f32.c: groups of QROWS weight rows, one
- * contiguous run of groups per thread (a group's blocks are adjacent in memory, so each thread
- * reads one stream) and the next group prefetched explicitly. Against the earlier kernel (one
- * row at a time, a static OpenMP loop over rows, x * q summed before scaling by d), on
- * SmolLM2's Q4_1 layers and Q8_0 head, 2 threads, AVX-512 EPYC: 7.6 -> 4.9 ms at 1 row (12.6
- * -> 19.6 GB/s), 12.3 -> 7.5 at 4, 24.3 -> 14.5 at 8. Built for AVX2 only (16 registers, so
- * tiles of 2 x rows): 7.4 -> 5.5 ms at 1 row, 8.9 -> 6.6 at 2, about the same at 4 to 8.
+ * Integer dot products on 8-bit activations, the scheme of llama.cpp's CPU backend (its Q8_0 /
+ * Q8_1 activation blocks). Each thread quantizes the x rows it needs per 32-block,
+ *     d_x = amax / 127,  q_x = round-half-even(x * (127 / amax)) as int8 (|q_x| <= 127),
+ *     s_x = d_x * sum(q_x)  (for q4_1's offset),
+ * and a weight block meets an x block as exact integer sums:
+ *     q4_1: sum_j (d_w q_j + m_w) d_x q_x_j = (d_w d_x) sum_j q_j q_x_j + m_w s_x
+ *     q8_0: (d_w d_x) sum_j q_j q_x_j
+ * On AVX2 the 32 weight bytes meet the 32 x bytes in vpmaddubsw (unsigned x signed, pairs to
+ * int16: at most 2 * 128 * 127, so it never saturates) and vpmaddwd by ones (quads to int32):
+ * q4_1's nibbles are unsigned already, q8_0 moves the weights' signs onto x (vpsignb). Lane l
+ * of the 8 int32 sums covers weights 4l..4l+3; one FMA per block adds (d_w d_x) * lane into 8
+ * float lanes, q4_1's m_w s_x goes into one scalar by FMA, and y = hsum256(lanes) + scalar.
+ *
+ * Why: the float kernel this replaces decoded every weight block to 32 floats (4 conversions
+ * and 4 FMAs with AVX2) for each tile of x rows; those instructions, not memory, bounded one
+ * gguf stream (13.6 GB/s of the ~31 the float32 decode reads at). The activations lose
+ * precision to 8 bits, as in llama.cpp; perplexity is unchanged (benchmarks/quality.py).
+ *
+ * Batch invariance: an x row's quantization depends on that row alone, the integer sums are
+ * exact and every output's float operations are the fixed sequence above over its blocks in
+ * order, by one thread: the same bits at any M, tile position and thread count. The scalar
+ * build (no AVX2) emulates the 8 lanes and hsum256's tree with fmaf, so it gives the very bits
+ * of the AVX2 build (tests/kernels/test_quant_dot.py builds both). The kernel is AVX2 only, on
+ * purpose: AVX-512 builds (the Xeons of the fleet) run this same code. A VNNI (vpdpbusd)
+ * variant would give the same exact integer sums, but no machine where this is tested has it.
  */
 #define QROWS 4
-#ifdef __AVX512F__
-#define QXTILE 4
-#define QLANES 16
-typedef __m512 qvec;
-#define QLOAD _mm512_loadu_ps
-#define QFMA _mm512_fmadd_ps
-#define QZERO _mm512_setzero_ps
-#define QSET1 _mm512_set1_ps
-#define QSUM _mm512_reduce_add_ps
-#elif defined(__AVX2__)
 #define QXTILE 2
-#define QLANES 8
-typedef __m256 qvec;
-#define QLOAD _mm256_loadu_ps
-#define QFMA _mm256_fmadd_ps
-#define QZERO _mm256_setzero_ps
-#define QSET1 _mm256_set1_ps
-#define QSUM hsum256
-#else
-#define QXTILE 2
-#endif
-#define QV (QK / QLANES)  /* vectors per block */
 
 enum { FMT_Q4_1, FMT_Q8_0 };
 
@@ -152,174 +150,268 @@ int qmm_vector_bits(void) {
 #endif
 }
 
+/* K/32 blocks of one x row as 8-bit blocks: q [K] int8, d [K/32] and, if s is not NULL,
+ * s [K/32] = d * sum(q). */
+static void quantize_row_q8(int8_t *q, float *d, float *s, const float *x, int K) {
+    for (int b = 0; b < K / QK; b++) {
+        const float *xb = x + (size_t)b * QK;
+        int8_t *qb = q + (size_t)b * QK;
+        float amax;
 #ifdef __AVX2__
-/* Block `blk` of format fmt as QV float vectors, in weight order. */
-static inline __attribute__((always_inline)) void decode_block(qvec *w, const uint8_t *blk,
-                                                               const int fmt) {
-    /* The block's fp16 scale (and q4_1 minimum) widened together by one vcvtph2ps and
-     * broadcast from a stack slot (a load) rather than from a register (a shuffle, on the port
-     * the nibble unpacking also needs): SmolLM2's Q4_1 layers and Q8_0 head at 1 row, 2
-     * threads, 7.87 -> 7.36 ms against one scalar conversion and register broadcast each. */
-    float dm[4] __attribute__((aligned(16)));
-#ifdef __F16C__
-    _mm_store_ps(dm, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
-    __asm__("" : "+m"(dm));  /* so the broadcasts read the slot rather than the register */
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #else
-    dm[0] = fp16_to_f32(load_u16(blk));
-    dm[1] = fp16_to_f32(load_u16(blk + 2));
+        amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
 #endif
-    const qvec d = QSET1(dm[0]);
-    if (fmt == FMT_Q4_1) {
-        const qvec m = QSET1(dm[1]);
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
-#ifdef __AVX512F__
-        const __m512i b = _mm512_cvtepu8_epi32(raw), f = _mm512_set1_epi32(0x0f);
-        w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, f)), d, m);
-        w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d, m);
+        const float dx = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+#ifdef __AVX2__
+        __m256i i[4];
+        for (int k = 0; k < 4; k++)
+            i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT |
+                                                      _MM_FROUND_NO_EXC));
+        if (s) {
+            const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
+                                               _mm256_add_epi32(i[2], i[3]));
+            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            u = _mm_add_epi32(u, _mm_unpackhi_epi64(u, u));
+            sum = _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 1)));
+        }
+        /* packs interleave the 128-bit halves; the permute puts the 4-byte groups in order */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
+                                             _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(
+            p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
-        const __m256i f = _mm256_set1_epi32(0x0f);
-        const __m256i b0 = _mm256_cvtepu8_epi32(raw);
-        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
-        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, f)), d, m);
-        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, f)), d, m);
-        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), d, m);
-        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), d, m);
+        for (int j = 0; j < QK; j++) {
+            qb[j] = (int8_t)nearbyintf(xb[j] * id);  /* ties to even, as _mm256_round_ps */
+            sum += qb[j];
+        }
 #endif
-    } else {
-        const int8_t *qs = (const int8_t *)(blk + 2);
-#ifdef __AVX512F__
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)qs);
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(qs + 16));
-        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-#else
-        for (int v = 0; v < 4; v++)
-            w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                _mm_loadl_epi64((const __m128i *)(qs + 8 * v)))), d);
-#endif
+        d[b] = dx;
+        if (s) s[b] = dx * (float)sum;
     }
 }
-#endif
 
-/* Scalar weight j of a block (the tail of no vector build, and the reference for it). */
-static inline float block_weight(const uint8_t *blk, int j, const int fmt) {
-    const float d = fp16_to_f32(load_u16(blk));
-    if (fmt == FMT_Q4_1) {
-        const uint8_t q = blk[4 + (j & 15)];
-        return d * (float)(j < 16 ? q & 0x0f : q >> 4) + fp16_to_f32(load_u16(blk + 2));
-    }
-    return d * (float)((const int8_t *)(blk + 2))[j];
+/* quantize_row_q8 on M rows (s for all of them), as the kernels do it: for the tests. */
+void qmm_quantize_activations(int8_t *q, float *d, float *s, const float *x, int M, int K) {
+    for (int m = 0; m < M; m++)
+        quantize_row_q8(q + (size_t)m * K, d + (size_t)m * (K / QK), s + (size_t)m * (K / QK),
+                        x + (size_t)m * K, K);
 }
 
-/* mt x rows against weight rows n .. n+rows-1 (rows <= QROWS). */
+/* Rows of x quantized for one pass: q [rows, K], d and s [rows, K/32]. */
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+} qx_t;
+
+/* Weight j of a block as an integer: q4_1's nibble (0..15) or q8_0's int8. */
+static inline int block_q(const uint8_t *blk, int j, const int fmt) {
+    if (fmt == FMT_Q4_1) return j < 16 ? blk[4 + j] & 0x0f : blk[4 + j - 16] >> 4;
+    return ((const int8_t *)(blk + 2))[j];
+}
+
+/* mt x rows (from row xr of X) against weight rows n .. n+rows-1 (rows <= QROWS). */
 static inline __attribute__((always_inline)) void qgroup(
-        float *y, const float *x, const uint8_t *w, const int mt, const int rows, int N, int K,
-        int n, const int fmt, const uint8_t *prefetch) {
+        float *y, const qx_t *X, int xr, const uint8_t *w, const int mt, const int rows, int N,
+        int K, int n, const int fmt, const uint8_t *prefetch) {
     const int nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
     const size_t row_bytes = (size_t)nb * bytes;
     const uint8_t *wg = w + (size_t)n * row_bytes;
-    float acc_s[QXTILE][QROWS] = {{0}};
-#ifdef __AVX2__
-    qvec acc[QXTILE][QROWS];
+    float out[QXTILE][QROWS], summ[QXTILE][QROWS];
     for (int m = 0; m < mt; m++)
-        for (int r = 0; r < rows; r++) acc[m][r] = QZERO();
+        for (int r = 0; r < rows; r++) summ[m][r] = 0.0f;
+#if defined(__AVX2__) && defined(__F16C__)
+    /* A q4_1 block's 16 nibble bytes, loaded into both halves, shifted by 4 in the high half
+     * only (32-bit shifts: what crosses from the next byte lands in the masked-off nibble). */
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    __m256 acc[QXTILE][QROWS], summ8[QXTILE];
+    for (int m = 0; m < mt; m++) {
+        summ8[m] = _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++) acc[m][r] = _mm256_setzero_ps();
+    }
     for (int b = 0; b < nb; b++) {
         if (prefetch) {  /* the next group, spread over this group's blocks */
             const uint8_t *p = prefetch + (size_t)b * QROWS * bytes;
             _mm_prefetch((const char *)p, _MM_HINT_T0);
             _mm_prefetch((const char *)p + 64, _MM_HINT_T0);
         }
+        /* The first 4 bytes of each row's block, as fp16 pairs by one vcvtph2ps: lane 2r is
+         * row r's d, lane 2r+1 its m (q4_1; q8_0's is junk, never used). Times d_x, through
+         * a stack slot: broadcasts from memory are loads, from a register shuffles. */
+        __m128i h = _mm_cvtsi32_si128(load_u32(wg + (size_t)b * bytes));
+        if (rows > 1) h = _mm_insert_epi32(h, load_u32(wg + row_bytes + (size_t)b * bytes), 1);
+        if (rows > 2)
+            h = _mm_insert_epi32(h, load_u32(wg + 2 * row_bytes + (size_t)b * bytes), 2);
+        if (rows > 3)
+            h = _mm_insert_epi32(h, load_u32(wg + 3 * row_bytes + (size_t)b * bytes), 3);
+        const __m256 dm = _mm256_cvtph_ps(h);
+        float sc[QXTILE][8] __attribute__((aligned(32)));
+        __m256i xq[QXTILE];
+        for (int m = 0; m < mt; m++) {
+            const size_t xb = (size_t)(xr + m) * nb + b;
+            xq[m] = _mm256_loadu_si256((const __m256i *)(X->q + (size_t)(xr + m) * K + b * QK));
+            _mm256_store_ps(sc[m], _mm256_mul_ps(dm, _mm256_set1_ps(X->d[xb])));
+            if (fmt == FMT_Q4_1)  /* lane 2r+1: m_r s_x (the even lanes are never read) */
+                summ8[m] = _mm256_fmadd_ps(dm, _mm256_set1_ps(X->s[xb]), summ8[m]);
+        }
+        __asm__("" : "+m"(sc));  /* so the broadcasts read the slot rather than a register */
         for (int r = 0; r < rows; r++) {
-            qvec wv[QV];
-            decode_block(wv, wg + r * row_bytes + (size_t)b * bytes, fmt);
+            const uint8_t *blk = wg + r * row_bytes + (size_t)b * bytes;
+            __m256i wq, wu;
+            if (fmt == FMT_Q4_1) {
+                wq = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4)));
+                wu = _mm256_and_si256(_mm256_srlv_epi32(wq, shift), low);
+            } else {
+                wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                wu = _mm256_sign_epi8(wq, wq);
+            }
             for (int m = 0; m < mt; m++) {
-                const float *xb = x + (size_t)m * K + (size_t)b * QK;
-                for (int v = 0; v < QV; v++)
-                    acc[m][r] = QFMA(wv[v], QLOAD(xb + v * QLANES), acc[m][r]);
+                const __m256i xs = fmt == FMT_Q4_1 ? xq[m] : _mm256_sign_epi8(xq[m], wq);
+                const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs), ones);
+                acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sc[m][2 * r]),
+                                            _mm256_cvtepi32_ps(isum), acc[m][r]);
             }
         }
     }
-    for (int m = 0; m < mt; m++)
-        for (int r = 0; r < rows; r++) acc_s[m][r] = QSUM(acc[m][r]);
+    for (int m = 0; m < mt; m++) {
+        float sm[8] __attribute__((aligned(32)));
+        _mm256_store_ps(sm, summ8[m]);
+        for (int r = 0; r < rows; r++) {
+            out[m][r] = hsum256(acc[m][r]);
+            summ[m][r] = sm[2 * r + 1];
+        }
+    }
 #else
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < nb; b++)
-            for (int j = 0; j < QK; j++) {
-                const float wj = block_weight(wg + r * row_bytes + (size_t)b * bytes, j, fmt);
-                for (int m = 0; m < mt; m++) acc_s[m][r] += wj * x[(size_t)m * K + b * QK + j];
+    for (int m = 0; m < mt; m++)
+        for (int r = 0; r < rows; r++) {
+            float lane[8] = {0};
+            const int8_t *xq = X->q + (size_t)(xr + m) * K;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = wg + r * row_bytes + (size_t)b * bytes;
+                const size_t xb = (size_t)(xr + m) * nb + b;
+                const float scale = fp16_to_f32(load_u16(blk)) * X->d[xb];
+                for (int l = 0; l < 8; l++) {
+                    int isum = 0;
+                    for (int j = 4 * l; j < 4 * l + 4; j++)
+                        isum += block_q(blk, j, fmt) * xq[b * QK + j];
+                    lane[l] = fmaf(scale, (float)isum, lane[l]);
+                }
+                if (fmt == FMT_Q4_1)
+                    summ[m][r] = fmaf(fp16_to_f32(load_u16(blk + 2)), X->s[xb], summ[m][r]);
             }
+            /* hsum256's order: halves, then pairs, then the last two */
+            const float h0 = lane[0] + lane[4], h1 = lane[1] + lane[5];
+            const float h2 = lane[2] + lane[6], h3 = lane[3] + lane[7];
+            out[m][r] = (h0 + h2) + (h1 + h3);
+        }
 #endif
     for (int m = 0; m < mt; m++)
-        for (int r = 0; r < rows; r++) y[(size_t)m * N + n + r] = acc_s[m][r];
+        for (int r = 0; r < rows; r++)
+            y[(size_t)m * N + n + r] = fmt == FMT_Q4_1 ? out[m][r] + summ[m][r] : out[m][r];
 }
 
 static inline __attribute__((always_inline)) void qtile(
-        float *y, const float *x, const uint8_t *w, int M, int N, int K, int n, const int rows,
+        float *y, const qx_t *X, const uint8_t *w, int M, int N, int K, int n, const int rows,
         const int fmt, const uint8_t *next) {
     for (int m0 = 0; m0 < M; m0 += QXTILE) {
         float *ym = y + (size_t)m0 * N;
-        const float *xm = x + (size_t)m0 * K;
         const uint8_t *pf = m0 ? NULL : next;
         /* Constant tile heights let the compiler keep every sum in a register. */
-        switch (M - m0 >= QXTILE ? QXTILE : M - m0) {
-            case 1: qgroup(ym, xm, w, 1, rows, N, K, n, fmt, pf); break;
-#if QXTILE > 2
-            case 2: qgroup(ym, xm, w, 2, rows, N, K, n, fmt, pf); break;
-            case 3: qgroup(ym, xm, w, 3, rows, N, K, n, fmt, pf); break;
-#endif
-            default: qgroup(ym, xm, w, QXTILE, rows, N, K, n, fmt, pf);
-        }
+        if (M - m0 >= QXTILE) qgroup(ym, X, m0, w, QXTILE, rows, N, K, n, fmt, pf);
+        else qgroup(ym, X, m0, w, 1, rows, N, K, n, fmt, pf);
     }
 }
 
 /* x rows per pass over a thread's weight rows: each output is one call of qgroup whatever the
  * pass, so the blocking changes which rows share a pass, not any output's sum order. */
 static inline int x_block_rows(int K) {
-    const int rows = X_BLOCK_BYTES / (K * (int)sizeof(float));
+    const int rows = X_BLOCK_BYTES / K;  /* int8 rows */
     return rows < QXTILE ? QXTILE : rows - rows % QXTILE;
 }
 
-static void qrows_range(float *y, const float *x, const uint8_t *w, int M, int N, int K,
-                        int lo, int hi, const int fmt) {
-    const size_t group_bytes = (size_t)(K / QK) * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES)
-                               * QROWS;
-    const int mb = x_block_rows(K);
+/* Weight rows [lo, hi) against all M rows of x. Each thread quantizes x itself: a row's
+ * quantization is a small fraction of its dot products with hundreds of weight rows, and no
+ * thread waits for another at a barrier. Returns -1 if scratch memory could not be had. */
+static inline __attribute__((always_inline)) int qrows_range(
+        float *y, const float *x, const uint8_t *w, int M, int N, int K, int lo, int hi,
+        const int fmt) {
+    if (lo >= hi) return 0;
+    const int nb = K / QK, mb = x_block_rows(K), xrows = M < mb ? M : mb;
+    const size_t group_bytes = (size_t)nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES) * QROWS;
+    float *scales = (float *)malloc((size_t)xrows * (2 * nb * sizeof(float) + K));
+    if (!scales) return -1;
+    int8_t *q = (int8_t *)(scales + (size_t)2 * xrows * nb);
+    const qx_t X = {q, scales, scales + (size_t)xrows * nb};
     for (int m0 = 0; m0 < M; m0 += mb) {
         const int mt = M - m0 < mb ? M - m0 : mb;
+        for (int m = 0; m < mt; m++)
+            quantize_row_q8(q + (size_t)m * K, scales + (size_t)m * nb,
+                            fmt == FMT_Q4_1 ? scales + (size_t)(xrows + m) * nb : NULL,
+                            x + (size_t)(m0 + m) * K, K);
         float *ym = y + (size_t)m0 * N;
-        const float *xm = x + (size_t)m0 * K;
         int n = lo;
         for (; n + QROWS <= hi; n += QROWS) {
             const uint8_t *next = n + 2 * QROWS <= hi
                                   ? w + (size_t)(n / QROWS + 1) * group_bytes : NULL;
-            qtile(ym, xm, w, mt, N, K, n, QROWS, fmt, next);
+            qtile(ym, &X, w, mt, N, K, n, QROWS, fmt, next);
         }
-        for (; n < hi; n++) qtile(ym, xm, w, mt, N, K, n, 1, fmt, NULL);
+        for (; n < hi; n++) qtile(ym, &X, w, mt, N, K, n, 1, fmt, NULL);
     }
+    free(scales);
+    return 0;
 }
 
-static void qmm(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads,
-                const int fmt) {
-    if ((long)N * K < PAR_MIN_WEIGHTS || nthreads < 2) {
-        qrows_range(y, x, w, M, N, K, 0, N, fmt);
-        return;
+/* qrows_range compiled for each format, and on its own for M == 1 (decode), with the tile
+ * loops resolved at compile time (an OpenMP region is outlined once, whatever is inlined
+ * around it, so the choice is made before it). */
+typedef int (*rows_fn)(float *, const float *, const uint8_t *, int, int, int, int, int);
+#define ROWS_FN(name, m, fmt)                                                                 \
+    static int name(float *y, const float *x, const uint8_t *w, int M, int N, int K, int lo, \
+                    int hi) {                                                                 \
+        (void)M;                                                                              \
+        return qrows_range(y, x, w, m, N, K, lo, hi, fmt);                                    \
     }
-#pragma omp parallel num_threads(nthreads)
-    {
-        int lo, hi;
-        omp_thread_rows(N, QROWS, &lo, &hi); /* whole groups per thread */
-        qrows_range(y, x, w, M, N, K, lo, hi, fmt);
+ROWS_FN(rows_q4_1_1, 1, FMT_Q4_1)
+ROWS_FN(rows_q4_1, M, FMT_Q4_1)
+ROWS_FN(rows_q8_0_1, 1, FMT_Q8_0)
+ROWS_FN(rows_q8_0, M, FMT_Q8_0)
+
+static void qmm(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads,
+                const rows_fn rows) {
+    int failed = 0;
+    if ((long)N * K < PAR_MIN_WEIGHTS || nthreads < 2) {
+        failed = rows(y, x, w, M, N, K, 0, N);
+    } else {
+#pragma omp parallel num_threads(nthreads) reduction(|: failed)
+        {
+            int lo, hi;
+            omp_thread_rows(N, QROWS, &lo, &hi); /* whole groups per thread */
+            failed |= rows(y, x, w, M, N, K, lo, hi);
+        }
+    }
+    if (failed) {  /* no error channel in this ABI, and a wrong y must never pass silently */
+        fprintf(stderr, "pagedlm quant_matmul: out of memory for %d x %d activations\n", M, K);
+        abort();
     }
 }
 
 void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
-    if (M == 1) qmm(y, x, w, 1, N, K, nthreads, FMT_Q4_1);
-    else qmm(y, x, w, M, N, K, nthreads, FMT_Q4_1);
+    qmm(y, x, w, M, N, K, nthreads, M == 1 ? rows_q4_1_1 : rows_q4_1);
 }
 
 void qmm_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
-    if (M == 1) qmm(y, x, w, 1, N, K, nthreads, FMT_Q8_0);
-    else qmm(y, x, w, M, N, K, nthreads, FMT_Q8_0);
+    qmm(y, x, w, M, N, K, nthreads, M == 1 ? rows_q8_0_1 : rows_q8_0);
 }
 
 /* ---------------------------------------------------------------- i8 (per output channel) */

@@ -18,6 +18,7 @@ library = typed_library({
     "dequant_q8_0": ([_p, _p, _i, _i, _i], None),
     "dequant_i8": ([_p, _p, _p, _i, _i, _i], None),
     "qmm_vector_bits": ([], _i),
+    "qmm_quantize_activations": ([_p, _p, _p, _p, _i, _i], None),
 })
 
 # From how many input rows on dequantizing the whole matrix once and running the float GEMM
@@ -56,6 +57,17 @@ def matmul(fmt: str, y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor,
     else:
         getattr(lib, f"qmm_{fmt}")(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), m, n, k,
                                    threads)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] contiguous float32 (K a multiple of 32) as the q4_1 and q8_0 kernels quantize
+    it: (q int8 [M, K], d float32 [M, K/32], s = d * sum(q) float32 [M, K/32])."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d, s = torch.empty(2, m, k // 32, dtype=torch.float32)
+    library().qmm_quantize_activations(q.data_ptr(), d.data_ptr(), s.data_ptr(), x.data_ptr(),
+                                       m, k)
+    return q, d, s
 
 
 def dequantize(fmt: str, out: torch.Tensor, qweight: torch.Tensor,

@@ -44,7 +44,9 @@ def native():
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_matmul_matches_reference(fmt, shape, path, monkeypatch):
     """The kernels, and the dequantize + float GEMM path every row count takes without them
-    (PAGEDLM_DISABLE_KERNELS=1, or no compiler), against the same float64 reference."""
+    (PAGEDLM_DISABLE_KERNELS=1, or no compiler), against a float64 reference: x times the
+    dequantized weights, with x quantized to 8 bits as the q4_1 / q8_0 kernels quantize it
+    where they run (below the switch to dequantize + GEMM)."""
     if path == "disabled":
         monkeypatch.setenv("PAGEDLM_DISABLE_KERNELS", "1")
     n, k = shape
@@ -56,7 +58,10 @@ def test_matmul_matches_reference(fmt, shape, path, monkeypatch):
     bias = torch.randn(n, generator=gen)
     for m in _rows(fmt):
         x = torch.randn(m, k, generator=gen)
-        ref = x.double() @ ref_w.T + bias.double()
+        if path == "native" and fmt != "i8" and m < quant.dequant_gemm_min_rows(fmt):
+            ref = kernels.matmul_reference_q8(fmt, x, qweight) + bias.double()
+        else:
+            ref = x.double() @ ref_w.T + bias.double()
         got = kernels.quantized_matmul(fmt, x, qweight, scale, bias)
         assert got.shape == (m, n) and got.dtype == torch.float32
         # float32 accumulation over k terms against a float64 reference
@@ -69,7 +74,7 @@ def test_leading_dims_and_empty_batch():
     qweight = kernels.quantize_q4_1(w)
     x = torch.randn(2, 3, 64)
     got = kernels.quantized_matmul("q4_1", x, qweight)
-    ref = x @ kernels.dequantize_reference("q4_1", qweight).T
+    ref = kernels.matmul_reference_q8("q4_1", x.reshape(6, 64), qweight).float().reshape(2, 3, 96)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert kernels.quantized_matmul("q4_1", torch.empty(0, 64), qweight).shape == (0, 96)
 
@@ -165,9 +170,17 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(fmt, shape):
                 (start, size)
     finally:
         torch.set_num_threads(threads)
-    # Same values as the default path (up to its sum order): it is still the format's matmul.
-    torch.testing.assert_close(alone, kernels.quantized_matmul(fmt, x, qweight, scale, bias),
-                               rtol=1e-4, atol=1e-4)
+    # The same bits as the default path below its switch to dequantize + GEMM (the same
+    # kernel), and the same values past it up to the sum order, on the input the kernel
+    # multiplies: 8-bit x for q4_1 and q8_0 (matmul_reference_q8), float x for i8.
+    below = quant.dequant_gemm_min_rows(fmt) - 1
+    assert torch.equal(alone[:below],
+                       kernels.quantized_matmul(fmt, x[:below], qweight, scale, bias))
+    if fmt == "i8":
+        expected = kernels.quantized_matmul(fmt, x, qweight, scale, bias)
+    else:
+        expected = (kernels.matmul_reference_q8(fmt, x, qweight) + bias.double()).float()
+    torch.testing.assert_close(alone, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_batch_invariant_refuses_to_run_without_the_kernels(monkeypatch):

@@ -54,6 +54,7 @@ void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N
 /* ---------------------------------------------------------------- quant_matmul.c */
 
 int qmm_vector_bits(void);
+void qmm_quantize_activations(int8_t *q, float *d, float *s, const float *x, int M, int K);
 void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_i8(float *y, const float *x, const int8_t *w, const float *scale, int M, int N, int K,

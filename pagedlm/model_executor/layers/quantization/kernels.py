@@ -8,6 +8,9 @@ Formats (W is [N, K]; blocks run along K):
   "i8":   [N, K] int8 plus one float32 scale per output row: w = s*q.
 
 The q4_1/q8_0 layouts are byte-for-byte ggml's, so a GGUF file's blocks are used as stored.
+Their native kernels, like llama.cpp's, first quantize each input row to 8 bits per 32-block
+(quantize_activations_reference) and then sum integer products exactly; the dequantize + float
+GEMM branch (large M outside the deterministic mode) multiplies the float input instead.
 """
 from __future__ import annotations
 
@@ -45,6 +48,32 @@ def dequantize_reference(fmt: str, qweight: torch.Tensor,
         q = qweight[..., 2:].contiguous().view(torch.int8).float()
         return (d * q).reshape(n, -1)
     raise ValueError(f"unknown quantized format {fmt!r} (supported: {', '.join(FORMATS)})")
+
+
+def quantize_activations_reference(x: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 as the q4_1 / q8_0 kernels quantize it, per 32-block: d = amax / 127,
+    q = round-half-even(x * (127 / amax)) as int8 (all 0 where amax is 0), and q4_1's offset
+    term s = d * sum(q); returns (q [M, K], d [M, K/32], s [M, K/32]). Every step is one
+    float32 operation, so the bits are the kernels'."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // QK, QK)
+    amax = xb.abs().amax(-1)
+    d = amax / 127
+    inv = torch.where(amax != 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    q = (xb * inv[..., None]).round()  # torch.round: ties to even
+    s = d * q.sum(-1)  # the integer sum is exact in float32 (|sum| <= 32 * 127)
+    return q.to(torch.int8).reshape(m, k), d, s
+
+
+def matmul_reference_q8(fmt: str, x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """What the q4_1 / q8_0 kernels compute, in float64: x quantized as they quantize it,
+    times the dequantized weights. The kernels' integer sums are exact, so they differ from
+    this only by their float32 scaling and summing over the blocks."""
+    q, d, _ = quantize_activations_reference(x)
+    m, k = q.shape
+    xq = (q.double().reshape(m, k // QK, QK) * d.double()[..., None]).reshape(m, k)
+    return xq @ dequantize_reference(fmt, qweight).double().T
 
 
 # ------------------------------------------------------------------ packing float weights
@@ -135,6 +164,8 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
                      scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                      batch_invariant: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T (+ bias) with W in format `fmt` (see the module docstring).
+    The q4_1 / q8_0 kernels take x at 8 bits (matmul_reference_q8); the dequantize + GEMM
+    branch, from dequant_gemm_min_rows rows on outside batch_invariant, takes it in float32.
 
     batch_invariant: the kernels at every row count, never dequantize + float GEMM (whose sum
     order changes with M): each output is then one weight row against one x row in a fixed K
