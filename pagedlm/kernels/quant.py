@@ -23,15 +23,18 @@ library = typed_library({
 
 # From how many input rows on dequantizing the whole matrix once and running the float GEMM
 # beats the kernels, by the kernels' vector width (qmm_vector_bits: 512, 256, 0 = scalar) and
-# format. The kernels decode each weight block once per tile of x rows (4 rows with AVX-512, 2
-# with AVX2), so their cost grows with the rows at a rate close to the GEMM's, while
-# dequantizing costs a pass writing N*K floats. Measured on SmolLM2's gate_up (N=3072, K=576)
-# and down (576, 1536) shapes, 2 threads, AVX-512 EPYC, kernel vs dequantize+GEMM in ms:
-# q4_1 at 128 rows 3.0 vs 3.6 and 1.5 vs 3.6, at 256 rows 6.0 vs 6.0 and 3.0 vs 4.8; q8_0 at 256
-# 5.7 vs 7.5; i8 at 128 5.2 vs 5.3, at 192 7.4 vs 6.5. The same source built for AVX2 only:
-# q4_1 at 32 rows 1.3 vs 1.7, at 64 2.6 vs 2.4; q8_0 and i8 even at 32 (1.1 vs 1.1).
+# format. The kernels unpack each weight block once per tile of x rows, so their cost grows with
+# the rows at a rate close to the GEMM's, while dequantizing costs a pass writing N*K floats.
+# q4_1 / q8_0 on 8-bit x and integer sums (the same AVX2 code in both vector builds), on
+# SmolLM2's gate_up (N=3072, K=576) and down (576, 1536) and a 4096-row Q8_0 slice, one thread,
+# AVX2 EPYC, kernel vs dequantize+GEMM in ms: q4_1 at 64 rows 5.2 vs 6.7 and 2.5 vs 2.7, at 128
+# 10.6 vs 12.0 and 5.0 vs 4.3 (a layer 15.6 vs 16.3), at 192 15.8 vs 15.7 and 7.8 vs 6.0; q8_0
+# at 128 14.1 vs 16.0, at 192 21.4 vs 20.5. The 512 entries were measured on an AVX-512 EPYC
+# with the float-activation kernels this replaced (q4_1 at 128 rows 3.0 vs 3.6 and 1.5 vs 3.6,
+# at 256 6.0 vs 6.0 and 3.0 vs 4.8; q8_0 at 256 5.7 vs 7.5; i8 at 128 5.2 vs 5.3, at 192 7.4 vs
+# 6.5) and want measuring again there. i8 on AVX2: 32 rows 1.1 vs 1.1.
 _DEQUANT_GEMM_MIN_ROWS = {512: {"q4_1": 256, "q8_0": 256, "i8": 160},
-                          256: {"q4_1": 48, "q8_0": 32, "i8": 32}}
+                          256: {"q4_1": 128, "q8_0": 128, "i8": 32}}
 _SCALAR_DEQUANT_GEMM_MIN_ROWS = 16
 
 
