@@ -79,7 +79,8 @@ _HELP = {
                      "cache, preemption, threads), for a fixed block size and KV-cache dtype on "
                      "one machine and build, one worker (not tensor/pipeline parallel). Every "
                      "kernel then sums in an order set by the row alone; costs prefill time. "
-                     "Needs the native kernels (float32 activations on the CPU).",
+                     "Needs the native kernels: float32 weights, bfloat16 ones on the panel "
+                     "kernel (AVX2), or int8/int4/gguf.",
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
