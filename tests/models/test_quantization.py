@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
 from pagedlm.model_executor.layers.quantization import QUANTIZATION_METHODS, kernels
 from pagedlm.model_executor.layers.quantization.base import weight_formats
 from pagedlm.model_executor.layers.quantization.gguf import GGUFConfig
@@ -80,17 +82,35 @@ def default_runs():
 
 
 def test_gguf_runs_the_files_blocks_and_matches_float32(default_runs):
+    """The float32 run has the same weights (the file's blocks dequantized), but the q4_1 and
+    q8_0 kernels take their input at 8 bits per 32-block, as llama.cpp's do, so float32 is no
+    longer the same math up to the summation order. Nor is any engine-level run that quantizes
+    the activations the same way in PyTorch: a rounding that a last-bit difference flips moves
+    the next layer's input by a whole 8-bit step, and that spreads (such a run agreed with the
+    kernels' no better than float32 does). The kernels are checked against that reference layer
+    by layer (tests/kernels/test_quant_dot.py); here the model must keep float32's quality:
+    perplexity within 0.5% (issue 32) and greedy tokens as close as llama.cpp-style 8-bit
+    activations allow (measured on the AVX2 EPYC: perplexity x0.9994, 3/8 prompts identical,
+    148/256 tokens before the first difference, logprobs where the tokens agree 0.035 apart on
+    average, 0.22 at most)."""
     # Every linear layer on the file's own blocks: the Q4_1 layers and the Q8_0 tied head.
     formats = default_runs["gguf"]["formats"]
     assert "float" not in formats and set(formats) == {"q4_1", "q8_0"}, formats
-    ref, got = default_runs[None]["greedy"], default_runs["gguf"]["greedy"]
-    identical = 0
-    for (rt, rl), (gt, gl) in zip(ref, got):
+    ref, run = default_runs[None], default_runs["gguf"]
+    tokens, diffs = [], []
+    for (rt, rl), (gt, gl) in zip(ref["greedy"], run["greedy"]):
         n = _first_difference(rt, gt)
-        identical += n == len(rt)
-        # Same weights, different summation order: logprobs agree wherever the tokens do.
-        assert np.abs(np.array(rl[:n]) - np.array(gl[:n])).max(initial=0) < 1e-2
-    assert identical >= 7, f"only {identical}/8 prompts identical to float32"
+        tokens.append(n)
+        diffs += np.abs(np.array(rl[:n]) - np.array(gl[:n])).tolist()
+    ratio = run["ppl"] / ref["ppl"]
+    print(f"gguf: perplexity {run['ppl']:.4f} vs float32 {ref['ppl']:.4f} (x{ratio:.4f}); "
+          f"prompts identical {sum(n == MAX_TOKENS for n in tokens)}/8, tokens before the first "
+          f"difference {sum(tokens)}/{8 * MAX_TOKENS}; logprob differences max "
+          f"{max(diffs):.4f}, mean {np.mean(diffs):.4f}; tokens {tokens}")
+    assert abs(ratio - 1) < 0.005
+    # The first token of every prompt but one, and most of the rest.
+    assert sum(n > 0 for n in tokens) >= 7 and sum(tokens) >= 0.5 * 8 * MAX_TOKENS
+    assert max(diffs) < 0.3 and np.mean(diffs) < 0.05
 
 
 @pytest.mark.parametrize("quantization,bound", [("int8", 1.05), ("int4", 1.15)])
@@ -134,6 +154,10 @@ def _dequantized_twin(src: str, dst: str, quantization: str) -> str:
     return dst
 
 
+def _vocab(model_dir: str) -> int:
+    return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+
+
 def _assert_same(ref, got, atol: float) -> None:
     assert [t for t, _ in got] == [t for t, _ in ref]
     for (_, a), (_, b) in zip(ref, got):
@@ -142,14 +166,41 @@ def _assert_same(ref, got, atol: float) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_any_model_on_the_parallel_layers(tiny_models, tmp_path, arch, quantization):
+def test_any_model_on_the_parallel_layers(tiny_models, tmp_path, monkeypatch, arch,
+                                         quantization):
     """No model code: Qwen2's biased qkv_proj quantizes like Llama's, and the quantized engine
-    equals the float engine on the same (dequantized) weights."""
+    equals the float engine on the same (dequantized) weights. int4's q4_1 kernel takes its
+    input at 8 bits per 32-block, so for int4 the float engine's linear layers (but the head,
+    int8 on float input there) quantize theirs the same way, each through the Python layer
+    path (the fused decode stack off)."""
     twin = _dequantized_twin(tiny_models[arch], str(tmp_path / "twin"), quantization)
-    ref = _greedy(LLM(model=twin), PROMPTS[:4], 8)
+    with monkeypatch.context() as patch:
+        if quantization == "int4":
+            patch.setenv("PAGEDLM_DISABLE_FUSED_DECODE", "1")
+            float_apply = UnquantizedLinearMethod.apply
+
+            def apply(self, layer, x, bias=None):
+                if layer.weight.shape[0] == _vocab(twin):  # the LM head
+                    return float_apply(self, layer, x, bias)
+                q, d, _ = kernels.quantize_activations_reference(x.reshape(-1, x.shape[-1]))
+                xq = (q.float().reshape(q.shape[0], -1, 32) * d[..., None]).reshape(x.shape)
+                return float_apply(self, layer, xq, bias)
+
+            patch.setattr(UnquantizedLinearMethod, "apply", apply)
+        ref = _greedy(LLM(model=twin), PROMPTS[:4], 8)
     llm = LLM(model=tiny_models[arch], quantization=quantization)
     assert "float" not in weight_formats(_model(llm))
-    _assert_same(ref, _greedy(llm, PROMPTS[:4], 8), atol=1e-3)
+    got = _greedy(llm, PROMPTS[:4], 8)
+    if quantization == "int8":
+        _assert_same(ref, got, atol=1e-3)
+        return
+    # A last-bit difference between the two float sums can still flip one activation's 8-bit
+    # rounding, which moves that input by a whole step (seen once in 32 logprobs: 8.4e-3, the
+    # rest within 4e-6): at most one such logprob per prompt.
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    for (_, a), (_, b) in zip(ref, got):
+        err = np.abs(np.array(a) - np.array(b))
+        assert (err >= 1e-3).sum() <= 1 and err.max() < 2e-2, err
 
 
 def test_bad_quantization_raises_value_error(tiny_models):
