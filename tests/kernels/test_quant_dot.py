@@ -14,7 +14,10 @@ import torch
 
 from pagedlm.kernels import loader, quant
 from pagedlm.model_executor.layers.quantization import kernels
+from tests.conftest import needs_kernels
 
+# Every test here runs the kernels themselves: nothing to test where they are off.
+pytestmark = needs_kernels
 QUANTIZE = {"q4_1": kernels.quantize_q4_1, "q8_0": kernels.quantize_q8_0}
 
 
