@@ -27,6 +27,8 @@ from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CO
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from pagedlm.model_executor.model_loader.gguf_file import open_gguf
+
 
 @dataclass(frozen=True)
 class _ArchSpec:
@@ -94,28 +96,10 @@ SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-class _PlainArrayGGUFReader(GGUFReader):
-    """GGUFReader over a plain ndarray view of its memory map instead of the np.memmap itself.
-
-    Every slice of an np.memmap runs memmap.__array_finalize__ in Python. GGUFReader slices
-    once per metadata string (~100k for a 49k-token vocabulary plus merges) and the
-    dequantizers slice each tensor into many row groups, which made reading ~4x and
-    dequantizing ~2x slower. The view shares the same mapped pages and keeps the map alive.
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain_data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain_data = value.view(np.ndarray)
-
-
 def convert_gguf(gguf_path: str, out_dir: str) -> None:
     """Write an HF-format model directory for ``gguf_path`` into ``out_dir``."""
     gguf_path = os.fspath(gguf_path)
-    reader = _PlainArrayGGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     arch = _metadata(reader, "general.architecture")
     spec = _ARCHITECTURES.get(arch)
     if spec is None:
@@ -204,7 +188,7 @@ class GGUFBlocks:
 
 def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
     """ggml type name of every tensor in the file (reads the header only)."""
-    return {t.name: t.tensor_type.name for t in _PlainArrayGGUFReader(os.fspath(gguf_path)).tensors}
+    return {t.name: t.tensor_type.name for t in open_gguf(gguf_path).tensors}
 
 
 def iterate_gguf_blocks(gguf_path: str, qtypes: tuple[str, ...],
@@ -219,7 +203,7 @@ def iterate_gguf_blocks(gguf_path: str, qtypes: tuple[str, ...],
     is not yielded under its own name (lookups need float rows); when the file has no output
     matrix it is yielded as the tied LM head's.
     """
-    reader = _PlainArrayGGUFReader(os.fspath(gguf_path))
+    reader = open_gguf(gguf_path)
     arch = _metadata(reader, "general.architecture")
     spec = _ARCHITECTURES.get(arch)
     if spec is None:

@@ -1,0 +1,192 @@
+"""Opening a GGUF file: its header read and checked before anything else touches it.
+
+gguf's own reader trusts the header. On a truncated or corrupt file it fails with whatever
+numpy or Python error the first bad read happens to raise, or, where a wrong count or offset
+still lands inside the file, hands back tensors made of other bytes. :func:`open_gguf` bounds
+every read by the file's size and checks the tensors' data against it, so such a file is
+refused with one ValueError that names the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+
+_MAGIC = b"GGUF"
+# magic, version, tensor count, metadata count.
+_HEADER_BYTES = 4 + 4 + 8 + 8
+# The fewest bytes one entry can take: a metadata entry is a key (8-byte length), a 4-byte
+# type and a value of at least one byte; a tensor entry a name (8-byte length), a 4-byte
+# dimension count, a 4-byte type and an 8-byte offset. Counts that cannot fit the file are
+# refused up front rather than looped over.
+_MIN_METADATA_ENTRY = 8 + 4 + 1
+_MIN_TENSOR_ENTRY = 8 + 4 + 4 + 8
+# The smallest encoding of one element of a metadata array, by element type.
+_MIN_ARRAY_ITEM = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 4 + 8}
+# A plain int: comparing with an enum member looks it up through Enum's slow __getattr__.
+_ARRAY = int(GGUFValueType.ARRAY)
+
+
+class _DoesNotFit(Exception):
+    """A header read, or a count of entries, that runs past the end of the file."""
+
+
+class _PlainArrayGGUFReader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map instead of the np.memmap itself,
+    with every read bounded by the file's size.
+
+    Every slice of an np.memmap runs memmap.__array_finalize__ in Python. GGUFReader slices
+    once per metadata string (~100k for a 49k-token vocabulary plus merges) and the
+    dequantizers slice each tensor into many row groups, which made reading ~4x and
+    dequantizing ~2x slower. The view shares the same mapped pages and keeps the map alive.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        super().__init__(path)
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        # gguf's _get with the bound added: numpy slicing past the end silently shortens the
+        # slice, and gguf then fails somewhere later, or not at all. Inlined rather than a
+        # super() call: it runs twice per metadata string.
+        count = int(count)
+        end = int(offset) + np.dtype(dtype).itemsize * count
+        data = self._plain_data
+        if end > data.shape[0]:
+            raise _DoesNotFit(f"a read of bytes [{int(offset)}, {end}) runs past its end")
+        arr = data[offset:end].view(dtype=dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type == _ARRAY:
+            item_type = int(self._get(orig_offs, np.uint32)[0])
+            length = int(self._get(orig_offs + 4, np.uint64)[0])
+            scalar = self.gguf_scalar_to_np.get(_value_type(item_type, orig_offs))
+            item_bytes = (np.dtype(scalar).itemsize if scalar is not None
+                          else _MIN_ARRAY_ITEM.get(GGUFValueType(item_type), 1))
+            _check_count(length, item_bytes, orig_offs + 12, self._plain_data.shape[0],
+                         f"a metadata array at byte {orig_offs}")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _build_fields(self, offs, count):
+        _check_count(int(count), _MIN_METADATA_ENTRY, offs, self._plain_data.shape[0],
+                     "the metadata count")
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs, count):
+        _check_count(int(count), _MIN_TENSOR_ENTRY, offs, self._plain_data.shape[0],
+                     "the tensor count")
+        return super()._build_tensor_info(offs, count)
+
+    def _build_tensors(self, start_offs, fields):
+        _check_tensor_ranges(fields, start_offs, self.alignment, self._plain_data.shape[0])
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    """A reader over the GGUF file at ``path`` (memory-mapped; nothing is copied).
+
+    Raises ValueError naming the file and the fault for a missing or empty file, a wrong
+    magic, a truncated header, counts or offsets that do not fit the file, an unknown tensor
+    type, or tensor data that overlaps or runs past the end of the file.
+    """
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the GGUF file ({e.strerror or e}).") from e
+    if size < _HEADER_BYTES:
+        raise ValueError(f"{path}: truncated GGUF file: {size} bytes, fewer than the "
+                         f"{_HEADER_BYTES} of a GGUF header.")
+    if magic != _MAGIC:
+        raise ValueError(f"{path}: not a GGUF file: it starts with {magic!r}, not the GGUF "
+                         f"magic {_MAGIC!r} (a corrupt file, or another format).")
+    try:
+        return _PlainArrayGGUFReader(path)
+    except _DoesNotFit as e:
+        raise ValueError(f"{path}: truncated or corrupt GGUF file of {size} bytes: {e}.") from e
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
+        # gguf's own checks (version, duplicate names, alignment) and numpy's failures on
+        # bytes that are not what the header says.
+        raise ValueError(f"{path}: corrupt GGUF file: {e}.") from e
+
+
+def check_runnable_types(reader: GGUFReader, runnable: set[str]) -> None:
+    """Refuse a file with tensors of a type outside ``runnable`` (ggml type names, any case),
+    naming the tensors, their types and the supported list. Reads only the header."""
+    allowed = {t.upper() for t in runnable}
+    bad = [(t.name, t.tensor_type.name) for t in reader.tensors
+           if t.tensor_type.name not in allowed]
+    if not bad:
+        return
+    shown = ", ".join(f"{name!r} ({qtype})" for name, qtype in bad[:4])
+    more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+    types = ", ".join(sorted({qtype for _, qtype in bad}))
+    where = getattr(reader, "path", "GGUF file")
+    raise ValueError(f"{where}: tensor type {types} is not supported: tensor{'s' * (len(bad) > 1)} "
+                     f"{shown}{more} (supported types: {', '.join(sorted(allowed))}).")
+
+
+def _value_type(raw: int, offset: int) -> GGUFValueType:
+    try:
+        return GGUFValueType(raw)
+    except ValueError:
+        raise ValueError(f"unknown metadata value type {raw} at byte {offset}") from None
+
+
+def _check_count(count: int, min_bytes: int, offset: int, size: int, what: str) -> None:
+    if count * min_bytes > size - offset:
+        raise _DoesNotFit(f"{what} says {count} entries, more than the {size - offset} bytes "
+                         f"left after byte {offset} can hold")
+
+
+def _check_tensor_ranges(fields, start: int, alignment: int, size: int) -> None:
+    """Every tensor's data within the file and apart from the others', and no more unclaimed
+    bytes after the last one than alignment padding: a tensor count that is too small moves
+    the data section's start, and the tensors would be read from the wrong bytes."""
+    ranges = []
+    for field in fields:
+        _, name_data, _, dims, raw_type, offset = field.parts
+        name = bytes(name_data).decode("utf-8", errors="replace")
+        try:
+            qtype = GGMLQuantizationType(int(raw_type[0]))
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} has unknown ggml type id {int(raw_type[0])}"
+                             ) from None
+        elements = 1
+        for d in dims.tolist():
+            elements *= int(d)
+        if elements % block:
+            raise ValueError(f"tensor {name!r} ({qtype.name}) has {elements} elements, not a "
+                             f"whole number of its {block}-element blocks")
+        begin = start + int(offset[0])
+        end = begin + elements // block * block_bytes
+        if end > size:
+            raise ValueError(
+                f"tensor {name!r} ({qtype.name}, shape {list(reversed(dims.tolist()))}) needs "
+                f"bytes [{begin}, {end}) but the file has {size}: a truncated file, or a wrong "
+                "tensor count or offset")
+        ranges.append((begin, end, name))
+    ranges.sort()
+    for (_, end, name), (begin, _, other) in zip(ranges, ranges[1:]):
+        if begin < end:
+            raise ValueError(f"tensors {name!r} and {other!r} overlap in the file: a wrong "
+                             "tensor count or offset")
+    last = max((end for _, end, _ in ranges), default=start)
+    if size - last >= alignment and ranges:
+        raise ValueError(f"{size - last} bytes after the last tensor's data belong to no "
+                         f"tensor ({len(ranges)} listed): a wrong tensor count or offset")
