@@ -27,6 +27,14 @@ static void linear(const linear_t *l, float *y, const float *x, int M, int N, in
     case W_BF16_PANELS: gemm_panels_bf16(y, x, (const uint16_t *)l->weight, M, N, K, nt); break;
     case W_Q4_1: qmm_q4_1(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     case W_Q8_0: qmm_q8_0(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
+    case W_Q4_K: qmm_q4_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
+    case W_Q5_K: qmm_q5_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
+    case W_Q6_K: qmm_q6_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
+    case W_Q3_K: qmm_q3_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
+    case W_Q2_K: qmm_q2_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
+    case W_Q5_0: qmm_q5_0(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
+    case W_Q5_1: qmm_q5_1(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
+    case W_IQ4_NL: qmm_iq4_nl(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     default: qmm_i8(y, x, (const int8_t *)l->weight, l->scale, M, N, K, nt); break;
     }
     if (l->bias)

@@ -27,39 +27,13 @@
 
 #include "include/pagedlm_ops.h"
 #include "include/parallel.h"
+#include "include/quant_common.h"
 #include "include/vec_math.h"
 
 #define QK 32
 #define Q4_1_BYTES 20
 #define Q8_0_BYTES 34
 #define MTILE 4
-
-static inline float fp16_to_f32(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {  /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static inline int load_u32(const uint8_t *p) { int v; memcpy(&v, p, 4); return v; }
 
 /* Parallelising a tiny matmul costs more in thread wake-ups than it saves. */
 #define PAR_MIN_WEIGHTS (1 << 15)
@@ -312,10 +286,7 @@ static inline __attribute__((always_inline)) void qgroup(
                 if (fmt == FMT_Q4_1)
                     summ[m][r] = fmaf(fp16_to_f32(load_u16(blk + 2)), X->s[xb], summ[m][r]);
             }
-            /* hsum256's order: halves, then pairs, then the last two */
-            const float h0 = lane[0] + lane[4], h1 = lane[1] + lane[5];
-            const float h2 = lane[2] + lane[6], h3 = lane[3] + lane[7];
-            out[m][r] = (h0 + h2) + (h1 + h3);
+            out[m][r] = hsum8_scalar(lane);
         }
 #endif
     for (int m = 0; m < mt; m++)

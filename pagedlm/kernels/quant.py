@@ -1,5 +1,6 @@
-"""Weight-only quantized matmul and dequantization kernels (csrc/quant_matmul.c) over the
-q4_1, q8_0 and i8 layouts that model_executor/layers/quantization/kernels.py defines."""
+"""Weight-only quantized matmul and dequantization kernels (csrc/quant_matmul.c: q4_1, q8_0,
+i8; csrc/quant_kquants.c: the K-quants, q5_0, q5_1, iq4_nl) over the layouts that
+model_executor/layers/quantization/kernels.py defines."""
 from __future__ import annotations
 
 import ctypes
@@ -19,6 +20,23 @@ library = typed_library({
     "dequant_i8": ([_p, _p, _p, _i, _i, _i], None),
     "qmm_vector_bits": ([], _i),
     "qmm_quantize_activations": ([_p, _p, _p, _p, _i, _i], None),
+    # csrc/quant_kquants.c
+    "qmm_q4_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm_q5_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm_q6_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm_q3_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm_q2_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm_q5_0": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm_q5_1": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm_iq4_nl": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "dequant_q4_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_q5_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_q6_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_q3_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_q2_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_q5_0": ([_p, _p, _i, _i, _i], None),
+    "dequant_q5_1": ([_p, _p, _i, _i, _i], None),
+    "dequant_iq4_nl": ([_p, _p, _i, _i, _i], None),
 })
 
 # From how many input rows on dequantizing the whole matrix once and running the float GEMM

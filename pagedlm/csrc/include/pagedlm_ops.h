@@ -63,12 +63,33 @@ void dequant_q4_1(float *out, const uint8_t *w, int N, int K, int nthreads);
 void dequant_q8_0(float *out, const uint8_t *w, int N, int K, int nthreads);
 void dequant_i8(float *out, const int8_t *w, const float *scale, int N, int K, int nthreads);
 
+/* ---------------------------------------------------------------- quant_kquants.c */
+
+void qmm_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm_q5_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm_q6_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm_q3_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm_q2_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm_q5_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm_q5_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm_iq4_nl(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void dequant_q4_k(float *out, const uint8_t *w, int N, int K, int nthreads);
+void dequant_q5_k(float *out, const uint8_t *w, int N, int K, int nthreads);
+void dequant_q6_k(float *out, const uint8_t *w, int N, int K, int nthreads);
+void dequant_q3_k(float *out, const uint8_t *w, int N, int K, int nthreads);
+void dequant_q2_k(float *out, const uint8_t *w, int N, int K, int nthreads);
+void dequant_q5_0(float *out, const uint8_t *w, int N, int K, int nthreads);
+void dequant_q5_1(float *out, const uint8_t *w, int N, int K, int nthreads);
+void dequant_iq4_nl(float *out, const uint8_t *w, int N, int K, int nthreads);
+
 /* ---------------------------------------------------------------- llama_decode.c */
 
 /* The fused decode driver (model_executor/layers/fused_decode.py) fills these through ctypes
  * Structures of the same fields in the same order; layers/linear.py's WeightFormat mirrors
  * this enum. */
-enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3, W_F32_PANELS = 4, W_BF16_PANELS = 5 };
+enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3, W_F32_PANELS = 4, W_BF16_PANELS = 5,
+       W_Q4_K = 6, W_Q5_K = 7, W_Q6_K = 8, W_Q3_K = 9, W_Q2_K = 10, W_Q5_0 = 11, W_Q5_1 = 12,
+       W_IQ4_NL = 13 };
 
 typedef struct {
     int64_t fmt;

@@ -75,6 +75,14 @@ class WeightFormat(enum.IntEnum):
     I8 = 3  # with a float32 scale per output row
     FLOAT_PANELS = 4  # float32 panels of gemv.pack_panels, gemm_panels_f32
     BF16_PANELS = 5  # bfloat16 panels of gemv.pack_panels, gemm_panels_bf16 (float32 math)
+    Q4_K = 6  # ggml's blocks as stored (kernels.py), qmm_<format> of csrc/quant_kquants.c
+    Q5_K = 7
+    Q6_K = 8
+    Q3_K = 9
+    Q2_K = 10
+    Q5_0 = 11
+    Q5_1 = 12
+    IQ4_NL = 13
 
 
 @dataclass(frozen=True)

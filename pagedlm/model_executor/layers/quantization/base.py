@@ -59,8 +59,9 @@ class QuantizationConfig(ABC):
         yield from float_weights
 
 
-# The packed formats (kernels.FORMATS) as the native matmul kernels name them.
-_NATIVE_FORMATS = {"q4_1": WeightFormat.Q4_1, "q8_0": WeightFormat.Q8_0, "i8": WeightFormat.I8}
+# The packed formats (kernels.FORMATS) as the native matmul kernels name them: the enum member
+# of the format's name in capitals.
+_NATIVE_FORMATS = {fmt: WeightFormat[fmt.upper()] for fmt in kernels.FORMATS}
 
 
 class PackedLinearMethod(UnquantizedLinearMethod):

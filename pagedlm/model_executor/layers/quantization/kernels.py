@@ -6,8 +6,11 @@ Formats (W is [N, K]; blocks run along K):
   "q4_1": [N, K/32, 20] uint8, ggml's Q4_1 block {fp16 d, fp16 m, 16 nibble bytes}: w = d*q + m.
   "q8_0": [N, K/32, 34] uint8, ggml's Q8_0 block {fp16 d, 32 int8}: w = d*q.
   "i8":   [N, K] int8 plus one float32 scale per output row: w = s*q.
+  K-quants and the 32-weight types llama-quantize falls back to, ggml's blocks as stored:
+  "q4_k", "q5_k", "q6_k", "q3_k", "q2_k" ([N, K/256, BLOCK_BYTES]) and "q5_0", "q5_1",
+  "iq4_nl" ([N, K/32, BLOCK_BYTES]); csrc/quant_kquants.c describes them.
 
-The q4_1/q8_0 layouts are byte-for-byte ggml's, so a GGUF file's blocks are used as stored.
+The block layouts are byte-for-byte ggml's, so a GGUF file's blocks are used as stored.
 Their native kernels, like llama.cpp's, first quantize each input row to 8 bits per 32-block
 (quantize_activations_reference) and then sum integer products exactly; the dequantize + float
 GEMM branch (large M outside the deterministic mode) multiplies the float input instead.
@@ -20,9 +23,15 @@ import torch.nn.functional as F
 from pagedlm.kernels import quant as native
 from pagedlm.kernels.loader import available
 
-QK = 32  # weights per q4_1 / q8_0 block
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
-FORMATS = ("q4_1", "q8_0", "i8")
+QK = 32  # weights per q4_1 / q8_0 block, and per block of the 8-bit activations
+# Input features per block, and bytes per block, of each block format (ggml's sizes).
+BLOCK_WEIGHTS = {"q4_1": 32, "q8_0": 32, "q5_0": 32, "q5_1": 32, "iq4_nl": 32,
+                 "q4_k": 256, "q5_k": 256, "q6_k": 256, "q3_k": 256, "q2_k": 256}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q5_0": 22, "q5_1": 24, "iq4_nl": 18,
+               "q4_k": 144, "q5_k": 176, "q6_k": 210, "q3_k": 110, "q2_k": 84}
+# The formats only gguf-py's dequantizer describes here (no packer: they come from files).
+GGUF_ONLY_FORMATS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1", "iq4_nl")
+FORMATS = ("q4_1", "q8_0", "i8", *GGUF_ONLY_FORMATS)
 
 
 # ------------------------------------------------------------------ reference (plain PyTorch)
@@ -47,12 +56,18 @@ def dequantize_reference(fmt: str, qweight: torch.Tensor,
         d = _fp16_field(qweight, 0)
         q = qweight[..., 2:].contiguous().view(torch.int8).float()
         return (d * q).reshape(n, -1)
+    if fmt in GGUF_ONLY_FORMATS:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+        raw = qweight.contiguous().numpy().reshape(n, -1)
+        w = gguf_dequantize(raw, GGMLQuantizationType[fmt.upper()])
+        return torch.from_numpy(w.astype("float32", copy=False)).reshape(n, -1)
     raise ValueError(f"unknown quantized format {fmt!r} (supported: {', '.join(FORMATS)})")
 
 
 def quantize_activations_reference(x: torch.Tensor
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 as the q4_1 / q8_0 kernels quantize it, per 32-block: d = amax / 127,
+    """x [M, K] float32 as the block formats' kernels quantize it, per 32-block: d = amax / 127,
     q = round-half-even(x * (127 / amax)) as int8 (all 0 where amax is 0), and q4_1's offset
     term s = d * sum(q); returns (q [M, K], d [M, K/32], s [M, K/32]). Every step is one
     float32 operation, so the bits are the kernels'."""
@@ -67,7 +82,7 @@ def quantize_activations_reference(x: torch.Tensor
 
 
 def matmul_reference_q8(fmt: str, x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
-    """What the q4_1 / q8_0 kernels compute, in float64: x quantized as they quantize it,
+    """What the block formats' kernels compute, in float64: x quantized as they quantize it,
     times the dequantized weights. The kernels' integer sums are exact, so they differ from
     this only by their float32 scaling and summing over the blocks."""
     q, d, _ = quantize_activations_reference(x)
@@ -143,9 +158,9 @@ def _shape(fmt: str, qweight: torch.Tensor) -> tuple[int, int]:
     if fmt not in BLOCK_BYTES:
         raise ValueError(f"unknown quantized format {fmt!r} (supported: {', '.join(FORMATS)})")
     if qweight.dim() != 3 or qweight.shape[2] != BLOCK_BYTES[fmt]:
-        raise ValueError(f"{fmt} weight must be [N, K/{QK}, {BLOCK_BYTES[fmt]}] uint8, got "
-                         f"{tuple(qweight.shape)}")
-    return qweight.shape[0], qweight.shape[1] * QK
+        raise ValueError(f"{fmt} weight must be [N, K/{BLOCK_WEIGHTS[fmt]}, {BLOCK_BYTES[fmt]}] "
+                         f"uint8, got {tuple(qweight.shape)}")
+    return qweight.shape[0], qweight.shape[1] * BLOCK_WEIGHTS[fmt]
 
 
 def dequantize(fmt: str, qweight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -164,7 +179,7 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
                      scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                      batch_invariant: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T (+ bias) with W in format `fmt` (see the module docstring).
-    The q4_1 / q8_0 kernels take x at 8 bits (matmul_reference_q8); the dequantize + GEMM
+    The block formats' kernels take x at 8 bits (matmul_reference_q8); the dequantize + GEMM
     branch, from dequant_gemm_min_rows rows on outside batch_invariant, takes it in float32.
 
     batch_invariant: the kernels at every row count, never dequantize + float GEMM (whose sum

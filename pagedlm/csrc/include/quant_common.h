@@ -1,0 +1,46 @@
+/* What the quantized-weight kernels (quant_matmul.c, quant_kquants.c) share: reading ggml's
+ * fp16 fields, and the 8-lane horizontal sum their scalar builds emulate bit for bit. */
+#ifndef PAGEDLM_QUANT_COMMON_H
+#define PAGEDLM_QUANT_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+static inline float fp16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline int load_u32(const uint8_t *p) { int v; memcpy(&v, p, 4); return v; }
+
+/* hsum256's order on 8 lanes held in memory: the halves, then pairs, then the last two. */
+static inline float hsum8_scalar(const float *lane) {
+    const float h0 = lane[0] + lane[4], h1 = lane[1] + lane[5];
+    const float h2 = lane[2] + lane[6], h3 = lane[3] + lane[7];
+    return (h0 + h2) + (h1 + h3);
+}
+
+#endif

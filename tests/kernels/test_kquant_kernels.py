@@ -1,0 +1,234 @@
+"""The K-quant, q5_0, q5_1 and iq4_nl kernels (csrc/quant_kquants.c) on random valid ggml
+blocks (gguf-py dequantizes these types but cannot quantize them): dequantization bit for bit
+against gguf-py, the matmul against a float64 reference on x quantized as the kernels quantize
+it, batch invariance, and the scalar build against the vector one bit for bit."""
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from pagedlm.kernels import loader, quant
+from pagedlm.model_executor.layers.quantization import kernels
+from tests.conftest import needs_kernels
+
+pytestmark = needs_kernels
+FORMATS = kernels.GGUF_ONLY_FORMATS
+# Byte offsets of each block's fp16 fields: scales and mins (ggml's block structs).
+FP16_FIELDS = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q3_k": (108,),
+               "q2_k": (80, 82), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,)}
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """[n, k / block weights, block bytes] uint8: random bytes, with every fp16 field set to a
+    finite value of either sign around 1e-2 (q5_1's minimum and the mins' scales too)."""
+    rng = np.random.default_rng(seed)
+    nb = k // kernels.BLOCK_WEIGHTS[fmt]
+    blocks = rng.integers(0, 256, (n, nb, kernels.BLOCK_BYTES[fmt]), dtype=np.uint8)
+    for off in FP16_FIELDS[fmt]:
+        vals = (rng.standard_normal((n, nb)) * 1e-2).astype(np.float16)
+        blocks[..., off:off + 2] = vals.view(np.uint8).reshape(n, nb, 2)
+    return torch.from_numpy(blocks)
+
+
+# The bytes of each block holding the integer weights (with their fifth bits): zeroed, a block
+# dequantizes to its mins' term alone.
+Q_BYTES = {"q4_k": (16, 144), "q5_k": (16, 176), "q2_k": (16, 80), "q5_1": (4, 24)}
+
+
+def _mins(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Float64 [N, K]: each weight's min term (0 for the types without mins)."""
+    if fmt not in Q_BYTES:
+        return torch.zeros(blocks.shape[0], blocks.shape[1] * kernels.BLOCK_WEIGHTS[fmt],
+                           dtype=torch.float64)
+    lo, hi = Q_BYTES[fmt]
+    zeroed = blocks.clone()
+    zeroed[..., lo:hi] = 0
+    return kernels.dequantize_reference(fmt, zeroed).double()
+
+
+def _gguf(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
+    raw = blocks.numpy().reshape(blocks.shape[0], -1)
+    return torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[fmt.upper()]))
+
+
+def _kernel(fmt, x, qweight, threads):
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return kernels.quantized_matmul(fmt, x, qweight, batch_invariant=True)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    if not loader.available():
+        pytest.fail("the native quantized kernels did not build (see the warning above)")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_is_gguf_py_bit_for_bit(fmt):
+    """Ragged N and several blocks per row, on 1 and 2 threads; and the special fp16 values
+    a block may hold (zero, negative zero, subnormal, the largest)."""
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    for n, k in [(37, 3 * bw), (3, bw), (1029, 2 * bw)]:
+        blocks = random_blocks(fmt, n, k, seed=n + k)
+        if n == 37:
+            specials = np.array([0.0, -0.0, 6e-8, -6e-5, 65504.0], dtype=np.float16)
+            for off in FP16_FIELDS[fmt]:
+                blocks[:5, 0, off:off + 2] = torch.from_numpy(specials.view(np.uint8)).view(5, 2)
+        expected = _gguf(fmt, blocks)
+        assert expected.shape == (n, k)
+        assert torch.equal(kernels.dequantize_reference(fmt, blocks), expected)
+        saved = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                got = kernels.dequantize(fmt, blocks)
+                assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), threads
+        finally:
+            torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matmul_matches_the_reference_on_quantized_x(fmt):
+    """Ragged N and M on 1 and 2 threads against x quantized as the kernels quantize it, times
+    the dequantized weights in float64. The integer sums are exact; the error is the float32
+    scaling and summing over the blocks: bounded by (K/32 + 8) roundings of the sum of the
+    terms' sizes, where the scaled weights and the mins are summed apart (as for q4_1)."""
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    for n, k in [(37, 3 * bw), (517, 8 * bw if bw == 32 else 2 * bw)]:
+        blocks = random_blocks(fmt, n, k, seed=7 * n + k)
+        w = kernels.dequantize_reference(fmt, blocks).double()
+        mins = _mins(fmt, blocks)
+        gen = torch.Generator().manual_seed(n)
+        for m in (1, 2, 3, 7):
+            x = torch.randn(m, k, generator=gen)
+            ref = kernels.matmul_reference_q8(fmt, x, blocks)
+            q, d, s = kernels.quantize_activations_reference(x)
+            x_abs = (q.double().reshape(m, -1, 32) * d.double()[..., None]).reshape(m, k).abs()
+            # |d sc q| <= |w| + |min|, and the mins' terms on their own
+            size = x_abs @ (w.abs() + 2 * mins.abs()).T
+            tol = (k // 32 + 8) * 2.0 ** -23 * size + 1e-30
+            for threads in (1, 2):
+                got = _kernel(fmt, x, blocks, threads)
+                assert ((got.double() - ref).abs() <= tol).all(), (n, k, m, threads)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batch_invariant_rows_do_not_depend_on_the_batch(fmt):
+    """A row's output is the same bits alone on one thread, in a batch on 2 threads, and at any
+    place in the kernel's tiles of x rows; and the default path runs the same kernel below its
+    switch to dequantize + GEMM."""
+    n, k = 131, 2 * kernels.BLOCK_WEIGHTS[fmt] if fmt.endswith("_k") else 288
+    blocks = random_blocks(fmt, n, k, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    rows = 40
+    x = torch.randn(rows, k, generator=gen)
+    alone = torch.cat([_kernel(fmt, x[i:i + 1], blocks, 1) for i in range(rows)])
+    assert torch.equal(_kernel(fmt, x, blocks, 2), alone)
+    assert torch.equal(_kernel(fmt, x, blocks, 1), alone)
+    for start, size in [(1, 1), (1, 2), (2, 3), (3, 5), (5, 7)]:
+        assert torch.equal(_kernel(fmt, x[start:start + size], blocks, 2),
+                           alone[start:start + size]), (start, size)
+    below = min(rows, quant.dequant_gemm_min_rows(fmt) - 1)
+    assert torch.equal(kernels.quantized_matmul(fmt, x[:below], blocks), alone[:below])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_integer_sums_are_exact(fmt):
+    """Blocks whose every fp16 scale is 1 and x whose every 32-block reaches 127 (so d_x = 1
+    and q_x = x): each float step holds an integer below 2**24, so y is the exact integer
+    product of x and the dequantized (integer) weights."""
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    n, k = 19, 2 * max(bw, 64)
+    blocks = random_blocks(fmt, n, k, seed=11)
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    for off in FP16_FIELDS[fmt]:
+        blocks[..., off:off + 2] = one
+    w = kernels.dequantize_reference(fmt, blocks)
+    assert torch.equal(w, w.round())
+    x = torch.randint(-127, 128, (5, k), generator=torch.Generator().manual_seed(2)).float()
+    x.view(5, k // 32, 32)[..., 3] = 127.0
+    exact = (x.to(torch.int64) @ w.to(torch.int64).T).float()
+    for threads in (1, 2):
+        assert torch.equal(_kernel(fmt, x, blocks, threads), exact), threads
+
+
+def test_shape_errors_name_the_block_size():
+    blocks = random_blocks("q4_k", 4, 256, seed=0)
+    with pytest.raises(ValueError, match=r"\[N, K/256, 144\]"):
+        kernels.quantized_matmul("q4_k", torch.randn(1, 256), blocks[..., :100].contiguous())
+    with pytest.raises(ValueError, match="input features"):
+        kernels.quantized_matmul("q4_k", torch.randn(1, 32), blocks)
+
+
+@pytest.fixture(scope="module")
+def scalar_library(tmp_path_factory):
+    """quant_kquants.c (and quant_matmul.c's activation quantizer) built for plain x86-64:
+    no AVX2, F16C or FMA."""
+    compiler = shutil.which(loader.COMPILER)
+    if compiler is None:
+        pytest.skip(f"{loader.COMPILER} not found")
+    out = tmp_path_factory.mktemp("scalar") / "kquant_scalar.so"
+    sources = [str(loader.CSRC / "quant_kquants.c"), str(loader.CSRC / "quant_matmul.c")]
+    flags = ["-O2", "-fopenmp", "-shared", "-fPIC"]
+    if platform.machine() == "x86_64":
+        flags.append("-march=x86-64")
+    subprocess.run([compiler, *flags, *sources, "-o", str(out), "-lm"], check=True,
+                   capture_output=True, timeout=120)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scalar_build_gives_the_vector_builds_bits(fmt, scalar_library):
+    p = ctypes.c_void_p
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    for n, k, m in [(37, 3 * bw, 3), (261, 2 * bw, 1)]:
+        blocks = random_blocks(fmt, n, k, seed=n * k)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        expected = _kernel(fmt, x, blocks, 2)
+        for threads in (1, 2):
+            y = torch.empty(m, n)
+            getattr(scalar_library, f"qmm_{fmt}")(p(y.data_ptr()), p(x.data_ptr()),
+                                                  p(blocks.data_ptr()), m, n, k, threads)
+            assert torch.equal(y, expected), (n, k, m, threads)
+        out = torch.empty(n, k)
+        getattr(scalar_library, f"dequant_{fmt}")(p(out.data_ptr()), p(blocks.data_ptr()), n, k,
+                                                  1)
+        assert torch.equal(out.view(torch.int32), _gguf(fmt, blocks).view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_linear_method_runs_every_format(fmt):
+    """PackedLinearMethod works unchanged for a format of kernels.FORMATS: it multiplies
+    through quantized_matmul and describes the weight to the fused decode stack by the
+    WeightFormat of the format's name (llama_decode.c's qmm_<format>)."""
+    from pagedlm.model_executor.layers.linear import NativeLinear, WeightFormat
+    from pagedlm.model_executor.layers.quantization.base import PackedLinearMethod
+
+    rows, cols = 40, 2 * kernels.BLOCK_WEIGHTS[fmt]
+    blocks = random_blocks(fmt, rows, cols, seed=5)
+
+    class FromFile(PackedLinearMethod):
+        def pack(self, layer):
+            return fmt, blocks, None
+
+    method = FromFile(deterministic=True)
+    layer = torch.nn.Module()
+    method.create_weights(layer, cols, [rows], cols, rows, torch.float32, None)
+    method.process_weights_after_loading(layer)
+    assert layer.weight is None and layer.quant_format == fmt
+    x, bias = torch.randn(3, cols), torch.randn(rows)
+    expected = kernels.quantized_matmul(fmt, x, blocks, None, bias, batch_invariant=True)
+    assert torch.equal(method.apply(layer, x, bias), expected)
+    assert method.native_form(layer) == NativeLinear(WeightFormat[fmt.upper()], blocks, None,
+                                                     every_row_count=True)
