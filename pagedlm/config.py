@@ -65,10 +65,17 @@ class ModelConfig:
     # Bitwise-reproducible outputs (attention over the K/V as stored, one kernel for every
     # row); what it guarantees so far is in the --deterministic help (entrypoints/cli_args.py).
     deterministic: bool = False
+    # A directory whose tokenizer (and chat template) replaces the model's own (vLLM's
+    # --tokenizer); None: the model's, from model_dir (for a GGUF file, from its metadata).
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_config, dict):  # tests and tools may pass plain keys
             object.__setattr__(self, "hf_config", PretrainedConfig(**self.hf_config))
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, (str, os.PathLike))
+                                           or not os.path.isdir(self.tokenizer)):
+            raise ValueError(f"tokenizer must be a directory holding a tokenizer, got "
+                             f"{self.tokenizer!r}.")
         if self.dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(set(map(str, _DTYPES.values())))}, "
                              f"got {self.dtype!r}.")
@@ -94,6 +101,11 @@ class ModelConfig:
                              f"{self.runner!r}, pooler_config {self.pooler_config!r}).")
         for i in range(self.num_layers):  # a bad window fails here, not inside a layer
             self.get_sliding_window(i)
+
+    @property
+    def tokenizer_dir(self) -> str:
+        """Where the tokenizer and its chat template are loaded from."""
+        return os.fspath(self.tokenizer) if self.tokenizer is not None else self.model_dir
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -214,7 +226,8 @@ class ModelConfig:
     def from_dir(cls, model: str | None, model_dir: str, dtype: str, max_model_len: int | None,
                  seed: int, **settings: Any) -> "ModelConfig":
         """The config of the HF-format model in `model_dir`; `settings` are the remaining
-        fields (quantization, runner, pooler_config, max_logprobs, deterministic)."""
+        fields (quantization, runner, pooler_config, max_logprobs, deterministic,
+        tokenizer)."""
         from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
         try:

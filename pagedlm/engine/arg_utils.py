@@ -65,6 +65,9 @@ class EngineArgs:
     max_stop_strings: int = 256  # most stop strings a request may give
     max_stop_token_ids: int = 128  # most stop_token_ids a request may give
     deterministic: bool = False  # bitwise-reproducible outputs (see cli_args' help)
+    # A directory whose tokenizer and chat template replace the model's (for a GGUF file, the
+    # ones in its metadata); default: the model's own.
+    tokenizer: str | None = None
 
     def _pooler_config(self) -> PoolerConfig | None:
         if self.runner not in ("generate", "pooling"):
@@ -139,7 +142,8 @@ class EngineArgs:
                                             quantization=quantization, runner=self.runner,
                                             pooler_config=pooler_config,
                                             max_logprobs=self.max_logprobs,
-                                            deterministic=self.deterministic)
+                                            deterministic=self.deterministic,
+                                            tokenizer=self.tokenizer)
         chunked = self.enable_chunked_prefill
         batched = self.max_num_batched_tokens
         if batched is None:

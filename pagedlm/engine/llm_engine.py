@@ -45,7 +45,7 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         t = time.perf_counter()
-        self.tokenizer = get_tokenizer(mc.model_dir)
+        self.tokenizer = get_tokenizer(mc.tokenizer_dir)
         self.eos_token_ids = eos_token_ids(mc.model_dir, self.tokenizer)
         self.input_preprocessor = InputPreprocessor(self.tokenizer, mc.vocab_size)
         self.executor = Executor.get_class(config)(config, self.eos_token_ids)

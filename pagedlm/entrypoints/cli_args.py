@@ -33,6 +33,9 @@ _HELP = {
              "and attention compute in float32 either way; bfloat16 halves the bytes a token "
              "reads (native kernel on AVX2), float16 is widened at every matmul (slower).",
     "max_model_len": "Context length (prompt + output) in tokens. Default: the model's.",
+    "tokenizer": "A directory with the tokenizer (tokenizer.json, tokenizer_config.json) whose "
+                 "vocabulary and chat template replace the model's own; for a GGUF file, "
+                 "those in its metadata. Default: the model's.",
     "seed": "Random seed for requests that do not bring their own.",
     "block_size": "Tokens per KV-cache block.",
     "kv_cache_memory_bytes": "KV-cache size: a byte count or a size such as 2GiB, 512MiB, 1.5GB. "

@@ -100,11 +100,12 @@ def test_vllm_style_flags_and_sizes():
     ns = make_parser().parse_args(["serve", "model.gguf", "--kv-cache-memory", "2GiB",
                                    "--max-model-len", "1024", "--max-num-seqs", "8",
                                    "--max-num-batched-tokens", "2048", "--block-size", "32",
-                                   "--dtype", "bfloat16", "--seed", "3"])
+                                   "--dtype", "bfloat16", "--seed", "3",
+                                   "--tokenizer", "tokenizer-dir"])
     args = engine_args_from_namespace(ns)
     assert args == EngineArgs(model="model.gguf", kv_cache_memory_bytes=2 * 2**30,
                               max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=2048,
-                              block_size=32, dtype="bfloat16", seed=3)
+                              block_size=32, dtype="bfloat16", seed=3, tokenizer="tokenizer-dir")
     assert parse_size("512MiB") == 512 * 2**20
     assert parse_size("1.5GB") == 1_500_000_000
     assert parse_size("4096") == 4096
