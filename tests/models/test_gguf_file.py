@@ -9,7 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from pagedlm.model_executor.model_loader.gguf_file import check_runnable_types, open_gguf
+from pagedlm.model_executor.model_loader.gguf_file import (check_runnable_types,
+                                                         gguf_element_count, open_gguf)
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -123,3 +124,11 @@ def test_unsupported_type_names_tensor_type_and_list(tmp_path):
     assert message.startswith(str(path)), message
     assert "IQ2_XXS" in message and "'blk.0.ffn_down.weight'" in message, message
     assert "supported types: F32, Q4_K, Q8_0" in message, message
+
+
+def test_element_count_from_the_header_alone(good):
+    assert gguf_element_count(good) == sum(int(t.n_elements) for t in open_gguf(good).tensors)
+    data = good.read_bytes()
+    good.write_bytes(data[:150])  # inside the tensor list
+    with pytest.raises(ValueError, match=f"{good}: cannot read the GGUF header"):
+        gguf_element_count(good)

@@ -9,7 +9,9 @@ refused with one ValueError that names the file and what is wrong with it.
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
@@ -190,3 +192,75 @@ def _check_tensor_ranges(fields, start: int, alignment: int, size: int) -> None:
     if size - last >= alignment and ranges:
         raise ValueError(f"{size - last} bytes after the last tensor's data belong to no "
                          f"tensor ({len(ranges)} listed): a wrong tensor count or offset")
+
+
+# struct formats of GGUF's scalar value types, for the header walk below.
+_SCALAR_FORMATS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+                   GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+                   GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
+                   GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q",
+                   GGUFValueType.FLOAT64: "d"}
+_SCALAR_BYTES = {int(t): struct.calcsize(f) for t, f in _SCALAR_FORMATS.items()}
+_STRING = int(GGUFValueType.STRING)
+
+
+def gguf_element_count(path: str | os.PathLike) -> int:
+    """How many weights the file's tensors hold, from its header alone.
+
+    A walk over the header that skips the metadata values without decoding them: open_gguf
+    takes ~1.5 s on a 49k-token vocabulary's strings, this ~0.1 s. Raises ValueError for a
+    header that does not fit the file."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return _count_elements(m)
+    except (OSError, ValueError, struct.error, IndexError) as e:
+        raise ValueError(f"{path}: cannot read the GGUF header ({e}).") from e
+
+
+def _count_elements(m) -> int:
+    if m[:4] != _MAGIC:
+        raise ValueError(f"no GGUF magic (found {bytes(m[:4])!r})")
+    # Version 0 in the low half: written for the other byte order.
+    order = ">" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF == 0 else "<"
+    u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
+    tensors, entries = struct.unpack_from(order + "QQ", m, 8)
+    size = len(m)
+    _check_count(tensors, _MIN_TENSOR_ENTRY, 24, size, "the tensor count")
+    _check_count(entries, _MIN_METADATA_ENTRY, 24, size, "the metadata count")
+
+    def skip_value(offset: int, value_type: int) -> int:
+        if value_type in _SCALAR_BYTES:
+            return offset + _SCALAR_BYTES[value_type]
+        if value_type == _STRING:
+            return offset + 8 + u64.unpack_from(m, offset)[0]
+        if value_type != _ARRAY:
+            raise ValueError(f"unknown metadata value type {value_type} at byte {offset}")
+        item_type, count = u32.unpack_from(m, offset)[0], u64.unpack_from(m, offset + 4)[0]
+        offset += 12
+        if item_type in _SCALAR_BYTES:
+            return offset + count * _SCALAR_BYTES[item_type]
+        for _ in range(count):
+            offset = skip_value(offset, item_type)
+            if offset > size:
+                raise ValueError("a metadata array runs past the end of the file")
+        return offset
+
+    offset = 24
+    for _ in range(entries):
+        offset += 8 + u64.unpack_from(m, offset)[0]
+        value_type = u32.unpack_from(m, offset)[0]
+        offset = skip_value(offset + 4, value_type)
+    total = 0
+    for _ in range(tensors):
+        offset += 8 + u64.unpack_from(m, offset)[0]
+        dims = u32.unpack_from(m, offset)[0]
+        shape = struct.unpack_from(f"{order}{dims}Q", m, offset + 4)
+        offset += 4 + 8 * dims + 4 + 8
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    if offset > size:
+        raise ValueError("the tensor list runs past the end of the file")
+    return total
