@@ -54,9 +54,12 @@ class Server:
     """A server process in its own session, so that stopping it stops everything it started."""
 
     def __init__(self, name: str, plan: LaunchPlan, port: int, log_path: Path,
-                 startup_timeout: float):
+                 startup_timeout: float, poll_interval: float = 1.0):
         self.name, self.plan, self.port, self.log_path = name, plan, port, log_path
         self.startup_timeout = startup_timeout
+        # startup_s is only this precise; gguf_models.py polls faster, as load time is a figure
+        # there.
+        self.poll_interval = poll_interval
         self.proc: subprocess.Popen | None = None
         self.startup_s = float("nan")
 
@@ -101,7 +104,7 @@ class Server:
                     raise RuntimeError(f"{self.name} was not ready after "
                                        f"{self.startup_timeout:.0f} s; last lines of "
                                        f"{self.log_path}:\n{self.tail()}")
-                time.sleep(1.0)
+                time.sleep(self.poll_interval)
 
     def tail(self, n: int = 30) -> str:
         self.log_file.flush()
