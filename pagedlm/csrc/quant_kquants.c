@@ -72,14 +72,17 @@ typedef struct {
     float d, dmin;
 } iblock_t;
 
-/* q4_k / q5_k: 8 six-bit scales and mins from 12 bytes (ggml's get_scale_min_k4). */
+/* q4_k / q5_k: 8 six-bit scales and 8 mins from 12 bytes: bytes 0..3 hold scales 0..3 in
+ * their low 6 bits, 4..7 mins 0..3; 8..11 the low 4 bits of scales 4..7 (low nibble) and mins
+ * 4..7 (high nibble), whose top 2 bits are the top bits of bytes 0..3 and 4..7. Four bytes at a
+ * time (little-endian). */
 static inline void k4_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
+    const uint32_t s0 = (uint32_t)load_u32(s), s1 = (uint32_t)load_u32(s + 4);
+    const uint32_t s2 = (uint32_t)load_u32(s + 8), lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu;
+    const uint32_t v[4] = {s0 & lo6, (s2 & lo4) | (((s0 >> 6) & 0x03030303u) << 4), s1 & lo6,
+                           ((s2 >> 4) & lo4) | (((s1 >> 6) & 0x03030303u) << 4)};
+    memcpy(sc, v, 8);
+    memcpy(mn, v + 2, 8);
 }
 
 static void unpack(const int fmt, const uint8_t *b, iblock_t *u) {
@@ -177,14 +180,24 @@ static void dequant(const int fmt, float *out, const uint8_t *w, int N, int K, i
 
 /* ---------------------------------------------------------------- matmul */
 
-/* x rows quantized for one pass: q [rows, K], d and s [rows, K/32]. */
+/* x rows quantized for one pass: q [rows, K], d and s [rows, K/32], and (q6_k) the sums of
+ * q over each 16, bs [rows, K/16]. */
 typedef struct {
     const int8_t *q;
     const float *d, *s;
+    const int16_t *bs;
     int K;
 } qx_t;
 
 #ifdef KQ_AVX2
+/* *p on 8 lanes, read from memory: written as an intrinsic, GCC hoists the addresses of the
+ * scale slots out of the loop and spills them, two loads per broadcast. */
+static inline __m256 bcast(const float *p) {
+    __m256 v;
+    __asm__("vbroadcastss %1, %0" : "=x"(v) : "m"(*p));
+    return v;
+}
+
 /* 32 weights w (int8; signed: -128..127 meeting x by vpsignb, else 0..127) with int16
  * multipliers sc16 (the low 128 bits for weights 0..15, the high for 16..31) against x block
  * gb of mt rows: acc[m] += S[8 m] * lanes. */
@@ -198,7 +211,7 @@ static inline __attribute__((always_inline)) void dot32(__m256 *acc, const int m
             (const __m256i *)(X->q + (size_t)(xr + m) * X->K + (size_t)gb * QK));
         if (sgn) x = _mm256_sign_epi8(x, w);
         const __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), sc16);
-        acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(S + 8 * m), _mm256_cvtepi32_ps(i), acc[m]);
+        acc[m] = _mm256_fmadd_ps(bcast(S + 8 * m), _mm256_cvtepi32_ps(i), acc[m]);
     }
 }
 
@@ -209,45 +222,39 @@ static inline __m256i pick16(__m256i v, int a, int b) {
 }
 #endif
 
-/* Weight row `wrow` against x rows xr .. xr+mt-1: y[m * N + n]. */
-static inline __attribute__((always_inline)) void kq_row(float *y, const qx_t *X, int xr,
-                                                         const int mt, const uint8_t *wrow,
-                                                         int N, int n, const int fmt) {
-    const int bw = BLOCK_W[fmt], bb = BLOCK_B[fmt], K = X->K, nb = K / bw, nbx = K / QK;
 #ifdef KQ_AVX2
-    __m256 acc[XT], summ[XT];
-    float sm1[XT][8] __attribute__((aligned(32)));  /* q5_1's mins, lane b mod 8 */
-    for (int m = 0; m < mt; m++) {
-        acc[m] = summ[m] = _mm256_setzero_ps();
-        if (fmt == F_Q5_1) memset(sm1[m], 0, sizeof sm1[m]);
-    }
+/* Block b (the first of whose 32-blocks is gb0) of one weight row against x rows xr ..
+ * xr+mt-1, into that row's sums: acc, summ [mt], sm1 [mt][8] (q5_1's mins). */
+static inline __attribute__((always_inline)) void kq_block(
+        __m256 *acc, __m256 *summ, float (*sm1)[8], float *S, const qx_t *X, int xr,
+        const int mt, const uint8_t *b, int gb0, const int fmt) {
+    const int K = X->K, nbx = K / QK, bw = BLOCK_W[fmt];
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int bi = 0; bi < nb; bi++) {
-        const uint8_t *b = wrow + (size_t)bi * bb;
-        const int gb0 = bi * (bw / QK);
-        float S[XT * 8] __attribute__((aligned(32)));
-        if (bw == QK_K) {
-            const float d = fp16_to_f32(load_u16(b + (fmt == F_Q6_K ? 208 : fmt == F_Q3_K ? 108
-                                                     : fmt == F_Q2_K ? 80 : 0)));
+    {
+        const float d = fp16_to_f32(load_u16(b + (fmt == F_Q6_K ? 208 : fmt == F_Q3_K ? 108
+                                                 : fmt == F_Q2_K ? 80 : 0)));
+        if (fmt == F_Q4_K || fmt == F_Q5_K) {
+            /* the sub-blocks' scales go into S below */
+        } else if (bw == QK_K) {
             for (int m = 0; m < mt; m++)
                 _mm256_store_ps(S + 8 * m, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(
                     X->d + (size_t)(xr + m) * nbx + gb0)));
         } else {
-            const float d = fp16_to_f32(load_u16(b));
             for (int m = 0; m < mt; m++) S[8 * m] = d * X->d[(size_t)(xr + m) * nbx + gb0];
         }
-        __asm__("" : "+m"(S));  /* so the broadcasts read the slot rather than a register */
         if (fmt == F_Q4_K || fmt == F_Q5_K) {
-            uint8_t sc8[16] __attribute__((aligned(16))), mn8[8];
+            uint8_t sc8[8], mn8[8];
             k4_scales(b + 4, sc8, mn8);
             const __m256 mins = _mm256_mul_ps(
                 _mm256_set1_ps(fp16_to_f32(load_u16(b + 2))),
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn8))));
-            for (int m = 0; m < mt; m++)
-                summ[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s + (size_t)(xr + m) * nbx
-                                                                + gb0), summ[m]);
-            const __m256i scv = _mm256_broadcastsi128_si256(
-                _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc8)));
+            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc8))));
+            for (int m = 0; m < mt; m++) {
+                const size_t xb = (size_t)(xr + m) * nbx + gb0;
+                summ[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s + xb), summ[m]);
+                _mm256_store_ps(S + 8 * m, _mm256_mul_ps(dsc, _mm256_loadu_ps(X->d + xb)));
+            }
             const uint8_t *qs = b + (fmt == F_Q4_K ? 16 : 48);
             const __m256i qh = fmt == F_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16))
                                              : _mm256_setzero_si256();
@@ -262,14 +269,18 @@ static inline __attribute__((always_inline)) void kq_row(float *y, const qx_t *X
                     q1 = _mm256_or_si256(q1, _mm256_slli_epi16(
                         _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one8), 4));
                 }
-                dot32(acc, mt, X, xr, gb0 + 2 * i, S + 2 * i, q0,
-                      pick16(scv, 2 * i, 2 * i), 0);
-                dot32(acc, mt, X, xr, gb0 + 2 * i + 1, S + 2 * i + 1, q1,
-                      pick16(scv, 2 * i + 1, 2 * i + 1), 0);
+                dot32(acc, mt, X, xr, gb0 + 2 * i, S + 2 * i, q0, ones, 0);
+                dot32(acc, mt, X, xr, gb0 + 2 * i + 1, S + 2 * i + 1, q1, ones, 0);
             }
         } else if (fmt == F_Q6_K) {
             const __m256i scv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-            const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+            const __m256i three = _mm256_set1_epi8(3);
+            for (int m = 0; m < mt; m++) {  /* lane s: 32 (sc_2s bs_2s + sc_2s+1 bs_2s+1) */
+                const __m256i bs = _mm256_loadu_si256((const __m256i *)(
+                    X->bs + (size_t)(xr + m) * (K / 16) + 2 * gb0));
+                summ[m] = _mm256_fmadd_ps(_mm256_load_ps(S + 8 * m), _mm256_cvtepi32_ps(
+                    _mm256_slli_epi32(_mm256_madd_epi16(scv, bs), 5)), summ[m]);
+            }
             for (int h = 0; h < 2; h++) {
                 const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
                 const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
@@ -280,10 +291,9 @@ static inline __attribute__((always_inline)) void kq_row(float *y, const qx_t *X
                     const __m256i nib = s < 2 ? _mm256_and_si256(lo, low4)
                                               : _mm256_and_si256(_mm256_srli_epi16(lo, 4), low4);
                     const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), three);
-                    const __m256i q = _mm256_sub_epi8(
-                        _mm256_or_si256(nib, _mm256_slli_epi16(hb, 4)), off);
+                    const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(hb, 4));
                     dot32(acc, mt, X, xr, gb0 + 4 * h + s, S + 4 * h + s, q,
-                          pick16(sch, 2 * s, 2 * s + 1), 1);
+                          pick16(sch, 2 * s, 2 * s + 1), 0);
                 }
             }
         } else if (fmt == F_Q3_K || fmt == F_Q2_K) {
@@ -333,11 +343,48 @@ static inline __attribute__((always_inline)) void kq_row(float *y, const qx_t *X
             }
         }
     }
-    for (int m = 0; m < mt; m++) {
-        if (fmt == F_Q5_1) summ[m] = _mm256_load_ps(sm1[m]);
-        y[(size_t)m * N + n] = hsum256(acc[m]) - hsum256(summ[m]);
+}
+#endif
+
+/* Weight rows n .. n+R-1 (`w0` the first, row_bytes apart) against x rows xr .. xr+mt-1:
+ * y[m * N + n + r]. The R rows' blocks interleave, so R chains of FMAs are in flight. */
+#define RMAX 4
+static inline __attribute__((always_inline)) void kq_group(
+        float *y, const qx_t *X, int xr, const int mt, const uint8_t *w0, size_t row_bytes,
+        const int R, int N, int n, const int fmt, const uint8_t *prefetch) {
+    const int bw = BLOCK_W[fmt], bb = BLOCK_B[fmt], K = X->K, nb = K / bw, nbx = K / QK;
+#ifdef KQ_AVX2
+    __m256 acc[RMAX][XT], summ[RMAX][XT];
+    float sm1[RMAX][XT][8] __attribute__((aligned(32)));
+    float S[RMAX][XT * 8] __attribute__((aligned(32)));
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) {
+            acc[r][m] = summ[r][m] = _mm256_setzero_ps();
+            if (fmt == F_Q5_1) memset(sm1[r][m], 0, sizeof sm1[r][m]);
+        }
+    (void)nbx;
+    for (int bi = 0; bi < nb; bi++) {
+        if (prefetch) {  /* the next group of rows, spread over this group's blocks */
+            const uint8_t *p = prefetch + (size_t)bi * R * bb;
+            for (int off = 0; off < R * bb; off += 64)
+                _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            kq_block(acc[r], summ[r], sm1[r], S[r], X, xr, mt,
+                     w0 + r * row_bytes + (size_t)bi * bb, bi * (bw / QK), fmt);
     }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) {
+            if (fmt == F_Q5_1) summ[r][m] = _mm256_load_ps(sm1[r][m]);
+            y[(size_t)m * N + n + r] = hsum256(acc[r][m]) - hsum256(summ[r][m]);
+        }
 #else
+  (void)prefetch;
+  for (int r = 0; r < R; r++) {
+    const uint8_t *wrow = w0 + r * row_bytes;
+    /* q4_k, q5_k: the sub-block's scale in S; q6_k: q unsigned, 32 sc bs apart */
+    const int sc_in_s = fmt == F_Q4_K || fmt == F_Q5_K, off = fmt == F_Q6_K ? 32 : 0;
     float acc[XT][8], summ[XT][8];
     memset(acc, 0, sizeof acc);
     memset(summ, 0, sizeof summ);
@@ -350,11 +397,11 @@ static inline __attribute__((always_inline)) void kq_row(float *y, const qx_t *X
             for (int m = 0; m < mt; m++) {
                 const size_t xb = (size_t)(xr + m) * nbx + gb;
                 const int8_t *xq = X->q + (size_t)(xr + m) * K + (size_t)gb * QK;
-                const float S = u.d * X->d[xb];
+                const float S = sc_in_s ? (u.d * (float)u.sc[2 * s]) * X->d[xb] : u.d * X->d[xb];
                 for (int l = 0; l < 8; l++) {
                     int isum = 0, msum = 0;
                     for (int j = 4 * l; j < 4 * l + 4; j++) {
-                        isum += u.sc[2 * s + j / 16] * wq[j] * xq[j];
+                        isum += (sc_in_s ? 1 : u.sc[2 * s + j / 16]) * (wq[j] + off) * xq[j];
                         msum += u.mn[2 * s + j / 16] * xq[j];
                     }
                     acc[m][l] = fmaf(S, (float)isum, acc[m][l]);
@@ -363,11 +410,17 @@ static inline __attribute__((always_inline)) void kq_row(float *y, const qx_t *X
                 }
                 if (fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q5_1)
                     summ[m][gb & 7] = fmaf(u.dmin * (float)u.mn[2 * s], X->s[xb], summ[m][gb & 7]);
+                if (fmt == F_Q6_K) {
+                    const int16_t *bs = X->bs + (size_t)(xr + m) * (K / 16) + 2 * gb;
+                    const int corr = 32 * (u.sc[2 * s] * bs[0] + u.sc[2 * s + 1] * bs[1]);
+                    summ[m][gb & 7] = fmaf(S, (float)corr, summ[m][gb & 7]);
+                }
             }
         }
     }
     for (int m = 0; m < mt; m++)
-        y[(size_t)m * N + n] = hsum8_scalar(acc[m]) - hsum8_scalar(summ[m]);
+        y[(size_t)m * N + n + r] = hsum8_scalar(acc[m]) - hsum8_scalar(summ[m]);
+  }
 #endif
 }
 
@@ -382,22 +435,45 @@ static inline __attribute__((always_inline)) int kq_rows(float *y, const float *
     mb = mb < XT ? XT : mb - mb % XT;
     const int xrows = M < mb ? M : mb;
     const size_t row_bytes = (size_t)(K / BLOCK_W[fmt]) * BLOCK_B[fmt];
-    float *scales = (float *)malloc((size_t)xrows * (2 * nbx * sizeof(float) + K));
+    const size_t nbs = fmt == F_Q6_K ? (size_t)K / 16 : 0;
+    float *scales = (float *)malloc((size_t)xrows * (2 * nbx * sizeof(float) +
+                                                     nbs * sizeof(int16_t) + K));
     if (!scales) return -1;
-    int8_t *q = (int8_t *)(scales + (size_t)2 * xrows * nbx);
+    int16_t *bs = (int16_t *)(scales + (size_t)2 * xrows * nbx);
+    int8_t *q = (int8_t *)(bs + (size_t)xrows * nbs);
     for (int m0 = 0; m0 < M; m0 += mb) {
         const int mt = M - m0 < mb ? M - m0 : mb;
         qmm_quantize_activations(q, scales, scales + (size_t)xrows * nbx, x + (size_t)m0 * K,
                                  mt, K);
-        const qx_t X = {q, scales, scales + (size_t)xrows * nbx, K};
+        for (int m = 0; m < mt && nbs; m++)
+            for (size_t g = 0; g < nbs; g++) {
+                int sum = 0;
+                for (int j = 0; j < 16; j++) sum += q[(size_t)m * K + 16 * g + j];
+                bs[(size_t)m * nbs + g] = (int16_t)sum;
+            }
+        const qx_t X = {q, scales, scales + (size_t)xrows * nbx, bs, K};
         float *ym = y + (size_t)m0 * N;
-        for (int n = lo; n < hi; n++) {
-            const uint8_t *wrow = w + (size_t)n * row_bytes;
+        int n = lo;
+        /* Constant tile sizes let the compiler keep every sum in a register: 4 weight rows
+         * against one x row, 2 against 2. */
+        for (; n + RMAX <= hi; n += RMAX) {
+            const uint8_t *wg = w + (size_t)n * row_bytes;
+            const uint8_t *next = n + 2 * RMAX <= hi ? wg + RMAX * row_bytes : NULL;
             int r = 0;
-            /* Constant tile heights let the compiler keep every sum in a register. */
-            for (; r + XT <= mt; r += XT) kq_row(ym + (size_t)r * N, &X, r, XT, wrow, N, n, fmt);
-            for (; r < mt; r++) kq_row(ym + (size_t)r * N, &X, r, 1, wrow, N, n, fmt);
+            for (; r + XT <= mt; r += XT) {
+                const uint8_t *pf = r ? NULL : next;
+                kq_group(ym + (size_t)r * N, &X, r, XT, wg, row_bytes, 2, N, n, fmt, pf);
+                kq_group(ym + (size_t)r * N, &X, r, XT, wg + 2 * row_bytes, row_bytes, 2, N,
+                         n + 2, fmt, pf ? pf + 2 * row_bytes : NULL);
+            }
+            for (; r < mt; r++)
+                kq_group(ym + (size_t)r * N, &X, r, 1, wg, row_bytes, RMAX, N, n, fmt,
+                         r ? NULL : next);
         }
+        for (; n < hi; n++)
+            for (int r = 0; r < mt; r++)
+                kq_group(ym + (size_t)r * N, &X, r, 1, w + (size_t)n * row_bytes, row_bytes, 1,
+                         N, n, fmt, NULL);
     }
     free(scales);
     return 0;

@@ -40,7 +40,8 @@ def random_blocks(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
 
 # The bytes of each block holding the integer weights (with their fifth bits): zeroed, a block
 # dequantizes to its mins' term alone.
-Q_BYTES = {"q4_k": (16, 144), "q5_k": (16, 176), "q2_k": (16, 80), "q5_1": (4, 24)}
+Q_BYTES = {"q4_k": (16, 144), "q5_k": (16, 176), "q2_k": (16, 80), "q5_1": (4, 24),
+           "q6_k": (0, 192)}
 
 
 def _mins(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
