@@ -49,9 +49,10 @@ def _free_module_engines():
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
-    """The embedded SmolLM2 GGUF, converted to an HF-format dir (cached under ~/.cache/pagedlm)."""
-    from pagedlm.model_executor.model_loader.model_path import resolve_model
-    return resolve_model(None)
+    """The embedded SmolLM2 GGUF, converted to an HF-format dir with float32 weights (cached
+    under ~/.cache/pagedlm)."""
+    from pagedlm.model_executor.model_loader.model_path import float_model_dir
+    return float_model_dir(None)
 
 
 @pytest.fixture(scope="session")

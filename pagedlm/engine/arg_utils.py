@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pagedlm.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig,
                             ModelConfig, ParallelConfig, RequestLimits, SchedulerConfig)
 from pagedlm.model_executor.layers.quantization import (get_quantization_config,
+                                                        resolve_quantization,
                                                         verify_quantization)
-from pagedlm.model_executor.model_loader.model_path import resolve_model
+from pagedlm.model_executor.model_loader.model_path import ensure_float_weights, resolve_model
 from pagedlm.pooling_params import PoolerConfig
 from pagedlm.structured_output.registry import SUPPORTED_BACKENDS
 
@@ -134,9 +135,13 @@ class EngineArgs:
         request_limits = RequestLimits(**{f.name: getattr(self, f.name)
                                           for f in dataclasses.fields(RequestLimits)})
         model_dir = resolve_model(self.model)
+        # quantization=None keeps a large GGUF file in its blocks (resolve_quantization).
+        quantization = resolve_quantization(quantization, model_dir)
         # Checked here, before any worker starts: e.g. gguf on a non-GGUF model, or a GGUF
         # tensor type it cannot run.
         get_quantization_config(quantization, model_dir)
+        if quantization != "gguf":
+            ensure_float_weights(model_dir)  # a GGUF file's float32 copy, written once
         model_config = ModelConfig.from_dir(self.model, model_dir, self.dtype,
                                             self.max_model_len, self.seed,
                                             quantization=quantization, runner=self.runner,

@@ -18,7 +18,7 @@ import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.model_executor.model_loader.gguf_loader import convert_gguf
-from pagedlm.model_executor.model_loader.model_path import resolve_model
+from pagedlm.model_executor.model_loader.model_path import float_model_dir
 from pagedlm.model_executor.models.registry import supported_architectures
 
 transformers = pytest.importorskip("transformers")
@@ -227,7 +227,7 @@ def test_pagedlm_greedy_tokens_equal_transformers(case, tmp_path, monkeypatch):
             LLM(str(gguf_file), num_gpu_blocks_override=16)
         return
     llm = LLM(str(gguf_file), num_gpu_blocks_override=32)
-    hf = _loaded(resolve_model(str(gguf_file))).eval()
+    hf = _loaded(float_model_dir(str(gguf_file))).eval()
     # min_tokens masks EOS as min_new_tokens does on the reference side, so both pick the same
     # token where EOS would otherwise win.
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)

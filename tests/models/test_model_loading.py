@@ -13,6 +13,7 @@ from pagedlm.model_executor.model_loader.gguf_loader import convert_gguf
 from pagedlm.model_executor.model_loader.model_path import (
     CONVERSION_MARKER,
     default_model_file,
+    float_model_dir,
     resolve_model,
 )
 from pagedlm.utils import cache_root
@@ -36,10 +37,11 @@ def default_gguf() -> str:
 
 @pytest.fixture(scope="module")
 def converted_dir(tmp_path_factory, default_gguf) -> str:
-    """The default model converted once for the whole module, into a private cache."""
+    """The default model converted once for the whole module (float32 weights too), into a
+    private cache."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLM_CACHE_DIR", str(tmp_path_factory.mktemp("pagedlm-cache")))
-        return resolve_model(None)
+        return float_model_dir(None)
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +157,9 @@ def test_second_resolve_reuses_the_cache(converted_dir, monkeypatch):
     mtime = marker.stat().st_mtime_ns
 
     def fail(*args, **kwargs):
-        raise AssertionError("convert_gguf must not run on a cache hit")
+        raise AssertionError("convert_gguf_metadata must not run on a cache hit")
 
-    monkeypatch.setattr(gguf_loader, "convert_gguf", fail)
+    monkeypatch.setattr(gguf_loader, "convert_gguf_metadata", fail)
     assert resolve_model(None) == converted_dir
     assert resolve_model(default_model_file()) == converted_dir
     assert marker.stat().st_mtime_ns == mtime
@@ -232,7 +234,10 @@ def write_tiny_gguf(
     rope_theta: float = 10000.0,
     linear_rope_factor: float | None = None,
     quantize_q8: bool = True,
+    types: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
+    """types: HF name -> the ggml type to quantize that tensor to (gguf's quantize), in place
+    of the one Q8_0 tensor quantize_q8 writes."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(TINY["layers"])
     writer.add_context_length(4096)
@@ -257,7 +262,13 @@ def write_tiny_gguf(
             value = _llamacpp_permute(value, TINY["heads"])
         elif ".k_proj." in name:
             value = _llamacpp_permute(value, TINY["kv_heads"])
-        if quantize_q8 and name.endswith("mlp.up_proj.weight"):
+        if types is not None:
+            if name in types:
+                writer.add_tensor(_gguf_name(name), gguf.quants.quantize(value, types[name]),
+                                  raw_dtype=types[name])
+            else:
+                writer.add_tensor(_gguf_name(name), np.ascontiguousarray(value))
+        elif quantize_q8 and name.endswith("mlp.up_proj.weight"):
             # One quantized tensor checks the dequantize/reshape path on non-F32 data.
             writer.add_tensor(
                 _gguf_name(name),
@@ -435,7 +446,7 @@ def test_gguf_file_is_converted_once(tiny_gguf, tmp_path, monkeypatch):
     assert Path(first).parent == tmp_path / "cache" / "gguf"
     assert Path(first).name.startswith("tiny-")
     calls = []
-    monkeypatch.setattr(gguf_loader, "convert_gguf", lambda *a: calls.append(a))
+    monkeypatch.setattr(gguf_loader, "convert_gguf_metadata", lambda *a: calls.append(a))
     assert resolve_model(str(tiny_gguf)) == first
     assert calls == []
 
@@ -454,7 +465,7 @@ def test_failed_conversion_leaves_nothing_behind(tiny_gguf, tmp_path, monkeypatc
         Path(out_dir, "config.json").write_text("{}")
         raise KeyboardInterrupt  # as if interrupted mid-conversion
 
-    monkeypatch.setattr(gguf_loader, "convert_gguf", half_convert)
+    monkeypatch.setattr(gguf_loader, "convert_gguf_metadata", half_convert)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(tiny_gguf))
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
@@ -476,7 +487,7 @@ def test_incomplete_cache_entry_is_replaced(tiny_gguf):
 
 def test_losing_a_conversion_race_keeps_the_winner(tiny_gguf, monkeypatch):
     target = Path(model_path._cache_dir_for(str(tiny_gguf.resolve())))
-    real_convert = gguf_loader.convert_gguf
+    real_convert = gguf_loader.convert_gguf_metadata
 
     def convert_while_another_process_finishes(gguf_path, out_dir):
         real_convert(gguf_path, out_dir)
@@ -486,7 +497,8 @@ def test_losing_a_conversion_race_keeps_the_winner(tiny_gguf, monkeypatch):
         (winner / CONVERSION_MARKER).write_text("{}")
         os.rename(winner, target)
 
-    monkeypatch.setattr(gguf_loader, "convert_gguf", convert_while_another_process_finishes)
+    monkeypatch.setattr(gguf_loader, "convert_gguf_metadata",
+                        convert_while_another_process_finishes)
     assert resolve_model(str(tiny_gguf)) == str(target)
     assert (target / CONVERSION_MARKER).read_text() == "{}"  # the winner's, untouched
     assert [p.name for p in target.parent.iterdir()] == [target.name]

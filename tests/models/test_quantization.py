@@ -216,11 +216,11 @@ def test_bad_quantization_raises_value_error(tiny_models):
 
 
 def test_gguf_tensor_type_it_cannot_run(tmp_path):
-    """A K-quant tensor: a ValueError naming the tensor, its type and what is supported."""
-    path = tmp_path / "kquant.gguf"
+    """An IQ2_XXS tensor: a ValueError naming the tensor, its type and what is supported."""
+    path = tmp_path / "iquant.gguf"
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((2, 144), dtype=np.uint8),
-                      raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((2, 66), dtype=np.uint8),
+                      raw_dtype=GGMLQuantizationType.IQ2_XXS)
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(256, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -229,8 +229,9 @@ def test_gguf_tensor_type_it_cannot_run(tmp_path):
     model_dir = tmp_path / "converted"
     model_dir.mkdir()
     (model_dir / CONVERSION_MARKER).write_text(json.dumps({"source": str(path)}))
-    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.weight' .* is Q4_K.*"
-                                         r"Supported: Q4_0, Q4_1, Q8_0"):
+    with pytest.raises(ValueError, match=r"IQ2_XXS is not supported: tensor "
+                                         r"'blk.0.attn_q.weight' \(IQ2_XXS\) \(supported types: "
+                                         r".*Q4_0, Q4_1, Q4_K.*Q8_0"):
         GGUFConfig.from_model_dir(str(model_dir))
 
 

@@ -22,6 +22,8 @@ packed tensors are opaque, so the plain weight is kept for loading and inspectio
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import logging
 from abc import ABC, abstractmethod
@@ -40,6 +42,28 @@ from pagedlm.model_executor.model_loader.weight_utils import check_shape, defaul
 logger = logging.getLogger(__name__)
 
 WeightLoader = Callable[..., None]  # (param, loaded_weight, shard_id=None) -> None
+
+# Set while the loader builds a model whose quantized layers take their weights as stored
+# (quantization="gguf"): float weights are created on the meta device, holding no memory, and
+# made real only for the layers that stay float. A context variable rather than a module flag:
+# it holds inside the `with` and in this thread only.
+_WEIGHTS_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "pagedlm_weights_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def weights_on_meta():
+    """Build linear layers' and embeddings' float weights on the meta device (see above)."""
+    token = _WEIGHTS_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _WEIGHTS_ON_META.reset(token)
+
+
+def float_weight_device() -> torch.device | None:
+    """Where a float weight is created: meta inside weights_on_meta(), else the default."""
+    return torch.device("meta") if _WEIGHTS_ON_META.get() else None
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -157,7 +181,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
                        input_size, output_size, params_dtype, weight_loader) -> None:
         # Uninitialised: the loader always fills it (and complains if the checkpoint does not).
         weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition,
-                                          dtype=params_dtype), requires_grad=False)
+                                          dtype=params_dtype, device=float_weight_device()),
+                              requires_grad=False)
         weight.weight_loader = weight_loader
         layer.register_parameter("weight", weight)
         layer.packed_weight = layer.panel_weight = None

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.distributed.parallel_state import get_tp_group
-from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from pagedlm.model_executor.layers.linear import (LinearMethodBase, UnquantizedLinearMethod,
+                                                  float_weight_device)
 from pagedlm.model_executor.model_loader.weight_utils import check_shape
 from pagedlm.utils import cdiv
 
@@ -41,7 +42,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
+                                               device=float_weight_device()),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -62,11 +64,19 @@ class VocabParallelEmbedding(nn.Module):
         """Float32 rows [num_tokens, dim]: a 2-byte table (ModelConfig.dtype) is widened row by
         row as it is read, since activations compute in float32 (a no-op for a float32 one)."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight).float()
+            return self._rows(input_ids)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill_(outside, 0)
-        out = F.embedding(local_ids, self.weight).float().masked_fill_(outside.unsqueeze(-1), 0)
+        out = self._rows(local_ids).masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp_group.all_reduce(out)
+
+    def _rows(self, local_ids: torch.Tensor) -> torch.Tensor:
+        # A table kept in quantized blocks (quantization="gguf") brings its own lookup, which
+        # dequantizes only the rows asked for.
+        lookup = getattr(self, "row_lookup", None)
+        if lookup is not None:
+            return lookup(local_ids)
+        return F.embedding(local_ids, self.weight).float()
 
     def extra_repr(self) -> str:
         return (f"vocab={self.org_vocab_size} (padded {self.num_embeddings_padded}), "

@@ -2,11 +2,11 @@
 
 Architectures: llama, qwen2, qwen3, phi3, qwen2moe, qwen3moe, gemma2, gemma3 and gpt2.
 
-The result (config.json, model.safetensors in float32, tokenizer files,
-generation_config.json) loads with ``transformers.AutoModelForCausalLM`` and
-``AutoTokenizer``, so the rest of pagedlm only ever deals with HF directories. With
-``quantization="gguf"``, :func:`iterate_gguf_blocks` also hands the quantized tensors' raw
-blocks, under their HF names, to the quantized linear layers.
+The metadata (config.json, generation_config.json, tokenizer files) is written for every GGUF
+model, so the rest of pagedlm reads configs and tokenizers from an HF directory; the weights
+dequantized to float32 (model.safetensors, which ``transformers.AutoModelForCausalLM`` loads) only
+when the float path runs. With ``quantization="gguf"`` the weights come from the file itself
+(gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, GenerationConfig, PretrainedConfig,
@@ -97,7 +97,15 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Write an HF-format model directory for ``gguf_path`` into ``out_dir``."""
+    """Write an HF-format model directory for ``gguf_path`` into ``out_dir``: the metadata
+    (:func:`convert_gguf_metadata`) and the weights dequantized to float32."""
+    convert_gguf_metadata(gguf_path, out_dir)
+    # The name model_path.FLOAT_WEIGHTS_FILE (that module imports this one).
+    write_float_weights(gguf_path, os.path.join(out_dir, "model.safetensors"))
+
+
+def open_architecture(gguf_path: str):
+    """(reader, architecture, its spec) of a GGUF file; ValueError for one pagedlm cannot read."""
     gguf_path = os.fspath(gguf_path)
     reader = open_gguf(gguf_path)
     arch = _metadata(reader, "general.architecture")
@@ -107,10 +115,28 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
             f"{gguf_path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})."
         )
-    tensors, config, hf_names, processor, gguf_to_hf = _open(reader, arch, spec)
+    return reader, arch, spec
 
+
+def write_float_weights(gguf_path: str, out_file: str) -> None:
+    """Every weight of the file dequantized to float32, under its HF name, in ``out_file``."""
+    reader, arch, spec = open_architecture(gguf_path)
+    tensors, config, hf_names, processor, gguf_to_hf = open_model_tensors(reader, arch, spec)
+    state_dict = float_state_dict(tensors.values(), processor, gguf_to_hf, spec)
+    add_zero_biases(state_dict, hf_names, {n: t.shape[0] for n, t in state_dict.items()})
+    missing = sorted(hf_names - state_dict.keys() - _tied_names(config, hf_names))
+    if missing:
+        raise ValueError(f"{gguf_path}: GGUF file lacks tensors for {', '.join(missing)}.")
+    save_file(state_dict, out_file, metadata={"format": "pt"})
+
+
+def float_state_dict(tensors, processor: TensorProcessor, gguf_to_hf: dict[str, str],
+                     spec: _ArchSpec) -> dict[str, torch.Tensor]:
+    """The given GGUF tensors dequantized to float32 with llama.cpp's layout undone, under
+    their HF names (processors may merge several, e.g. MoE experts, into one)."""
     state_dict: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
+    for tensor in tensors:
+        name = tensor.name
         if name == _ROPE_FREQS:
             continue  # already folded into config.rope_parameters
         # Stacked experts map without their ".weight": HF holds them as bare parameters.
@@ -132,19 +158,25 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         # order="C": undoing a transposed layout (GPT-2) leaves a view safetensors cannot save.
         state_dict[gguf_to_hf[name]] = torch.from_numpy(
             np.array(values, dtype=np.float32, order="C"))
+    return state_dict
 
-    # An absent bias is no bias; HF's one switch per group needs the rest as zeros.
+
+def add_zero_biases(state_dict: dict, hf_names: set[str], rows: dict[str, int]) -> None:
+    """An absent bias is no bias; HF's one switch per group needs the rest as zeros. rows: the
+    output rows of each weight the file has (float or in blocks)."""
     for name in hf_names - state_dict.keys():
-        weight = state_dict.get(name.removesuffix(".bias") + ".weight")
-        if name.endswith(".bias") and weight is not None:
-            state_dict[name] = torch.zeros(weight.shape[0])
-    missing = sorted(hf_names - state_dict.keys() - _tied_names(config, hf_names))
-    if missing:
-        raise ValueError(f"{gguf_path}: GGUF file lacks tensors for {', '.join(missing)}.")
+        weight = name.removesuffix(".bias") + ".weight"
+        if name.endswith(".bias") and weight in rows:
+            state_dict[name] = torch.zeros(rows[weight])
 
+
+def convert_gguf_metadata(gguf_path: str, out_dir: str) -> None:
+    """Write the small part of an HF-format directory for ``gguf_path`` into ``out_dir``:
+    config.json, generation_config.json and the tokenizer files (no weights)."""
+    reader, arch, spec = open_architecture(gguf_path)
+    config = _hf_config(reader, arch, spec, {t.name: t for t in reader.tensors})
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
-    save_file(state_dict, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
     # Chat models stop on end-of-turn tokens too (llama.cpp treats them all as end of generation).
     stop_ids = [getattr(config, "eos_token_id", None)]
@@ -166,75 +198,14 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _open(reader: GGUFReader, arch: str, spec: _ArchSpec):
+def open_model_tensors(reader: GGUFReader, arch: str, spec: _ArchSpec):
+    """(tensors by name, HF config, HF parameter names, tensor processor, GGUF -> HF names)."""
     tensors = {t.name: t for t in reader.tensors}
     config = _hf_config(reader, arch, spec, tensors)
     hf_names = _hf_parameter_names(config)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     gguf_to_hf = _gguf_to_hf_names(arch, config.num_hidden_layers, hf_names, processor)
     return tensors, config, hf_names, processor, gguf_to_hf
-
-
-@dataclass(frozen=True)
-class GGUFBlocks:
-    """A 2-D GGUF tensor kept in its quantized blocks, rows in HuggingFace order.
-
-    qtype: ggml's type name ("Q4_1", ...); blocks: uint8 [rows, blocks per row, block bytes]
-    (ggml's block layout, blocks running along the input features)."""
-
-    qtype: str
-    blocks: torch.Tensor
-
-
-def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
-    """ggml type name of every tensor in the file (reads the header only)."""
-    return {t.name: t.tensor_type.name for t in open_gguf(gguf_path).tensors}
-
-
-def iterate_gguf_blocks(gguf_path: str, qtypes: tuple[str, ...],
-                        embedding_name: str = "token_embd.weight",
-                        tied_head_name: str = "lm_head.weight"):
-    """(HF name, GGUFBlocks) of each 2-D tensor of a type in ``qtypes`` whose llama.cpp layout
-    is at most a reordering of rows (llama.cpp permutes Llama's q/k rows for its rope layout).
-
-    Transformers' own tensor processor says what reordering to undo: it is run on the row
-    indices, and a tensor whose processing is anything but a row permutation (a transpose, a
-    merge, a value change) is not yielded, so it stays on the float path. The token embedding
-    is not yielded under its own name (lookups need float rows); when the file has no output
-    matrix it is yielded as the tied LM head's.
-    """
-    reader = open_gguf(gguf_path)
-    arch = _metadata(reader, "general.architecture")
-    spec = _ARCHITECTURES.get(arch)
-    if spec is None:
-        raise ValueError(f"{gguf_path}: GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}).")
-    tensors, config, _, processor, gguf_to_hf = _open(reader, arch, spec)
-    tied = "output.weight" not in tensors
-    for name, tensor in tensors.items():
-        if tensor.tensor_type.name not in qtypes or len(tensor.shape) != 2:
-            continue
-        if name == embedding_name:
-            if not tied:
-                continue
-            hf_name = tied_head_name
-        else:
-            hf_name = gguf_to_hf.get(name)
-            if hf_name is None:
-                continue
-        rows = _gguf_shape(tensor)[0]
-        index = np.arange(rows, dtype=np.float32).reshape(rows, 1)
-        processed = processor.process(weights=index, name=name, tensor_key_mapping=gguf_to_hf,
-                                      parsed_parameters={"tensors": {}})
-        if processed.name is None or np.shape(processed.weights) != (rows, 1):
-            continue
-        order = np.asarray(processed.weights).reshape(rows).astype(np.int64)
-        if not np.array_equal(np.sort(order), np.arange(rows)):
-            continue
-        data = np.asarray(tensor.data)  # [rows, bytes per row], memory-mapped
-        block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
-        blocks = torch.from_numpy(np.ascontiguousarray(data[order])).reshape(rows, -1, block_bytes)
-        yield hf_name, GGUFBlocks(tensor.tensor_type.name, blocks)
 
 
 def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) -> PretrainedConfig:

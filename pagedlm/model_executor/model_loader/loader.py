@@ -1,6 +1,8 @@
 """Build a model from its config and load its safetensors weights (this rank's part of them)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -8,10 +10,13 @@ from pagedlm.attention.backends import get_attn_backend
 import logging
 
 from pagedlm.config import ModelConfig
-from pagedlm.model_executor.layers.linear import LinearMethodBase, use_deterministic_linear_methods
+from pagedlm.model_executor.layers.linear import (LinearMethodBase,
+                                                  use_deterministic_linear_methods,
+                                                  weights_on_meta)
 from pagedlm.model_executor.layers.quantization import get_quantization_config
 from pagedlm.model_executor.layers.quantization.base import weight_formats
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedlm.model_executor.model_loader.model_path import ensure_float_weights
 from pagedlm.model_executor.model_loader.weight_utils import iterate_safetensors
 from pagedlm.model_executor.models.registry import get_model_class
 
@@ -40,24 +45,47 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
         # Built in place: every weight is created with torch.empty (nothing is initialised just
         # to be overwritten) and each parameter keeps its weight_loader attribute and ties,
         # which moving from the meta device with to_empty() would drop.
-        with torch.device(device):
+        with torch.device(device), contextlib.ExitStack() as stack:
+            if quant_config is not None and quant_config.weights_from_file:
+                stack.enter_context(weights_on_meta())
             model = cls(config, attn_backend)
     finally:
         torch.set_default_dtype(old)
     if config.deterministic:
         use_deterministic_linear_methods(model)
+    if quant_config is None or not quant_config.weights_from_file:
+        ensure_float_weights(config.model_dir)  # a GGUF file's, written once
     weights = iterate_safetensors(config.model_dir)
     if quant_config is not None:
         quant_config.apply(model)
         weights = quant_config.weights(weights)
+    materialize_weights(model, device)
     store_weights_in(model, config.dtype)
     model.load_weights(weights)
     round_other_weights(model, config.dtype)
     model.process_weights_after_loading()
     if quant_config is not None:
+        quant_config.process_weights_after_loading(model)
+    if quant_config is not None:
         logger.info("quantization=%r: linear layers by weight format: %s",
                     config.quantization, dict(weight_formats(model)))
     return model.eval().requires_grad_(False)
+
+
+def materialize_weights(model: nn.Module, device: torch.device | str) -> None:
+    """Give real (uninitialised) storage to the weights built on the meta device
+    (weights_on_meta) that no quantization method took to receive the file's tensors."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, old in list(module._parameters.items()):
+            if old is None or not old.is_meta or getattr(old, "gguf_parts", None) is not None:
+                continue
+            if id(old) not in made:
+                new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=device),
+                                   requires_grad=False)
+                new.__dict__.update(old.__dict__)  # weight_loader and the loaders' other marks
+                made[id(old)] = new
+            setattr(module, name, made[id(old)])
 
 
 def _stored_in_dtype(module: nn.Module) -> bool:
@@ -77,7 +105,7 @@ def store_weights_in(model: nn.Module, dtype: torch.dtype) -> None:
     narrowed: dict[int, nn.Parameter] = {}
     for module in model.modules():
         old = module._parameters.get("weight") if _stored_in_dtype(module) else None
-        if old is None or old.dtype != torch.float32:
+        if old is None or old.dtype != torch.float32 or old.is_meta:
             continue
         if id(old) not in narrowed:
             new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device),
@@ -94,7 +122,7 @@ def round_other_weights(model: nn.Module, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         return
     for param in model.parameters():
-        if param.dtype == torch.float32:
+        if param.dtype == torch.float32 and not param.is_meta:
             # In slices: a stack of experts is rounded without a second copy of it.
             for part in param.data.view(-1).split(1 << 22):
                 part.copy_(part.to(dtype))

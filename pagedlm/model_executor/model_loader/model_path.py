@@ -1,7 +1,10 @@
 """Turn the user's ``model`` argument into a local HuggingFace-format model directory.
 
 pagedlm never downloads anything: a model is either a local HF directory or a GGUF
-file, which is converted once into a cache directory and reused afterwards.
+file. A GGUF file gets a small cache directory (config, generation config, tokenizer: what the
+rest of pagedlm reads from an HF directory), written once and reused afterwards; its weights
+dequantized to float32 are added there only when the float path runs (float_model_dir), since
+quantization="gguf" reads them from the file itself.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Written last, so its presence means every other file of the conversion is complete.
 CONVERSION_MARKER = "pagedlm-conversion.json"
+# The float32 weights of a GGUF model, beside its metadata; written under a name the
+# *.safetensors glob skips, then renamed.
+FLOAT_WEIGHTS_FILE = "model.safetensors"
+_PARTIAL_SUFFIX = ".partial"
 
 
 def default_model_file() -> str:
@@ -47,8 +54,9 @@ def default_model_file() -> str:
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
     """Return a local HF-format model directory for ``model``.
 
-    ``None`` means the default model; a ``.gguf`` file is converted (once, cached);
-    a directory with ``config.json`` is returned unchanged.
+    ``None`` means the default model; a ``.gguf`` file gets its metadata directory (once,
+    cached; no weights: see float_model_dir); a directory with ``config.json`` is returned
+    unchanged.
     """
     if model is None:
         return _converted_gguf_dir(default_model_file())
@@ -99,7 +107,7 @@ def _converted_gguf_dir(gguf_path: str) -> str:
         return str(target)
 
     # Imported lazily: a cache hit should not pay for importing transformers.
-    from pagedlm.model_executor.model_loader.gguf_loader import convert_gguf
+    from pagedlm.model_executor.model_loader import gguf_loader
 
     target.parent.mkdir(parents=True, exist_ok=True)
     # One conversion per model at a time: a second process waits, then finds it done.
@@ -110,7 +118,7 @@ def _converted_gguf_dir(gguf_path: str) -> str:
         # see either no directory or a complete one, never a half-written conversion.
         staging = Path(tempfile.mkdtemp(prefix=staging_prefix(target.name), dir=target.parent))
         try:
-            convert_gguf(gguf_path, str(staging))
+            gguf_loader.convert_gguf_metadata(gguf_path, str(staging))
             stat = os.stat(gguf_path)
             marker = {"source": gguf_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
             (staging / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
@@ -134,3 +142,49 @@ def _publish(staging: Path, target: Path) -> None:
     except OSError:
         if not _is_complete(target):
             raise
+
+
+def gguf_source(model_dir: str) -> str | None:
+    """The GGUF file a resolved model directory was made from, or None for an HF directory."""
+    marker = Path(model_dir) / CONVERSION_MARKER
+    if not marker.is_file():
+        return None
+    source = json.loads(marker.read_text()).get("source")
+    if not source:
+        raise ValueError(f"{marker} names no source GGUF file; delete {model_dir} to rebuild it.")
+    return source
+
+
+def float_model_dir(model: str | os.PathLike[str] | None) -> str:
+    """resolve_model's directory with the weights in it: for a GGUF file, its float32 weights
+    are written there first (once, cached)."""
+    model_dir = resolve_model(model)
+    ensure_float_weights(model_dir)
+    return model_dir
+
+
+def ensure_float_weights(model_dir: str) -> None:
+    """Add the GGUF file's weights dequantized to float32 to its metadata directory, unless
+    they are there (or the directory is an HF one, which has its own)."""
+    source = gguf_source(model_dir)
+    target = Path(model_dir) / FLOAT_WEIGHTS_FILE
+    if source is None or target.is_file():
+        return
+    from pagedlm.model_executor.model_loader import gguf_loader
+
+    # One writer per model at a time; a second process waits, then finds the file there.
+    with build_lock(target.parent, cache_root() / "locks" / "gguf", target.parent.name + ".f32"):
+        if target.is_file():
+            return
+        # A killed writer's partial file (as large as the model) is ours to remove: we hold
+        # the lock, so its writer is gone.
+        for leftover in target.parent.glob(f"*{_PARTIAL_SUFFIX}"):
+            leftover.unlink(missing_ok=True)
+        fd, partial = tempfile.mkstemp(suffix=_PARTIAL_SUFFIX, dir=target.parent)
+        os.close(fd)
+        try:
+            gguf_loader.write_float_weights(source, partial)
+            # Same directory, so the rename is atomic: the file is whole or absent.
+            os.replace(partial, target)
+        finally:
+            Path(partial).unlink(missing_ok=True)

@@ -93,6 +93,10 @@ def load_weights_into(module: torch.nn.Module, weights: Iterable[tuple[str, torc
         if name not in params:
             raise ValueError(f"unexpected weight {ckpt_name!r} in the checkpoint.")
         param = params[name]
+        if hasattr(tensor, "dequantized") and not getattr(param, "takes_blocks", False):
+            # Quantized blocks (GGUFBlocks) for a parameter that holds floats, e.g. a position
+            # table: it gets them dequantized.
+            tensor = tensor.dequantized()
         try:
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
         except WeightShapeError as e:

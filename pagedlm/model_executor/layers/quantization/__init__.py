@@ -8,8 +8,9 @@ The loader calls `apply` after building the model and before loading its weights
 from __future__ import annotations
 
 from pagedlm.model_executor.layers.quantization.base import QuantizationConfig
-from pagedlm.model_executor.layers.quantization.gguf import GGUFConfig
+from pagedlm.model_executor.layers.quantization.gguf import GGUFConfig, default_for_gguf
 from pagedlm.model_executor.layers.quantization.weight_only import Int4Config, Int8Config
+from pagedlm.model_executor.model_loader.model_path import gguf_source
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     "int8": Int8Config,
@@ -26,6 +27,16 @@ def verify_quantization(value: object) -> str | None:
                      f"(float weights), got {value!r}.")
 
 
+def resolve_quantization(name: str | None, model_dir: str) -> str | None:
+    """The method `quantization=name` runs on the model in `model_dir`: None on a GGUF file
+    keeps a large file in its blocks ("gguf"; see gguf.GGUF_FLOAT_COPY_LIMIT_BYTES)."""
+    name = verify_quantization(name)
+    source = gguf_source(model_dir)
+    if name is None and source is not None:
+        return default_for_gguf(source)
+    return name
+
+
 def get_quantization_config(name: str | None, model_dir: str, *, deterministic: bool = False
                             ) -> QuantizationConfig | None:
     """The config for `quantization=name` on the model in `model_dir` (None: unquantized);
@@ -36,4 +47,4 @@ def get_quantization_config(name: str | None, model_dir: str, *, deterministic: 
 
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config",
-           "verify_quantization"]
+           "resolve_quantization", "verify_quantization"]

@@ -19,6 +19,10 @@ class QuantizationConfig(ABC):
     run one kernel at every row count (LinearMethodBase)."""
 
     name: str
+    # The method reads every weight from the model file itself (`weights` ignores the float
+    # checkpoint): the loader then builds the model without float weights for the layers it
+    # gives methods to (linear.weights_on_meta).
+    weights_from_file: bool = False
 
     def __init__(self, *, deterministic: bool = False) -> None:
         self.deterministic = deterministic
@@ -51,6 +55,9 @@ class QuantizationConfig(ABC):
             module.quant_prefix = prefix
             module.keep_float_weight = owners.get(id(getattr(module, "weight", None)), 0) > 1
             method.attach(module)
+
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        """Called once after the model's own process_weights_after_loading."""
 
     def weights(self, float_weights: Iterable[tuple[str, torch.Tensor]]
                 ) -> Iterator[tuple[str, object]]:

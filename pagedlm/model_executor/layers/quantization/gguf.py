@@ -1,127 +1,277 @@
-"""quantization="gguf": a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices run as stored.
+"""quantization="gguf": a GGUF file's weights run as stored, read from the memory-mapped file.
 
-The float load path is unchanged (the converted directory's dequantized weights); next to each
-layer's float weight the loader also hands the file's raw blocks, under the same HF names with
-`.qweight`, through the layer's own weight loader, so tensor-parallel slicing and fused q/k/v
-and gate/up shards work as for floats (slicing the input features along block boundaries).
-After loading, each layer checks that its blocks dequantize bit for bit to the float weights
-the float32 path runs on, keeps the blocks and drops the float copy. A layer whose file tensors
-are float (F32/F16), of different block types within one fused matrix, or laid out in a way
-other than a row reordering, stays on the float path.
+The model is built without float weights for its linear layers and token embedding
+(linear.weights_on_meta): each such weight is a placeholder on the meta device that receives
+whatever the file has for it, so memory holds the file's blocks and never a float copy of them.
+Blocks of a type the kernels run (RUNNABLE_TYPES) are kept as they are, as views of the file's
+pages where nothing needs reordering or joining. A layer that gets a float tensor (F32, F16 or
+BF16 in the file, widened to float32 for now; or a layout other than a row reordering) gets a
+float32 weight then, and runs on the float path with any block shards dequantized into it.
 
-The token embedding stays float for lookups (a few rows per token, never streamed whole); a
-tied LM head gets the embedding's blocks. In the embedded SmolLM2 file that head is Q8_0 and
-20% of all weights: kept float it would be read at 4 bytes a weight, more than all the Q4_1
-layers together (113 MB against 66 MB a token).
+Fused layers (q/k/v, gate/up): shards of one block type are joined into one matrix; shards of
+different types (Q4_K_M files have v or down Q6_K beside q/k Q4_K in some layers) stay apart,
+each multiplied in its own format into its slice of the output (GGUFShardedLinearMethod).
+
+The token embedding stays in its blocks: a lookup gathers the ids' block rows and dequantizes
+only those (for a 128k-vocabulary 8B model a float table would be 2.1 GB). A tied LM head
+multiplies by the same blocks. In the embedded SmolLM2 file that head is Q8_0 and 20% of all
+weights: kept float it would be read at 4 bytes a weight, more than all the Q4_1 layers together
+(113 MB against 66 MB a token).
+
+Tensor parallelism: each rank keeps its slice of the blocks, cut by the layers' own weight
+loaders (output rows, vocabulary ranges) or along block boundaries (a row-parallel layer's
+input features; a split that would cut a block is refused, naming the layer).
 """
 from __future__ import annotations
 
-import json
+import functools
 import logging
-import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from pagedlm.model_executor.layers.linear import (LinearMethodBase, RowParallelLinear,
+                                                  UnquantizedLinearMethod)
 import pagedlm.model_executor.layers.quantization.kernels as kernels
 from pagedlm.model_executor.layers.quantization.base import PackedLinearMethod, QuantizationConfig
-from pagedlm.model_executor.model_loader.model_path import CONVERSION_MARKER
+from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.model_executor.model_loader.model_path import gguf_source
+from pagedlm.model_executor.model_loader.weight_utils import WeightShapeError
 
 logger = logging.getLogger(__name__)
 
-# ggml type -> the kernel format its blocks run in (Q4_0 is converted exactly to q4_1).
-RUNNABLE_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+# ggml type -> the kernel format its blocks run in: every format the kernels have, under its
+# ggml name, and Q4_0, which converts to q4_1 exactly.
+RUNNABLE_TYPES = {"Q4_0": "q4_1", **{fmt.upper(): fmt for fmt in kernels.FORMATS if fmt != "i8"}}
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# quantization=None on a GGUF file whose float32 copy would exceed this keeps it quantized
+# ("gguf"); below it the file is dequantized to float32. About 500M parameters: a 1B+ model's
+# float copy is 4+ GB and runs about 4x slower per token than its blocks, while for the
+# embedded 135M model float32 is the fastest path at batch sizes of 128.
+GGUF_FLOAT_COPY_LIMIT_BYTES = 2 << 30
+
+
+def default_for_gguf(gguf_path: str) -> str | None:
+    """What quantization=None means for a GGUF file: None (float32) when its float32 copy is
+    at most GGUF_FLOAT_COPY_LIMIT_BYTES, else "gguf"; a large file with tensor types the
+    kernels cannot run is refused, naming them."""
+    from pagedlm.model_executor.model_loader.gguf_file import (check_runnable_types,
+                                                               gguf_element_count, open_gguf)
+    size = 4 * gguf_element_count(gguf_path)  # the header alone, without its metadata values
+    if size <= GGUF_FLOAT_COPY_LIMIT_BYTES:
+        return None
+    try:
+        check_runnable_types(open_gguf(gguf_path), set(RUNNABLE_TYPES) | set(FLOAT_TYPES))
+    except ValueError as e:
+        raise ValueError(f"{e} Its float32 copy would take {size / 2**30:.1f} GiB, more than "
+                         f"the {GGUF_FLOAT_COPY_LIMIT_BYTES / 2**30:.0f} GiB up to which "
+                         f"pagedlm dequantizes a GGUF file by default.") from None
+    return "gguf"
+
+
+def block_weights(fmt: str) -> int:
+    """Input features per block of a kernel format."""
+    return getattr(kernels, "BLOCK_WEIGHTS", {}).get(fmt, kernels.QK)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What the file gave a weight for one shard: this rank's blocks, placed at output row
+    `offset`, or a full float tensor for the layer's own loader."""
+    shard: object
+    fmt: str | None = None
+    offset: int = 0
+    blocks: torch.Tensor | None = None
+    floats: torch.Tensor | None = None
+
+
+def _make_receiver(param: nn.Parameter, module: nn.Module) -> None:
+    """Turn a (meta) float weight into the placeholder that collects the file's parts."""
+    if getattr(param, "gguf_parts", None) is not None:
+        return  # an LM head tied to the embedding: one parameter, already collecting
+    param.gguf_parts = []
+    param.takes_blocks = True
+    param.weight_loader = functools.partial(_receive, module)
+
+
+def _receive(module: nn.Module, param: nn.Parameter, loaded, shard_id: object = None) -> None:
+    if not hasattr(loaded, "qtype"):
+        param.gguf_parts.append(_Part(shard_id, floats=loaded))
+        return
+    fmt = RUNNABLE_TYPES[loaded.qtype]
+    blocks = kernels.q4_0_to_q4_1(loaded.blocks) if loaded.qtype == "Q4_0" else loaded.blocks
+    cols = module.input_size if isinstance(module, RowParallelLinear) else param.shape[1]
+    if loaded.cols != cols:
+        raise WeightShapeError(tuple(loaded.shape), (loaded.shape[0], cols))
+    offset, local = _local_blocks(module, param, blocks, fmt, shard_id)
+    param.gguf_parts.append(_Part(shard_id, fmt, offset, local))
+
+
+def _local_blocks(module, param, blocks: torch.Tensor, fmt: str, shard_id: object):
+    """(output row, blocks) of this rank's part of a full shard, sliced as the layer's own
+    weight loader slices a float tensor."""
+    if isinstance(module, RowParallelLinear):
+        if module.tp_size == 1:
+            return 0, blocks
+        n, per_block = module.input_size_per_partition, block_weights(fmt)
+        if n % per_block:
+            raise ValueError(
+                f"quantization='gguf': tensor_parallel_size={module.tp_size} splits the "
+                f"{module.input_size} input features of {module.quant_prefix} into {n} per "
+                f"rank, not a multiple of its {per_block}-weight {fmt} blocks; choose a "
+                f"tensor_parallel_size that keeps the blocks whole.")
+        return 0, blocks.narrow(1, module.tp_rank * n // per_block, n // per_block).contiguous()
+    # The layer's loader run on row numbers (1-based; 0: not filled) says which rows of the
+    # full tensor land where on this rank (q/k/v heads, replicated KV heads, vocab ranges).
+    probe = torch.zeros(param.shape[0], 1, dtype=torch.int64)
+    module.weight_loader(probe, torch.arange(1, blocks.shape[0] + 1).reshape(-1, 1), shard_id)
+    filled = probe[:, 0].nonzero()[:, 0]
+    if len(filled) == 0:
+        return 0, blocks[:0]
+    offset, start = int(filled[0]), int(probe[filled[0], 0]) - 1
+    return offset, blocks.narrow(0, start, len(filled))
+
+
+def _float_weight(module: nn.Module, receiver: nn.Parameter) -> nn.Parameter:
+    """The receiver's parts as one float32 weight (made once for a tied embedding and head)."""
+    weight = getattr(receiver, "gguf_float", None)
+    if weight is not None:
+        return weight
+    weight = nn.Parameter(torch.zeros(receiver.shape, dtype=torch.float32), requires_grad=False)
+    for part in receiver.gguf_parts:
+        if part.floats is not None:
+            module.weight_loader(weight, part.floats, part.shard)
+        else:
+            rows = part.blocks.shape[0]
+            weight.data[part.offset:part.offset + rows] = kernels.dequantize(part.fmt,
+                                                                             part.blocks)
+    receiver.gguf_float = weight
+    return weight
 
 
 class GGUFLinearMethod(PackedLinearMethod):
+    """A linear layer on the file's blocks (see the module docstring)."""
 
     def attach(self, layer: nn.Module) -> None:
-        rows, cols = layer.weight.shape
-        # Its block size is only known when the first shard arrives (see _load).
-        qweight = nn.Parameter(torch.empty(rows, cols // kernels.QK, 0, dtype=torch.uint8),
-                               requires_grad=False)
-        qweight.weight_loader = self._load
-        qweight.input_block = kernels.QK  # input features per index of dim 1 (TP slicing)
-        qweight.load_optional = True  # float tensors in the file leave it unloaded
-        qweight.layer, qweight.qformat, qweight.shards, qweight.mixed = layer, None, set(), False
-        layer.register_parameter("qweight", qweight)
-
-    @staticmethod
-    def _load(param: nn.Parameter, loaded, shard_id: object = None) -> None:
-        fmt = RUNNABLE_TYPES[loaded.qtype]
-        blocks = kernels.q4_0_to_q4_1(loaded.blocks) if loaded.qtype == "Q4_0" else loaded.blocks
-        if param.qformat is None:
-            param.data = torch.zeros(*param.shape[:2], kernels.BLOCK_BYTES[fmt],
-                                     dtype=torch.uint8)
-            param.qformat = fmt
-        elif param.qformat != fmt:
-            param.mixed = True  # e.g. q Q4_1 with v Q8_0: the float weight has them all
-            return
-        param.layer.weight_loader(param, blocks, shard_id)
-        param.shards.add(shard_id)
+        _make_receiver(layer.weight, layer)
+        layer.keep_float_weight = False  # the receiver holds no memory; nothing to keep
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        qweight = layer.qweight
-        del layer.qweight
-        # One shard per stacked matrix ([q, k, v], [gate, up]); one for any other layer.
-        expected = len(getattr(layer, "output_sizes", None) or [None])
-        if qweight.qformat is None or qweight.mixed or len(qweight.shards) != expected:
+        receiver = layer.weight
+        parts = sorted(receiver.gguf_parts, key=lambda p: p.offset)
+        if not parts or any(p.floats is not None for p in parts):
+            layer.weight = _float_weight(layer, receiver)
             layer.linear_method = UnquantizedLinearMethod(deterministic=self.deterministic)
             layer.linear_method.process_weights_after_loading(layer)
             return
-        blocks = qweight.data
-        # The float path's weights are these blocks dequantized (rounded to the model dtype).
-        dequantized = kernels.dequantize(qweight.qformat, blocks).to(layer.weight.dtype)
-        if not torch.equal(dequantized, layer.weight):
-            raise ValueError(f"quantization='gguf': the blocks loaded for {layer.quant_prefix} do "
-                             f"not dequantize to its float weights; their layout is not one "
-                             f"this loader undoes. Load this model without quantization.")
-        self._blocks = (qweight.qformat, blocks)
+        formats = sorted({p.fmt for p in parts})
+        if len(formats) > 1:
+            layer.linear_method = GGUFShardedLinearMethod(deterministic=self.deterministic)
+            layer.quant_format = "+".join(formats)
+            layer.quant_rows = receiver.shape[0]
+            layer.quant_shards = tuple((p.fmt, p.offset, p.blocks.contiguous()) for p in parts)
+            layer.register_parameter("weight", None)
+            return
+        blocks = [p.blocks for p in parts]
+        missing = receiver.shape[0] - sum(b.shape[0] for b in blocks)
+        if missing and layer.tp_size > 1:
+            # A vocabulary's padding rows on the last rank: the ranks' logits are gathered in
+            # equal slices. Zero blocks are zero weights in every format.
+            blocks.append(torch.zeros(missing, *blocks[0].shape[1:], dtype=torch.uint8))
+        # One part: the file's own pages, no copy (a view is contiguous unless TP cut it).
+        self._blocks = (formats[0], blocks[0] if len(blocks) == 1 else torch.cat(blocks))
         super().process_weights_after_loading(layer)
         del self._blocks
 
     def pack(self, layer):
         fmt, blocks = self._blocks
-        return fmt, blocks, None
+        return fmt, blocks.contiguous(), None
+
+
+class GGUFShardedLinearMethod(LinearMethodBase):
+    """A fused layer whose shards are of different block types: each shard's rows run in its
+    own format into its slice of the output (layer.quant_shards: (format, row, blocks))."""
+
+    def create_weights(self, *args, **kwargs) -> None:
+        raise NotImplementedError("set after loading by GGUFLinearMethod")
+
+    def apply(self, layer, x, bias=None) -> torch.Tensor:
+        y = x.new_empty(*x.shape[:-1], layer.quant_rows, dtype=torch.float32)
+        for fmt, row, blocks in layer.quant_shards:
+            y[..., row:row + blocks.shape[0]] = kernels.quantized_matmul(
+                fmt, x, blocks, batch_invariant=self.deterministic)
+        if bias is not None:
+            y += bias
+        return y.to(x.dtype)
+
+
+class _BlockRows:
+    """Embedding lookups on a table kept in blocks: only the ids' rows are dequantized."""
+
+    def __init__(self, fmt: str, blocks: torch.Tensor, dim: int) -> None:
+        self.fmt, self.blocks, self.dim = fmt, blocks, dim
+
+    def __call__(self, local_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.shape[0]
+        if rows == 0:  # a rank whose range is all padding
+            return torch.zeros(*local_ids.shape, self.dim)
+        # Ids past the real rows only come from the padding, which no token has.
+        ids = local_ids.reshape(-1).clamp(max=rows - 1)
+        out = kernels.dequantize(self.fmt, self.blocks.index_select(0, ids))
+        return out.reshape(*local_ids.shape, self.dim)
 
 
 class GGUFConfig(QuantizationConfig):
     name = "gguf"
+    weights_from_file = True
 
     def __init__(self, gguf_path: str, *, deterministic: bool = False) -> None:
         super().__init__(deterministic=deterministic)
         self.gguf_path = gguf_path
+        self._file = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str, *, deterministic: bool = False) -> "GGUFConfig":
-        from pagedlm.model_executor.model_loader.gguf_loader import gguf_tensor_types
-        marker = os.path.join(model_dir, CONVERSION_MARKER)
-        if not os.path.isfile(marker):
+        from pagedlm.model_executor.model_loader.gguf_file import (check_runnable_types,
+                                                                   open_gguf)
+        path = gguf_source(model_dir)
+        if path is None:
             raise ValueError(f"quantization='gguf' needs a GGUF model file (model=PATH.gguf); "
                              f"{model_dir} is a HuggingFace directory. Use 'int8' or 'int4' "
                              f"to quantize it.")
-        with open(marker) as f:
-            path = json.load(f)["source"]
-        bad = {name: t for name, t in gguf_tensor_types(path).items()
-               if t not in RUNNABLE_TYPES and t not in FLOAT_TYPES}
-        if bad:
-            name, qtype = next(iter(bad.items()))
-            raise ValueError(
-                f"quantization='gguf': tensor {name!r} of {path} is {qtype} ({len(bad)} "
-                f"tensors of types {sorted(set(bad.values()))}), which pagedlm cannot run "
-                f"quantized. Supported: {', '.join(RUNNABLE_TYPES)} (and {', '.join(FLOAT_TYPES)} "
-                f"tensors, kept float). Load it without quantization to run it dequantized to "
-                f"float32.")
+        check_runnable_types(open_gguf(path), set(RUNNABLE_TYPES) | set(FLOAT_TYPES))
         return cls(path, deterministic=deterministic)
+
+    def apply(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if (isinstance(module, VocabParallelEmbedding)
+                    and not isinstance(module, ParallelLMHead)):
+                _make_receiver(module.weight, module)
+        super().apply(model)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         return GGUFLinearMethod(deterministic=self.deterministic)
 
     def weights(self, float_weights):
-        from pagedlm.model_executor.model_loader.gguf_loader import iterate_gguf_blocks
-        yield from float_weights
-        for name, blocks in iterate_gguf_blocks(self.gguf_path, tuple(RUNNABLE_TYPES)):
-            yield name.removesuffix(".weight") + ".qweight", blocks
+        from pagedlm.model_executor.model_loader.gguf_weights import GGUFWeights
+        # The float weights (a converted directory's) are not read: everything is in the file.
+        self._file = GGUFWeights(self.gguf_path)
+        yield from self._file.weights(set(RUNNABLE_TYPES))
 
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if (not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead)
+                    or module.weight is None):
+                continue
+            receiver = module.weight
+            parts = receiver.gguf_parts
+            if len(parts) == 1 and parts[0].blocks is not None:
+                module.row_lookup = _BlockRows(parts[0].fmt, parts[0].blocks.contiguous(),
+                                               module.embedding_dim)
+                module.weight = None
+            else:
+                module.weight = _float_weight(module, receiver)
+        if self._file is not None:
+            self._file.release_pages()
+            self._file = None

@@ -1,0 +1,123 @@
+"""A GGUF file's weights as quantization="gguf" loads them: straight from the memory-mapped file.
+
+Tensors of the block types the kernels run are handed over as :class:`GGUFBlocks`, whose blocks
+are views of the file's pages wherever llama.cpp's layout needs no undoing (only Llama's q/k
+rows are permuted, and those are copied in HF order). Every other tensor (norms, biases, F16 /
+BF16 / F32 matrices, anything whose layout is more than a row reordering) is dequantized to
+float32 under its HF name, as the float path has it.
+
+The map is copy-on-write (np.memmap mode "c"): its views are writable numpy arrays, which
+torch.from_numpy takes without a copy or a warning, while the file itself can never be written.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from pagedlm.model_executor.model_loader.gguf_loader import (_gguf_shape, add_zero_biases,
+                                                             float_state_dict, open_architecture,
+                                                             open_model_tensors)
+
+EMBEDDING = "token_embd.weight"
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A 2-D GGUF tensor (or rows of one) kept in its quantized blocks, rows in HF order.
+
+    qtype: ggml's type name ("Q4_1", ...); blocks: uint8 [rows, blocks per row, block bytes]
+    (ggml's block layout, blocks running along the input features); cols: the input features."""
+
+    qtype: str
+    blocks: torch.Tensor
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The float matrix's shape, so code that splits checkpoint tensors by rows works."""
+        return (self.blocks.shape[0], self.cols)
+
+    def split(self, sizes: list[int], dim: int = 0) -> tuple[GGUFBlocks, ...]:
+        if dim != 0:
+            raise ValueError("GGUF blocks split only by rows")
+        return tuple(GGUFBlocks(self.qtype, b, self.cols) for b in self.blocks.split(sizes))
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[GGUFBlocks, ...]:
+        return self.split([self.shape[0] // chunks] * chunks, dim)
+
+    def dequantized(self) -> torch.Tensor:
+        """Float32 [rows, cols], bit for bit gguf-py's dequantize (for a parameter that takes
+        no blocks)."""
+        from gguf import GGMLQuantizationType
+        data = self.blocks.reshape(self.blocks.shape[0], -1).numpy()
+        values = dequantize(data, GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+class GGUFWeights:
+    """One GGUF file, opened for loading its weights (header read and checked once)."""
+
+    def __init__(self, gguf_path: str) -> None:
+        self.path = os.fspath(gguf_path)
+        reader, arch, self.spec = open_architecture(self.path)
+        (self.tensors, self.config, self.hf_names, self.processor,
+         self.gguf_to_hf) = open_model_tensors(reader, arch, self.spec)
+        mapped = np.memmap(self.path, mode="c")
+        self._mmap = mapped._mmap
+        # A plain view: slicing an np.memmap runs its __array_finalize__ in Python each time.
+        self._map = mapped.view(np.ndarray)
+
+    def weights(self, block_types: set[str]) -> Iterator[tuple[str, GGUFBlocks | torch.Tensor]]:
+        """(HF name, GGUFBlocks) for each 2-D tensor of a type in ``block_types`` whose layout
+        is at most a reordering of rows, (HF name, float32 tensor) for all the others."""
+        floats, rows = [], {}
+        for name, tensor in self.tensors.items():
+            hf_name = self.gguf_to_hf.get(name)
+            order = (self._row_order(name, tensor) if tensor.tensor_type.name in block_types
+                     and len(tensor.shape) == 2 and hf_name is not None else None)
+            if order is None:
+                floats.append(tensor)
+                continue
+            rows[hf_name] = len(order)
+            yield hf_name, GGUFBlocks(tensor.tensor_type.name, self._blocks(tensor, order),
+                                      _gguf_shape(tensor)[1])
+        state = float_state_dict(floats, self.processor, self.gguf_to_hf, self.spec)
+        add_zero_biases(state, self.hf_names, {**rows, **{n: t.shape[0] for n, t in state.items()}})
+        yield from state.items()
+
+    def release_pages(self) -> None:
+        """Drop the map's pages from this process: the blocks copied out of it (fused or
+        permuted matrices) would otherwise count twice in its memory. Pages that layers still
+        use as they are come back from the page cache on their next read."""
+        if hasattr(mmap, "MADV_DONTNEED"):  # Linux; elsewhere the pages simply stay
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
+    def _row_order(self, name: str, tensor) -> np.ndarray | None:
+        """The HF row order of a tensor whose llama.cpp layout is only a row permutation
+        (transformers' own processor is run on the row indices), else None."""
+        rows = _gguf_shape(tensor)[0]
+        index = np.arange(rows, dtype=np.float32).reshape(rows, 1)
+        processed = self.processor.process(weights=index, name=name,
+                                           tensor_key_mapping=self.gguf_to_hf,
+                                           parsed_parameters={"tensors": {}})
+        if processed.name is None or np.shape(processed.weights) != (rows, 1):
+            return None
+        order = np.asarray(processed.weights).reshape(rows).astype(np.int64)
+        return order if np.array_equal(np.sort(order), np.arange(rows)) else None
+
+    def _blocks(self, tensor, order: np.ndarray) -> torch.Tensor:
+        rows = len(order)
+        data = self._map[tensor.data_offset:tensor.data_offset + tensor.n_bytes]
+        blocks = torch.from_numpy(data).view(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
+        if np.array_equal(order, np.arange(rows)):
+            return blocks  # the file's own pages
+        return blocks[torch.from_numpy(order)]  # q/k rows back in HF order (a copy)
+
