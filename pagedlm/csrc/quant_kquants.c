@@ -20,23 +20,32 @@
  * in the scalar and the vector builds alike.
  *
  * The matmul quantizes x per 32-block to 8 bits exactly as quant_matmul.c's q4_1/q8_0 kernels
- * do (qmm_quantize_activations: d_x, q_x, s_x = d_x sum q_x), and for each 32-block b of a row
- * sums exactly in integers, in 8 lanes l of 4 weights each (lane l: weights 4l..4l+3):
- *     I_l = sum_j sc_g q_j q_x_j                        (vpmaddubsw, vpmaddwd by sc_g)
- *     acc_l = fma(d * d_x, I_l, acc_l)
- * and the mins: per 32-block mins (q4_k, q5_k; q5_1 as mn = -1, dmin = m) as
- *     summ_(b mod 8) = fma(dmin * mn_b, s_x, summ_(b mod 8)),
- * per 16 (q2_k) as an integer sum J_l = sum_j mn_g q_x_j, summ_l = fma(dmin * d_x, J_l, summ_l).
- * Then y = hsum256(acc) - hsum256(summ). Signed weights (q6_k, q3_k, q5_0, iq4_nl) meet x with
- * the sign moved onto x (vpsignb), as q8_0 does; no int16 pair can saturate (largest:
- * iq4_nl's 2 * 127 * 127).
+ * do (qmm_quantize_activations: d_x, q_x, s_x = d_x sum q_x; q6_k also the sums of q_x over
+ * each 16, bs). For each 32-block b of a row it sums exactly in integers, in 8 lanes l of 4
+ * weights each (lane l: weights 4l..4l+3), and adds one float FMA per lane:
+ *     I_l = sum_j c_g u_j q_x_j                 (vpmaddubsw, then vpmaddwd by c_g)
+ *     acc_l = fma(S_b, I_l, acc_l)
+ *   q4_k, q5_k: u = q (unsigned), c = 1, S_b = (d * sc_b) * d_x (one scale per 32)
+ *   q6_k:       u = q + 32 (0..63), c = sc_g, S_b = d * d_x
+ *   q3_k:       u = q (signed: its sign moves onto x by vpsignb, as q8_0's), c = sc_g
+ *   q2_k:       u = q, c = sc_g;  q5_0, iq4_nl: u = q (signed), c = 1;  q5_1: u = q, c = 1
+ * and the offsets apart, 8 lanes per row summed the same way:
+ *   q4_k, q5_k, q5_1:  summ_(b mod 8) = fma(dmin * mn_b, s_x, summ_(b mod 8))  (q5_1: -m)
+ *   q6_k:              summ_(b mod 8) = fma(S_b, 32 (sc_2b bs_2b + sc_2b+1 bs_2b+1), ...)
+ *   q2_k:              summ_l = fma(dmin * d_x, sum_j mn_g q_x_j, summ_l)
+ * Then y = hsum256(acc) - hsum256(summ). No int16 pair can saturate (the largest: iq4_nl's
+ * 2 * 127 * 127, q6_k's 2 * 63 * 127), and every integer converted to float is below 2^24.
+ * Each weight row has its own chain of FMAs, so 4 rows go together (kq_group) to keep 4 chains
+ * in flight.
  *
  * Batch invariance: as in quant_matmul.c, each output is that fixed sequence over its row's
  * blocks in order, by one thread, from an x row quantized on its own: the same bits at any M,
  * tile position and thread count. The scalar build (no AVX2) unpacks every block into
  * iblock_t and runs the same lanes with fmaf: the very bits of the AVX2 build
  * (tests/kernels/test_kquant_kernels.py). q4_k, q5_k, q6_k and the 32-weight types unpack in
- * AVX2 registers; q3_k and q2_k unpack through the scalar iblock_t, then dot in AVX2.
+ * AVX2 registers; q3_k and q2_k unpack through the scalar iblock_t, then dot in AVX2, about
+ * 5x slower per weight than q4_k (2.1-2.5 against 12 GB/s from cache on the AVX2 EPYC). As in
+ * quant_matmul.c, the kernel is AVX2 code in AVX-512 builds too; no VNNI variant yet.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -101,23 +110,27 @@ static void unpack(const int fmt, const uint8_t *b, iblock_t *u) {
             u->sc[g] = (int8_t)sc8[g / 2];
             u->mn[g] = (int8_t)mn8[g / 2];
         }
-        for (int s = 0; s < 8; s++)
+        /* loops of constant trip counts and shifts, so that they vectorize */
+        for (int i = 0; i < 4; i++)
             for (int l = 0; l < 32; l++) {
-                int q = (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f;
-                if (fmt == F_Q5_K) q |= ((qh[l] >> s) & 1) << 4;
-                u->q[32 * s + l] = (int8_t)q;
+                const int v = qs[32 * i + l], h = fmt == F_Q5_K ? qh[l] >> (2 * i) : 0;
+                u->q[64 * i + l] = (int8_t)((v & 0x0f) | (h & 1) << 4);
+                u->q[64 * i + 32 + l] = (int8_t)((v >> 4) | (h & 2) << 3);
             }
         break;
     }
     case F_Q6_K:
         u->d = fp16_to_f32(load_u16(b + 208));
         memcpy(u->sc, b + 192, 16);
-        for (int j = 0; j < QK_K; j++) {
-            const int h = j / 128, s = (j % 128) / 32, l = j % 32;
-            const int lo = (b[64 * h + 32 * (s % 2) + l] >> (4 * (s / 2))) & 0x0f;
-            const int hi = (b[128 + 32 * h + l] >> (2 * s)) & 3;
-            u->q[j] = (int8_t)((lo | (hi << 4)) - 32);
-        }
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const int l0 = b[64 * h + l], l1 = b[64 * h + 32 + l], hi = b[128 + 32 * h + l];
+                int8_t *q = u->q + 128 * h + l;
+                q[0] = (int8_t)(((l0 & 0x0f) | (hi & 3) << 4) - 32);
+                q[32] = (int8_t)(((l1 & 0x0f) | (hi & 0x0c) << 2) - 32);
+                q[64] = (int8_t)(((l0 >> 4) | (hi & 0x30)) - 32);
+                q[96] = (int8_t)(((l1 >> 4) | (hi & 0xc0) >> 2) - 32);
+            }
         break;
     case F_Q3_K:
         u->d = fp16_to_f32(load_u16(b + 108));
@@ -126,11 +139,11 @@ static void unpack(const int fmt, const uint8_t *b, iblock_t *u) {
             const int hi = (b[104 + g % 4] >> (2 * (g / 4))) & 3;
             u->sc[g] = (int8_t)((lo | (hi << 4)) - 32);
         }
-        for (int j = 0; j < QK_K; j++) {
-            const int h = j / 128, s = (j % 128) / 32, l = j % 32;
-            const int lo = (b[32 + 32 * h + l] >> (2 * s)) & 3;
-            u->q[j] = (int8_t)(lo - (((b[l] >> (j / 32)) & 1) ? 0 : 4));
-        }
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++)
+                    u->q[128 * h + 32 * s + l] = (int8_t)(((b[32 + 32 * h + l] >> (2 * s)) & 3) -
+                                                          4 + 4 * ((b[l] >> (4 * h + s)) & 1));
         break;
     case F_Q2_K:
         u->d = fp16_to_f32(load_u16(b + 80));
@@ -139,8 +152,10 @@ static void unpack(const int fmt, const uint8_t *b, iblock_t *u) {
             u->sc[g] = (int8_t)(b[g] & 0x0f);
             u->mn[g] = (int8_t)(b[g] >> 4);
         }
-        for (int j = 0; j < QK_K; j++)
-            u->q[j] = (int8_t)((b[16 + 32 * (j / 128) + j % 32] >> (2 * ((j % 128) / 32))) & 3);
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++)
+                    u->q[128 * h + 32 * s + l] = (int8_t)((b[16 + 32 * h + l] >> (2 * s)) & 3);
         break;
     default: { /* the 32-weight types */
         const uint8_t *qs = b + (fmt == F_Q5_0 ? 6 : fmt == F_Q5_1 ? 8 : 2);

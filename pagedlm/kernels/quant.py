@@ -51,8 +51,19 @@ library = typed_library({
 # with the float-activation kernels this replaced (q4_1 at 128 rows 3.0 vs 3.6 and 1.5 vs 3.6,
 # at 256 6.0 vs 6.0 and 3.0 vs 4.8; q8_0 at 256 5.7 vs 7.5; i8 at 128 5.2 vs 5.3, at 192 7.4 vs
 # 6.5) and want measuring again there. i8 on AVX2: 32 rows 1.1 vs 1.1.
-_DEQUANT_GEMM_MIN_ROWS = {512: {"q4_1": 256, "q8_0": 256, "i8": 160},
-                          256: {"q4_1": 128, "q8_0": 128, "i8": 32}}
+# K-quants (csrc/quant_kquants.c), one thread, AVX2 EPYC shared with other jobs (CPU time, so
+# both sides slowed alike), kernel vs dequantize+GEMM in ms at 32 / 64 / 128 / 192 rows:
+# q4_k 2048x2048 4.6 vs 22.1, 8.8 vs 13.7, 17.4 vs 19.3, 26.2 vs 27.1; 8192x2048 18.1 vs 95.8,
+# 34.9 vs 109.3, 68.1 vs 138.2, 102.9 vs 174.1 (the float matrix's first touch is in the GEMM
+# side, as it is in quantized_matmul); q6_k 2048x2048 5.7 vs 10.2, 11.0 vs 13.0, 22.1 vs 20.1,
+# 33.1 vs 28.1; 8192x2048 22.0 vs 108.6, 52.9 vs 128.6, 105.3 vs 171.4, 167.5 vs 222.6. q5_k
+# takes q4_k's entry, q5_0 / q5_1 / iq4_nl q4_1's (the same unpacking work per weight); q3_k
+# and q2_k unpack through scalar code (2048x2048 at 32 rows: 16.4 vs 11.6). The same code runs
+# in AVX-512 builds, whose entries are these until measured there.
+_KQUANT_MIN_ROWS = {"q4_k": 192, "q5_k": 192, "q6_k": 128, "q5_0": 128, "q5_1": 128,
+                    "iq4_nl": 128, "q3_k": 32, "q2_k": 32}
+_DEQUANT_GEMM_MIN_ROWS = {512: {"q4_1": 256, "q8_0": 256, "i8": 160, **_KQUANT_MIN_ROWS},
+                          256: {"q4_1": 128, "q8_0": 128, "i8": 32, **_KQUANT_MIN_ROWS}}
 _SCALAR_DEQUANT_GEMM_MIN_ROWS = 16
 
 

@@ -38,14 +38,14 @@ def random_blocks(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(blocks)
 
 
-# The bytes of each block holding the integer weights (with their fifth bits): zeroed, a block
-# dequantizes to its mins' term alone.
+# The bytes of each block holding the integer weights: zeroed, a block dequantizes to the term
+# the kernels sum apart (the mins; q6_k's -32 offset).
 Q_BYTES = {"q4_k": (16, 144), "q5_k": (16, 176), "q2_k": (16, 80), "q5_1": (4, 24),
            "q6_k": (0, 192)}
 
 
 def _mins(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
-    """Float64 [N, K]: each weight's min term (0 for the types without mins)."""
+    """Float64 [N, K]: each weight's term summed apart (0 for the types without one)."""
     if fmt not in Q_BYTES:
         return torch.zeros(blocks.shape[0], blocks.shape[1] * kernels.BLOCK_WEIGHTS[fmt],
                            dtype=torch.float64)
