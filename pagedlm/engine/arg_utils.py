@@ -14,9 +14,11 @@ from pagedlm.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConf
 from pagedlm.model_executor.layers.quantization import (get_quantization_config,
                                                         resolve_quantization,
                                                         verify_quantization)
+from pagedlm.model_executor.model_loader.memory_check import check_fits_memory, weight_memory
 from pagedlm.model_executor.model_loader.model_path import ensure_float_weights, resolve_model
 from pagedlm.pooling_params import PoolerConfig
 from pagedlm.structured_output.registry import SUPPORTED_BACKENDS
+from pagedlm.utils import available_memory_bytes
 
 
 # Tokens per step with chunked prefill: enough for GEMM efficiency on a prefill chunk, small
@@ -140,8 +142,6 @@ class EngineArgs:
         # Checked here, before any worker starts: e.g. gguf on a non-GGUF model, or a GGUF
         # tensor type it cannot run.
         get_quantization_config(quantization, model_dir)
-        if quantization != "gguf":
-            ensure_float_weights(model_dir)  # a GGUF file's float32 copy, written once
         model_config = ModelConfig.from_dir(self.model, model_dir, self.dtype,
                                             self.max_model_len, self.seed,
                                             quantization=quantization, runner=self.runner,
@@ -149,6 +149,11 @@ class EngineArgs:
                                             max_logprobs=self.max_logprobs,
                                             deterministic=self.deterministic,
                                             tokenizer=self.tokenizer)
+        # Before any weight is converted or loaded: a model larger than memory fails here.
+        check_fits_memory(weight_memory(model_dir, quantization, model_config.dtype),
+                          available_memory_bytes(), cache_config.kv_cache_memory_bytes or 0)
+        if quantization != "gguf":
+            ensure_float_weights(model_dir)  # a GGUF file's float32 copy, written once
         chunked = self.enable_chunked_prefill
         batched = self.max_num_batched_tokens
         if batched is None:
