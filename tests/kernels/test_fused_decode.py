@@ -347,6 +347,29 @@ def test_fused_stack_equals_layer_by_layer(tiny, monkeypatch, arch, engine_args)
 
 
 @needs_kernels
+def test_fused_stack_runs_the_gguf_block_formats(tiny, monkeypatch):
+    """csrc/quant_kquants.c's formats in the stack (llama_decode.c's qmm_<format>): int4's
+    layers packed as q5_0 blocks instead (gguf-py's quantizer; the tiny model's widths are not
+    multiples of the K-quants' 256) give the layer-by-layer tokens and logprobs bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    from pagedlm.model_executor.layers.quantization.weight_only import Int4LinearMethod
+
+    def pack(self, layer):
+        w = layer.weight.detach().float().numpy()
+        raw = gguf_quantize(w, GGMLQuantizationType.Q5_0).reshape(w.shape[0], -1, 22)
+        return "q5_0", torch.from_numpy(raw).contiguous(), None
+
+    monkeypatch.setattr(Int4LinearMethod, "pack", pack)
+    ref, _ = _run(tiny["llama"], False, monkeypatch, quantization="int4")
+    got, on = _run(tiny["llama"], True, monkeypatch, quantization="int4")
+    assert on.stack is not None and on.stack.steps > 20
+    assert {layer.qkv.fmt for layer in on.stack.layers} == {WeightFormat.Q5_0}
+    assert got == ref
+
+
+@needs_kernels
 def test_linear_methods_describe_their_native_form():
     from pagedlm.model_executor.layers.quantization.weight_only import (Int4LinearMethod,
                                                                         Int8LinearMethod)
