@@ -27,6 +27,11 @@ ARGS extra server arguments.
         --peers-dir /work/peers
     python benchmarks/gguf_models.py --model-dir /work/peers/models/llama1b \\
         --peers-dir /work/peers --workloads single batch --runs 3
+
+Compare figures from one invocation on a quiet machine only. On a 2-core machine shared with
+other work, llama.cpp's two threads wait at every operation's barrier for a descheduled peer:
+one stream of the Q4_K_M file fell from about 6 tok/s at --threads 1 to 0.4 at 2 (load
+average 7); --threads 1 keeps a busy machine's figures sane, if lower.
 """
 from __future__ import annotations
 
@@ -266,6 +271,7 @@ def run_one(system: System, workload: str, vocab: list[int], endpoint: client.En
         memory = TreeMemory(server.proc.pid)
         memory.sample()
         after_load = memory.read()
+        load_before = os.getloadavg()
         with memory:
             fig = asyncio.run(measure(f"http://127.0.0.1:{port}", endpoint, system.name,
                                       workload, requests_for(workload, vocab, args, True),
@@ -274,6 +280,8 @@ def run_one(system: System, workload: str, vocab: list[int], endpoint: client.En
         fig["memory"] = memory.read()
         fig["memory"]["rss_after_load_bytes"] = after_load["sampled_rss_peak_bytes"]
         fig["load_s"] = server.startup_s
+        # Figures from a shared machine mean little without the load beside them.
+        fig["loadavg_before"], fig["loadavg_after"] = load_before, os.getloadavg()
     fig["server"] = {"argv": launch.argv, "env": launch.env, "version": launch.version,
                      "log": log.name}
     return fig
@@ -446,7 +454,8 @@ def brief(workload: str, fig: dict) -> str:
     head = (f"load {fig['load_s']:.1f} s, peak RSS {mem['vmhwm_sum_bytes'] / 1e9:.2f} GB "
             f"(sampled {mem['sampled_rss_peak_bytes'] / 1e9:.2f}, after load "
             f"{mem['rss_after_load_bytes'] / 1e9:.2f}), ")
-    return head + compare.brief(workload, fig)
+    return (head + compare.brief(workload, fig)
+            + f"; load average {fig['loadavg_before'][0]:.1f} -> {fig['loadavg_after'][0]:.1f}")
 
 
 def _size(path: Path) -> int:
