@@ -233,3 +233,17 @@ def test_packed_linear_method_runs_every_format(fmt):
     assert torch.equal(method.apply(layer, x, bias), expected)
     assert method.native_form(layer) == NativeLinear(WeightFormat[fmt.upper()], blocks, None,
                                                      every_row_count=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_without_the_kernels_the_weights_are_gguf_py_s(fmt, monkeypatch):
+    """PAGEDLM_DISABLE_KERNELS=1 (or no compiler): dequantize is gguf-py's and the matmul a
+    float GEMM on those weights; batch_invariant refuses to run."""
+    monkeypatch.setenv("PAGEDLM_DISABLE_KERNELS", "1")
+    blocks = random_blocks(fmt, 9, 2 * kernels.BLOCK_WEIGHTS[fmt], seed=1)
+    w = _gguf(fmt, blocks)
+    assert torch.equal(kernels.dequantize(fmt, blocks), w)
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(kernels.quantized_matmul(fmt, x, blocks), x @ w.T)
+    with pytest.raises(ValueError, match="needs the native kernels"):
+        kernels.quantized_matmul(fmt, x, blocks, batch_invariant=True)
