@@ -85,7 +85,10 @@ class BaseLayerWithLoRA(nn.Module):
         out_dim, in_dim = base_layer.weight.shape  # this rank's partition
         # The activations' dtype, float32, also under a 2-byte model dtype (ModelConfig's
         # compute_dtype): A and B are small, and the delta adds to float32 outputs.
-        dtype, dev = torch.float32, base_layer.weight.device
+        # (The device of the panels where a 2-byte weight was dropped for them: see linear.py.)
+        panels = getattr(base_layer, "panel_weight", None)
+        dtype = torch.float32
+        dev = panels.device if panels is not None else base_layer.weight.device
         n = batch.max_loras * self.rank_per_slot
         self.register_buffer("lora_a", torch.zeros(n, in_dim, dtype=dtype, device=dev),
                              persistent=False)

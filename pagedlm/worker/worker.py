@@ -26,7 +26,7 @@ from pagedlm.model_executor.model_loader.loader import get_model
 from pagedlm.model_io import ExecuteModelRequest, LoRAStats, ModelRunnerOutput
 from pagedlm.utils import available_memory_bytes, cdiv
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
-from pagedlm.worker.malloc_tuning import keep_freed_memory
+from pagedlm.worker.malloc_tuning import keep_freed_memory, release_freed_memory
 from pagedlm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class Worker:
     def load_model(self) -> None:
         t = time.perf_counter()
         self.model = get_model(self.model_config, self.config.device)
+        release_freed_memory()  # before the KV cache is sized from the memory available
         logger.info("rank %d: model weights loaded in %.2fs", self.rank,
                     time.perf_counter() - t)
         # Build (first run only) and load the native attention kernel now rather than in the

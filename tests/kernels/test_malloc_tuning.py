@@ -38,3 +38,29 @@ def test_freed_memory_is_reused():
     # glibc's defaults (measured here: about 20,000 faults) give most of them back.
     assert tuned < 1000, tuned
     assert default > 5 * max(tuned, 1000), (default, tuned)
+
+
+
+def _rss_anon_mib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) // 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc settings")
+def test_memory_freed_by_loading_is_released_once():
+    """In this process: the settings are the ones every in-process engine of the suite applies
+    (applying them again changes nothing), and a trim only hands back free pages."""
+    import torch
+
+    from pagedlm.worker.malloc_tuning import keep_freed_memory, release_freed_memory
+    if not keep_freed_memory():
+        pytest.skip("not glibc, or PAGEDLM_DEFAULT_MALLOC is set")
+    # 2 MiB tensors (heap, under the 32 MiB mmap threshold), every other one freed: holes
+    # inside the heap, as loading leaves when plain weights are dropped for their packed form.
+    tensors = [torch.ones(1 << 19) for _ in range(100)]
+    del tensors[::2]
+    kept = _rss_anon_mib()
+    release_freed_memory()
+    released = _rss_anon_mib()
+    # 50 freed tensors of 2 MiB stay with the settings (1 GiB trim threshold) until released.
+    assert kept - released >= 80, (kept, released)

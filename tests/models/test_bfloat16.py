@@ -1,7 +1,7 @@
 """dtype="bfloat16" (issue 32): the weights are stored in bfloat16 and activations compute in
 float32. Greedy tokens of the default model against transformers run in bfloat16, and what the
-model holds: bfloat16 matrices (2 bytes a weight, packed for the bfloat16 panel kernel where it
-runs, no float32 copy) and a bfloat16 KV cache."""
+model holds: bfloat16 matrices (2 bytes a weight: packed for the bfloat16 panel kernel where it
+runs, with no plain copy beside the panels, and no float32 copy) and a bfloat16 KV cache."""
 from __future__ import annotations
 
 import pytest
@@ -83,9 +83,18 @@ def test_weights_are_stored_in_bfloat16(bf16_llm):
         # No float32 copy of the matrix: no oneDNN packing; panels are bfloat16 too.
         assert layer.packed_weight is None
         assert layer.panel_weight is None or layer.panel_weight.dtype == torch.bfloat16
-        stored += layer.weight.numel() * layer.weight.element_size()
+        # What the layer holds: on the panel kernel the panels alone (the plain weight is
+        # dropped), unless the weight is the embedding table too (a tied LM head): that one
+        # the embedding's lookups read and the panels hold again.
+        held = [layer.panel_weight] if layer.panel_weight is not None else [layer.weight]
+        if layer.panel_weight is not None and getattr(layer, "weight_shared", False):
+            assert not layer.weight.is_meta
+        elif layer.panel_weight is not None:
+            assert layer.weight.is_meta, layer
+        stored += sum(t.untyped_storage().nbytes() for t in held)
         if layer.bias is not None:
             assert layer.bias.dtype == torch.float32
+    # The default model's widths are multiples of the panels' 16 or 32 columns: no padding.
     assert stored == 2 * sum(layer.weight.numel() for layer in layers)
     embeddings = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
     assert embeddings and all(m.weight.dtype == torch.bfloat16 for m in embeddings)
@@ -101,3 +110,37 @@ def test_weights_are_stored_in_bfloat16(bf16_llm):
     engine = bf16_llm.llm_engine
     assert engine.config.model_config.dtype == torch.bfloat16
     assert engine.executor.worker.cache_engine.kv_caches[0][0].dtype == torch.bfloat16
+
+
+def test_bfloat16_layer_keeps_only_its_panels():
+    """A bfloat16 layer on the panel kernel drops its plain weight (a meta stand-in with its
+    shape and dtype is left), multiplies as before from the panels, also for an input that is
+    not a float32 matrix, and a second processing keeps the panels; a weight another module
+    reads (a tied LM head's) is kept."""
+    from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+    if torch.bfloat16 not in gemv.panel_dtypes():
+        pytest.skip("no bfloat16 panel kernel in this build: the plain weight is what runs")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 64, generator=g).bfloat16()  # 40 rows: a padded last panel
+    method = UnquantizedLinearMethod()
+    layers = []
+    for shared in (False, True):
+        layer = torch.nn.Module()
+        method.create_weights(layer, 64, [40], 64, 40, torch.bfloat16, None)
+        layer.weight.data.copy_(w)
+        layer.weight_shared = shared
+        method.process_weights_after_loading(layer)
+        layers.append(layer)
+    own, shared = layers
+    assert own.weight.is_meta and own.weight.shape == (40, 64)
+    assert own.weight.dtype == torch.bfloat16
+    assert not shared.weight.is_meta and torch.equal(shared.weight, w)
+    x, b = torch.randn(5, 64, generator=g), torch.randn(40, generator=g)
+    ref = x.double() @ w.double().T + b.double()
+    got = method.apply(own, x, b)
+    torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-4)
+    assert torch.equal(method.apply(shared, x, b), got)
+    assert torch.equal(method.apply(own, x.reshape(1, 5, 64), b), got.reshape(1, 5, 40))
+    panels = own.panel_weight
+    method.process_weights_after_loading(own)
+    assert own.panel_weight is panels

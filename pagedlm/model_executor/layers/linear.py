@@ -18,7 +18,8 @@ gemv.GEMV_MAX_ROWS rows it runs on pagedlm's GEMV kernel, which streams the row-
 as fast as oneDNN or faster, and past them on oneDNN with a pre-packed weight: on an AVX-512
 AMD EPYC, torch's default fp32 GEMM (MKL) reaches 60-140 GFLOPS on the decode and prefill
 shapes of a small model, oneDNN 160-190 (see the closing notes of the core-engine issue). The
-packed tensors are opaque, so the plain weight is kept for loading and inspection.
+packed tensors are opaque, so the plain weight is kept for loading and inspection; except a
+2-byte weight on the panel kernel, whose panels are all that is kept (2 bytes a parameter).
 """
 from __future__ import annotations
 
@@ -189,6 +190,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.use_gemv = False
 
     def process_weights_after_loading(self, layer) -> None:
+        if layer.weight.is_meta and getattr(layer, "panel_weight", None) is not None:
+            return  # done before: the panels are the weight now (see below)
         layer.panel_weight = gemv.pack_panels(layer.weight)
         layer.use_gemv = gemv.runs(layer.weight)
         if self.deterministic and layer.panel_weight is None and not layer.use_gemv:
@@ -202,11 +205,23 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.packed_weight = (pack_weight(layer.weight)
                                if layer.panel_weight is None and not self.deterministic
                                and layer.weight.dtype == torch.float32 else None)
+        # A 2-byte weight on panels is read only through them: its plain copy would make the
+        # weights 4 bytes a parameter instead of 2. It is dropped for a meta stand-in with its
+        # shape and dtype (a read fails loudly), unless another module reads the same
+        # parameter (`weight_shared`: a tied LM head's is the embedding table).
+        if (layer.panel_weight is not None and layer.weight.element_size() == 2
+                and not getattr(layer, "weight_shared", False)):
+            layer.weight = nn.Parameter(torch.empty_like(layer.weight, device="meta"),
+                                        requires_grad=False)
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         panels = getattr(layer, "panel_weight", None)
         if panels is not None and x.dim() == 2 and x.dtype == torch.float32:
             return gemv.gemm_panels(x, panels, layer.weight.shape[0], bias)
+        if panels is not None and layer.weight.is_meta:  # no plain weight left for F.linear
+            n = layer.weight.shape[0]
+            y = gemv.gemm_panels(x.reshape(-1, x.shape[-1]).float(), panels, n, bias)
+            return y.reshape(*x.shape[:-1], n).to(x.dtype)
         if (getattr(layer, "use_gemv", False) and x.dim() == 2 and x.dtype == torch.float32
                 and (x.shape[0] <= gemv.GEMV_MAX_ROWS or self.deterministic)):
             return gemv.gemv(x, layer.weight, bias)

@@ -104,6 +104,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
         assert embed_tokens.num_embeddings_padded == self.num_embeddings_padded
         self.weight = embed_tokens.weight
+        self.weight_shared = True  # the lookups read it: the linear method must keep it
         return self
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
