@@ -361,43 +361,12 @@ static inline __attribute__((always_inline)) void kq_block(
 }
 #endif
 
-/* Weight rows n .. n+R-1 (`w0` the first, row_bytes apart) against x rows xr .. xr+mt-1:
- * y[m * N + n + r]. The R rows' blocks interleave, so R chains of FMAs are in flight. */
-#define RMAX 4
-static inline __attribute__((always_inline)) void kq_group(
-        float *y, const qx_t *X, int xr, const int mt, const uint8_t *w0, size_t row_bytes,
-        const int R, int N, int n, const int fmt, const uint8_t *prefetch) {
+#ifndef KQ_AVX2
+/* The scalar build: weight row `wrow` against x rows xr .. xr+mt-1, into y[m * N], the AVX2
+ * lanes emulated one by one. */
+static void kq_row_scalar(float *y, const qx_t *X, int xr, const int mt, const uint8_t *wrow,
+                          int N, const int fmt) {
     const int bw = BLOCK_W[fmt], bb = BLOCK_B[fmt], K = X->K, nb = K / bw, nbx = K / QK;
-#ifdef KQ_AVX2
-    __m256 acc[RMAX][XT], summ[RMAX][XT];
-    float sm1[RMAX][XT][8] __attribute__((aligned(32)));
-    float S[RMAX][XT * 8] __attribute__((aligned(32)));
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < mt; m++) {
-            acc[r][m] = summ[r][m] = _mm256_setzero_ps();
-            if (fmt == F_Q5_1) memset(sm1[r][m], 0, sizeof sm1[r][m]);
-        }
-    (void)nbx;
-    for (int bi = 0; bi < nb; bi++) {
-        if (prefetch) {  /* the next group of rows, spread over this group's blocks */
-            const uint8_t *p = prefetch + (size_t)bi * R * bb;
-            for (int off = 0; off < R * bb; off += 64)
-                _mm_prefetch((const char *)p + off, _MM_HINT_T0);
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            kq_block(acc[r], summ[r], sm1[r], S[r], X, xr, mt,
-                     w0 + r * row_bytes + (size_t)bi * bb, bi * (bw / QK), fmt);
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < mt; m++) {
-            if (fmt == F_Q5_1) summ[r][m] = _mm256_load_ps(sm1[r][m]);
-            y[(size_t)m * N + n + r] = hsum256(acc[r][m]) - hsum256(summ[r][m]);
-        }
-#else
-  (void)prefetch;
-  for (int r = 0; r < R; r++) {
-    const uint8_t *wrow = w0 + r * row_bytes;
     /* q4_k, q5_k: the sub-block's scale in S; q6_k: q unsigned, 32 sc bs apart */
     const int sc_in_s = fmt == F_Q4_K || fmt == F_Q5_K, off = fmt == F_Q6_K ? 32 : 0;
     float acc[XT][8], summ[XT][8];
@@ -434,8 +403,45 @@ static inline __attribute__((always_inline)) void kq_group(
         }
     }
     for (int m = 0; m < mt; m++)
-        y[(size_t)m * N + n + r] = hsum8_scalar(acc[m]) - hsum8_scalar(summ[m]);
-  }
+        y[(size_t)m * N] = hsum8_scalar(acc[m]) - hsum8_scalar(summ[m]);
+}
+#endif
+
+/* Weight rows n .. n+R-1 (`w0` the first, row_bytes apart) against x rows xr .. xr+mt-1:
+ * y[m * N + n + r]. The R rows' blocks interleave, so R chains of FMAs are in flight. */
+#define RMAX 4
+static inline __attribute__((always_inline)) void kq_group(
+        float *y, const qx_t *X, int xr, const int mt, const uint8_t *w0, size_t row_bytes,
+        const int R, int N, int n, const int fmt, const uint8_t *prefetch) {
+    const int bw = BLOCK_W[fmt], bb = BLOCK_B[fmt], nb = X->K / bw;
+#ifdef KQ_AVX2
+    __m256 acc[RMAX][XT], summ[RMAX][XT];
+    float sm1[RMAX][XT][8] __attribute__((aligned(32)));
+    float S[RMAX][XT * 8] __attribute__((aligned(32)));
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) {
+            acc[r][m] = summ[r][m] = _mm256_setzero_ps();
+            if (fmt == F_Q5_1) memset(sm1[r][m], 0, sizeof sm1[r][m]);
+        }
+    for (int bi = 0; bi < nb; bi++) {
+        if (prefetch) {  /* the next group of rows, spread over this group's blocks */
+            const uint8_t *p = prefetch + (size_t)bi * R * bb;
+            for (int off = 0; off < R * bb; off += 64)
+                _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            kq_block(acc[r], summ[r], sm1[r], S[r], X, xr, mt,
+                     w0 + r * row_bytes + (size_t)bi * bb, bi * (bw / QK), fmt);
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) {
+            if (fmt == F_Q5_1) summ[r][m] = _mm256_load_ps(sm1[r][m]);
+            y[(size_t)m * N + n + r] = hsum256(acc[r][m]) - hsum256(summ[r][m]);
+        }
+#else
+    (void)prefetch, (void)bb, (void)nb;
+    for (int r = 0; r < R; r++) kq_row_scalar(y + n + r, X, xr, mt, w0 + r * row_bytes, N, fmt);
 #endif
 }
 
