@@ -335,8 +335,9 @@ def plan(spec: SystemSpec, settings: ServerSettings, port: int, peers_dir: Path)
         return plan_pagedlm(spec, settings, port, git_describe())
     if spec.base == "vllm":
         install = peers.setup_vllm(peers_dir)
-        from pagedlm.model_executor.model_loader.model_path import resolve_model
-        return plan_vllm(spec, settings, port, install, resolve_model(settings.model),
+        # vLLM reads the HF directory's weights: a GGUF file's float32 copy.
+        from pagedlm.model_executor.model_loader.model_path import float_model_dir
+        return plan_vllm(spec, settings, port, install, float_model_dir(settings.model),
                          find_tcmalloc(), find_iomp(install.python), os.cpu_count() or 1)
     install = peers.setup_llamacpp(peers_dir)
     source = settings.model or default_gguf()

@@ -11,6 +11,7 @@ when the float path runs. With ``quantization="gguf"`` the weights come from the
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -92,6 +93,8 @@ _ARCHITECTURES = MappingProxyType({
     ),
 })
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
+# In a GGUF model's metadata directory: the HF parameter names of its architecture and config.
+HF_NAMES_FILE = "pagedlm-hf-names.json"
 # Per-dimension llama3 rope factors; turned into config.rope_parameters, not a weight.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -177,6 +180,10 @@ def convert_gguf_metadata(gguf_path: str, out_dir: str) -> None:
     config = _hf_config(reader, arch, spec, {t.name: t for t in reader.tensors})
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
+    # Found once here: a quantized load then need not import transformers' model class and
+    # build it on the meta device, which left ~90 MiB in the process (1B Llama file).
+    with open(os.path.join(out_dir, HF_NAMES_FILE), "w") as f:
+        json.dump(sorted(_hf_parameter_names(config)), f)
 
     # Chat models stop on end-of-turn tokens too (llama.cpp treats them all as end of generation).
     stop_ids = [getattr(config, "eos_token_id", None)]
@@ -198,11 +205,15 @@ def convert_gguf_metadata(gguf_path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def open_model_tensors(reader: GGUFReader, arch: str, spec: _ArchSpec):
-    """(tensors by name, HF config, HF parameter names, tensor processor, GGUF -> HF names)."""
+def open_model_tensors(reader: GGUFReader, arch: str, spec: _ArchSpec,
+                       hf_names: set[str] | None = None):
+    """(tensors by name, HF config, HF parameter names, tensor processor, GGUF -> HF names).
+    hf_names: the parameter names if known (HF_NAMES_FILE), else found from transformers'
+    model class."""
     tensors = {t.name: t for t in reader.tensors}
     config = _hf_config(reader, arch, spec, tensors)
-    hf_names = _hf_parameter_names(config)
+    if hf_names is None:
+        hf_names = _hf_parameter_names(config)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     gguf_to_hf = _gguf_to_hf_names(arch, config.num_hidden_layers, hf_names, processor)
     return tensors, config, hf_names, processor, gguf_to_hf

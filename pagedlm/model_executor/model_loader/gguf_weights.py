@@ -12,6 +12,7 @@ torch.from_numpy takes without a copy or a warning, while the file itself can ne
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from pagedlm.model_executor.model_loader.gguf_loader import (_gguf_shape, add_zero_biases,
-                                                             float_state_dict, open_architecture,
+from pagedlm.model_executor.model_loader.gguf_loader import (HF_NAMES_FILE, _gguf_shape,
+                                                             add_zero_biases, float_state_dict,
+                                                             open_architecture,
                                                              open_model_tensors)
 
 EMBEDDING = "token_embd.weight"
@@ -65,11 +67,18 @@ class GGUFBlocks:
 class GGUFWeights:
     """One GGUF file, opened for loading its weights (header read and checked once)."""
 
-    def __init__(self, gguf_path: str) -> None:
+    def __init__(self, gguf_path: str, metadata_dir: str | None = None) -> None:
+        """metadata_dir: the file's cached metadata directory, whose HF_NAMES_FILE spares
+        finding the parameter names again."""
         self.path = os.fspath(gguf_path)
         reader, arch, self.spec = open_architecture(self.path)
+        hf_names = None
+        names_file = metadata_dir and os.path.join(metadata_dir, HF_NAMES_FILE)
+        if names_file and os.path.isfile(names_file):
+            with open(names_file) as f:
+                hf_names = set(json.load(f))
         (self.tensors, self.config, self.hf_names, self.processor,
-         self.gguf_to_hf) = open_model_tensors(reader, arch, self.spec)
+         self.gguf_to_hf) = open_model_tensors(reader, arch, self.spec, hf_names)
         mapped = np.memmap(self.path, mode="c")
         self._mmap = mapped._mmap
         # A plain view: slicing an np.memmap runs its __array_finalize__ in Python each time.

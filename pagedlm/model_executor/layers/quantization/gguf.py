@@ -226,9 +226,10 @@ class GGUFConfig(QuantizationConfig):
     name = "gguf"
     weights_from_file = True
 
-    def __init__(self, gguf_path: str, *, deterministic: bool = False) -> None:
+    def __init__(self, gguf_path: str, *, deterministic: bool = False,
+                 metadata_dir: str | None = None) -> None:
         super().__init__(deterministic=deterministic)
-        self.gguf_path = gguf_path
+        self.gguf_path, self.metadata_dir = gguf_path, metadata_dir
         self._file = None
 
     @classmethod
@@ -241,7 +242,7 @@ class GGUFConfig(QuantizationConfig):
                              f"{model_dir} is a HuggingFace directory. Use 'int8' or 'int4' "
                              f"to quantize it.")
         check_runnable_types(open_gguf(path), set(RUNNABLE_TYPES) | set(FLOAT_TYPES))
-        return cls(path, deterministic=deterministic)
+        return cls(path, deterministic=deterministic, metadata_dir=model_dir)
 
     def apply(self, model: nn.Module) -> None:
         for module in model.modules():
@@ -256,7 +257,7 @@ class GGUFConfig(QuantizationConfig):
     def weights(self, float_weights):
         from pagedlm.model_executor.model_loader.gguf_weights import GGUFWeights
         # The float weights (a converted directory's) are not read: everything is in the file.
-        self._file = GGUFWeights(self.gguf_path)
+        self._file = GGUFWeights(self.gguf_path, self.metadata_dir)
         yield from self._file.weights(set(RUNNABLE_TYPES))
 
     def process_weights_after_loading(self, model: nn.Module) -> None:
