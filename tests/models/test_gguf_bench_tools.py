@@ -1,6 +1,7 @@
 """The issue-33 benchmark tools without the model or llama.cpp: gguf_models.py's system names,
 weight bytes per token (the roofline's numerator) from tiny GGUF and safetensors files, the
-roofline arithmetic, process-tree memory, and make_gguf_model.py's atomic steps."""
+roofline arithmetic, process-tree memory, make_gguf_model.py's atomic steps, and
+gguf_fidelity.py's position-by-position comparison."""
 from __future__ import annotations
 
 import importlib
@@ -21,11 +22,12 @@ def bench():
     sys.path.insert(0, str(BENCHMARKS))
     try:
         yield {name: importlib.import_module(name)
-               for name in ("gguf_models", "make_gguf_model")}
+               for name in ("gguf_models", "make_gguf_model", "gguf_fidelity")}
     finally:
         sys.path.remove(str(BENCHMARKS))
         for name in [m for m in sys.modules if m in ("compare", "lib", "gguf_models",
-                                                       "make_gguf_model", "make_random_model")
+                                                       "make_gguf_model", "make_random_model",
+                                                       "gguf_fidelity")
                      or m.startswith("lib.")]:
             sys.modules.pop(name)
 
@@ -122,3 +124,21 @@ def test_make_steps_are_atomic_and_skipped_when_done(bench, tmp_path):
     assert target.read_bytes() == b"done" and list(tmp_path.iterdir()) == [target]
     with pytest.raises(SystemExit, match="GB free"):
         mk.step("Y", tmp_path / "y", 1e18, fails)
+
+
+def test_fidelity_comparison(bench):
+    compare_positions = bench["gguf_fidelity"].compare_positions
+    ref = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0], [2.0, 1.99, 0.0],
+                                          [0.0, 0.0, 5.0]]), dim=-1)
+    same = compare_positions(ref, [1, 0, 2], [float(ref[0, 1]), float(ref[1, 0]) + 0.01,
+                                              float(ref[2, 2])], near_tie=0.05)
+    assert same["identical"] and same["only_near_ties"]
+    assert same["max_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
+    assert same["top2_margins"] == pytest.approx([2.0, 0.01, 5.0], abs=1e-5)
+    # Position 1 picks the runner-up of a near-tie (gap 0.01); position 2 a clear loser.
+    tie = compare_positions(ref, [1, 1, 2], [0.0] * 3, near_tie=0.05)
+    assert not tie["identical"] and tie["only_near_ties"]
+    assert [d["position"] for d in tie["differences"]] == [1]
+    assert tie["differences"][0]["gap"] == pytest.approx(0.01, abs=1e-6)
+    wrong = compare_positions(ref, [1, 0, 0], [0.0] * 3, near_tie=0.05)
+    assert not wrong["only_near_ties"] and wrong["differences"][0]["gap"] == pytest.approx(5.0)
