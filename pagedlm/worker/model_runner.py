@@ -90,8 +90,9 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed))
-        # The step's tensors are made where the model runs.
-        self.device = next(model.parameters()).device
+        # The step's tensors are made where the model runs (not on the meta device of a
+        # parameter that stands in for a weight held in another form, e.g. packed panels).
+        self.device = next(p.device for p in model.parameters() if not p.is_meta)
         self.requests: dict[str, CachedRequestState] = {}
         self.seqs: dict[int, CachedSequenceState] = {}
         self.lora_manager = lora_manager  # a WorkerLoRAManager, or None without LoRA

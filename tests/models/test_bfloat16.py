@@ -84,20 +84,24 @@ def test_weights_are_stored_in_bfloat16(bf16_llm):
         assert layer.packed_weight is None
         assert layer.panel_weight is None or layer.panel_weight.dtype == torch.bfloat16
         # What the layer holds: on the panel kernel the panels alone (the plain weight is
-        # dropped), unless the weight is the embedding table too (a tied LM head): that one
-        # the embedding's lookups read and the panels hold again.
-        held = [layer.panel_weight] if layer.panel_weight is not None else [layer.weight]
-        if layer.panel_weight is not None and getattr(layer, "weight_shared", False):
-            assert not layer.weight.is_meta
-        elif layer.panel_weight is not None:
-            assert layer.weight.is_meta, layer
-        stored += sum(t.untyped_storage().nbytes() for t in held)
+        # dropped; a tied LM head's too, the embedding then reading its rows from the panels).
+        held = layer.panel_weight if layer.panel_weight is not None else layer.weight
+        assert layer.weight.is_meta == (layer.panel_weight is not None), layer
+        stored += held.untyped_storage().nbytes()
         if layer.bias is not None:
             assert layer.bias.dtype == torch.float32
     # The default model's widths are multiples of the panels' 16 or 32 columns: no padding.
     assert stored == 2 * sum(layer.weight.numel() for layer in layers)
     embeddings = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
     assert embeddings and all(m.weight.dtype == torch.bfloat16 for m in embeddings)
+    if model.lm_head.panel_weight is not None:  # the default model's embeddings are tied
+        [embedding] = embeddings
+        assert embedding.weight is model.lm_head.weight and embedding.weight.is_meta
+        ids = torch.tensor([0, 1, 17, 576, model.lm_head.org_vocab_size - 1])
+        rows = embedding(ids)
+        assert rows.dtype == torch.float32 and rows.shape == (5, embedding.embedding_dim)
+        reference = model.lm_head.panel_weight.transpose(1, 2).reshape(-1, rows.shape[1])
+        assert torch.equal(rows, reference[ids].float())
     # Everything else is small and float32 (norms), holding bfloat16 values.
     for name, param in model.named_parameters():
         if param.dtype != torch.bfloat16:

@@ -6,6 +6,9 @@ before the sampler sees them. No vocabulary size is therefore rejected for a TP 
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -105,7 +108,25 @@ class ParallelLMHead(VocabParallelEmbedding):
         assert embed_tokens.num_embeddings_padded == self.num_embeddings_padded
         self.weight = embed_tokens.weight
         self.weight_shared = True  # the lookups read it: the linear method must keep it
+        # A weak reference: as an attribute the embedding would become a submodule twice.
+        self._tied_embedding = weakref.ref(embed_tokens)
         return self
+
+    def look_up_from_panels(self) -> None:
+        """After loading: with tied 2-byte weights on the panel kernel, the head's panels hold
+        the table a second time, so the embedding's lookups read their rows from the panels
+        (the same values) and the table is dropped for a meta stand-in: 2 bytes a parameter
+        instead of 4."""
+        tied = getattr(self, "_tied_embedding", None)
+        embed, panels = tied() if tied is not None else None, self.panel_weight
+        if (embed is None or panels is None or embed.weight is not self.weight
+                or self.weight.element_size() != 2
+                or getattr(embed, "row_lookup", None) is not None):
+            return
+        embed.row_lookup = functools.partial(_panel_rows, panels)
+        stand_in = nn.Parameter(torch.empty_like(self.weight, device="meta"),
+                                requires_grad=False)
+        embed.weight = self.weight = stand_in
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden [num_tokens, dim] -> float32 logits [num_tokens, vocab]."""
@@ -114,3 +135,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.num_embeddings_padded != self.org_vocab_size:
             logits = logits[..., :self.org_vocab_size].contiguous()
         return logits
+
+
+def _panel_rows(panels: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    """Float32 rows of the [N, K] matrix packed as panels [N / W, K, W] (row r is column
+    r % W of panel r // W; padding rows are zero, as the table's are)."""
+    width = panels.shape[2]
+    ids = local_ids.reshape(-1)
+    rows = panels[ids // width, :, ids % width].float()
+    return rows.reshape(*local_ids.shape, panels.shape[1])

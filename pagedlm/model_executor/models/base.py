@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead
 from pagedlm.model_executor.models.pipeline import PPStage
 
 
@@ -35,6 +36,8 @@ class CausalLMBase(nn.Module):
                 method.process_weights_after_loading(module)
             elif module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()  # a layer of its own kind (FusedMoE)
+        if isinstance(getattr(self, "lm_head", None), ParallelLMHead):
+            self.lm_head.look_up_from_panels()  # tied 2-byte weights: one copy, the panels
 
     def _on_this_stage(self, name: str) -> bool:
         """Whether a (renamed) checkpoint weight belongs to a module this stage has."""
