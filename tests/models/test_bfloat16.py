@@ -110,6 +110,9 @@ def test_weights_are_stored_in_bfloat16(bf16_llm):
     if torch.bfloat16 in gemv.panel_dtypes():
         forms = {layer.linear_method.native_form(layer).fmt for layer in layers}
         assert forms == {WeightFormat.BF16_PANELS}
+        # The stack is built at the first decode step, so this test must not rely on an
+        # earlier one having generated.
+        bf16_llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         assert model.fused_decode.stack is not None, model.fused_decode.off_reason
     engine = bf16_llm.llm_engine
     assert engine.config.model_config.dtype == torch.bfloat16
