@@ -20,7 +20,7 @@
 
 #include "include/pagedlm_ops.h"
 
-static void linear(const linear_t *l, float *y, const float *x, int M, int N, int K, int nt) {
+static void segment(const segment_t *l, float *y, const float *x, int M, int N, int K, int nt) {
     switch (l->fmt) {
     case W_F32: gemv_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
     case W_F32_PANELS: gemm_panels_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
@@ -36,6 +36,29 @@ static void linear(const linear_t *l, float *y, const float *x, int M, int N, in
     case W_Q5_1: qmm_q5_1(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     case W_IQ4_NL: qmm_iq4_nl(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     default: qmm_i8(y, x, (const int8_t *)l->weight, l->scale, M, N, K, nt); break;
+    }
+}
+
+/* scratch: M * (the largest segment's rows) floats, used when there are several segments
+ * and rows (a segment's rows of one token are contiguous in y only at M = 1). */
+static void linear(const linear_t *l, float *y, const float *x, int M, int N, int K, int nt,
+                   float *scratch) {
+    if (l->nseg == 1) {
+        segment(&l->seg[0], y, x, M, N, K, nt);
+    } else {
+        int64_t off = 0;
+        for (int64_t s = 0; s < l->nseg; s++) {
+            const int rows = (int)l->seg[s].rows;
+            if (M == 1) {
+                segment(&l->seg[s], y + off, x, 1, rows, K, nt);
+            } else {
+                segment(&l->seg[s], scratch, x, M, rows, K, nt);
+                for (int m = 0; m < M; m++)
+                    memcpy(y + (size_t)m * N + off, scratch + (size_t)m * rows,
+                           (size_t)rows * sizeof(float));
+            }
+            off += rows;
+        }
     }
     if (l->bias)
         for (int m = 0; m < M; m++)
@@ -53,13 +76,17 @@ int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *re
     const int H = (int)d->hidden, D = (int)d->head_dim, I = (int)d->intermediate;
     const int Hq = (int)d->num_heads, Hk = (int)d->num_kv_heads;
     const int qn = Hq * D, kvn = Hk * D, qkvn = qn + 2 * kvn;
-    const size_t floats = (size_t)M * (H + H + qkvn + qn + qn + 2 * (size_t)I + I);
+    /* seg: a segmented linear's scratch (linear()); no segment outgrows its layer. */
+    size_t segn = (size_t)(qkvn > 2 * I ? qkvn : 2 * I);
+    if (segn < (size_t)H) segn = (size_t)H;
+    const size_t floats = (size_t)M * (H + H + qkvn + qn + qn + 2 * (size_t)I + I + segn);
     float *buf = (float *)malloc(floats * sizeof(float) + (size_t)M * sizeof(int32_t));
     if (!buf) return -1;
     float *h = buf, *tmp = h + (size_t)M * H, *qkv = tmp + (size_t)M * H;
     float *q = qkv + (size_t)M * qkvn, *att = q + (size_t)M * qn, *gu = att + (size_t)M * qn;
     float *act = gu + (size_t)M * 2 * I;
-    int32_t *token_seq = (int32_t *)(act + (size_t)M * I);
+    float *seg = act + (size_t)M * I;
+    int32_t *token_seq = (int32_t *)(seg + (size_t)M * segn);
     for (int t = 0; t < M; t++) token_seq[t] = t;
 
     for (int64_t i = 0; i < d->num_layers; i++) {
@@ -72,7 +99,7 @@ int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *re
             rms_norm_f32(h, tmp, x, H, residual, H, L->input_norm, M, H, d->eps);
             memcpy(residual, tmp, (size_t)M * H * sizeof(float));
         }
-        linear(&L->qkv, qkv, h, M, qkvn, H, nthreads);
+        linear(&L->qkv, qkv, h, M, qkvn, H, nthreads, seg);
         rotary_f32(qkv, qkvn, Hq, qkv + qn, qkvn, Hk, positions, d->cos, d->sin, M, D,
                    (int)d->rotary_half);
         write_kv_f32(L->k_cache, L->v_cache, (int)d->kv_type, qkv + qn, qkvn, qkv + qn + kvn,
@@ -82,12 +109,12 @@ int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *re
         paged_attention_f32(att, q, L->k_cache, L->v_cache, (int)d->kv_type, block_tables,
                             token_seq, ctx_lens, M, Hq, Hk, D, (int)d->block_size, max_blocks,
                             d->scale, (int)L->window, 0.0f, nthreads);
-        linear(&L->o, x, att, M, H, qn, nthreads);
+        linear(&L->o, x, att, M, H, qn, nthreads, seg);
         rms_norm_f32(h, tmp, x, H, residual, H, L->post_norm, M, H, d->eps);
         memcpy(residual, tmp, (size_t)M * H * sizeof(float));
-        linear(&L->gate_up, gu, h, M, 2 * I, H, nthreads);
+        linear(&L->gate_up, gu, h, M, 2 * I, H, nthreads, seg);
         silu_and_mul_f32(act, gu, 2 * I, M, I);
-        linear(&L->down, x, act, M, H, I, nthreads);
+        linear(&L->down, x, act, M, H, I, nthreads, seg);
     }
     free(buf);
     return 0;

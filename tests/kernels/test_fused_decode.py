@@ -343,7 +343,7 @@ def test_fused_stack_equals_layer_by_layer(tiny, monkeypatch, arch, engine_args)
     panels = _has_panels() and "quantization" not in engine_args
     assert stack.max_rows == (sys.maxsize if panels else gemv.GEMV_MAX_ROWS)
     if engine_args.get("dtype") == "bfloat16":  # bfloat16 weights: on their own panels
-        assert {layer.qkv.fmt for layer in stack.layers} == {WeightFormat.BF16_PANELS}
+        assert {layer.qkv.seg[0].fmt for layer in stack.layers} == {WeightFormat.BF16_PANELS}
 
 
 @needs_kernels
@@ -365,7 +365,7 @@ def test_fused_stack_runs_the_gguf_block_formats(tiny, monkeypatch):
     ref, _ = _run(tiny["llama"], False, monkeypatch, quantization="int4")
     got, on = _run(tiny["llama"], True, monkeypatch, quantization="int4")
     assert on.stack is not None and on.stack.steps > 20
-    assert {layer.qkv.fmt for layer in on.stack.layers} == {WeightFormat.Q5_0}
+    assert {layer.qkv.seg[0].fmt for layer in on.stack.layers} == {WeightFormat.Q5_0}
     assert got == ref
 
 

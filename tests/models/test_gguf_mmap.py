@@ -20,6 +20,7 @@ from pagedlm.model_executor.layers.quantization import gguf as gguf_method
 from pagedlm.model_executor.layers.quantization import kernels, resolve_quantization
 from pagedlm.model_executor.model_loader.gguf_weights import GGUFBlocks, GGUFWeights
 from pagedlm.model_executor.model_loader.model_path import FLOAT_WEIGHTS_FILE, resolve_model
+from tests.conftest import needs_kernels
 from tests.models.test_model_loading import TINY, _tiny_hf_state, write_tiny_gguf
 
 PROMPTS = ["the cat sat on", "Hello, world", "1, 2, 3, 4,", "def f(x):"]
@@ -280,3 +281,32 @@ def test_kquant_mix_stays_quantized_and_matches_the_float_path(kquant_runs):
                                              kquant_runs[None]["tokens"]))
     print(f"K-quant mix: first tokens identical {firsts}/{len(PROMPTS)}")
     assert firsts >= len(PROMPTS) - 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("kquants,deterministic", [(False, False), (True, True)])
+def test_fused_decode_runs_mixed_fused_layers(gguf_file, tmp_path_factory, monkeypatch,
+                                              kquants, deterministic):
+    """A fused layer of shards in different formats (the Q4_1/Q8_0 file: q/k|v and gate|up;
+    Q4_K_M's mix: q/k Q4_K with v Q6_K) runs in the fused decode stack, each shard's rows in
+    its own format (llama_decode.c's row segments), and gives the layer-by-layer tokens and
+    logprobs bit for bit, at one and several sequences (deterministic=True: every decode
+    step fused, the 10-sequence ones too)."""
+    from tests.kernels.test_fused_decode import _run
+    if kquants:
+        if "q4_k" not in kernels.FORMATS:
+            pytest.skip("the K-quant kernels are not in this tree")
+        path = _write_kquant_gguf(tmp_path_factory.mktemp("kq") / "tiny-q4_k_m.gguf")
+        segments = {"qkv": [3], "gate_up": [1]}  # q|k|v; gate/up one Q4_K matrix
+    else:  # layer 1 is one format throughout: a stack of single and segmented linears
+        path, segments = gguf_file, {"qkv": [1, 3], "gate_up": [1, 2]}
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path_factory.mktemp("fcache")))
+    args = {"quantization": "gguf", "deterministic": deterministic}
+    ref, off = _run(str(path), False, monkeypatch, **args)
+    got, on = _run(str(path), True, monkeypatch, **args)
+    assert on.off_reason is None and on.stack.steps > 20
+    assert off.stack is None
+    got_segments = {name: sorted(getattr(layer, name).nseg for layer in on.stack.layers)
+                    for name in segments}
+    assert got_segments == segments
+    assert got == ref  # tokens and every logprob, bit for bit

@@ -95,7 +95,17 @@ typedef struct {
     int64_t fmt;
     const void *weight;
     const float *scale; /* W_I8: one per output row */
-    const float *bias;  /* NULL: none */
+    int64_t rows;       /* its output rows */
+} segment_t;
+
+/* A fused layer's shards may be stored in different formats (a GGUF Q4_K_M file's q/k Q4_K
+ * with v Q6_K): its output rows are nseg segments in order, each multiplied in its own
+ * format, as the layer path does shard by shard. */
+#define LINEAR_MAX_SEGMENTS 3
+typedef struct {
+    int64_t nseg; /* 1..LINEAR_MAX_SEGMENTS */
+    segment_t seg[LINEAR_MAX_SEGMENTS];
+    const float *bias; /* NULL: none */
 } linear_t;
 
 typedef struct {

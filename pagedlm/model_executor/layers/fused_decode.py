@@ -5,10 +5,11 @@ A decoder layer takes part by declaring the standard structure (StandardDecoderL
 pre-norm attention block with rotary positions, then a pre-norm SiLU-gated MLP); the stack
 checks the parts it is handed (float32 RMSNorms, rotary paged attention on the native kernels,
 linear layers whose LinearMethod has a native form: float32 or bfloat16 weights on the panel
-kernel, float32 on the GEMV kernel, or quantized), not the model class. When every layer
-qualifies, pure decode steps run fused (at any batch size on the panel kernel or under
-deterministic=True, else up to gemv.GEMV_MAX_ROWS sequences); anything else (LoRA, tensor
-parallelism, other dtypes, prefills) goes layer by layer. Both give the same values.
+kernel, float32 on the GEMV kernel, or quantized, a fused layer's shards possibly each in its
+own format), not the model class. When every layer qualifies, pure decode steps run fused
+(at any batch size on the panel kernel or under deterministic=True, else up to
+gemv.GEMV_MAX_ROWS sequences); anything else (LoRA, tensor parallelism, other dtypes,
+prefills) goes layer by layer. Both give the same values.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from pagedlm.attention.layer import Attention
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
-from pagedlm.model_executor.layers.linear import LinearBase, WeightFormat
+from pagedlm.model_executor.layers.linear import (LinearBase, NativeLinear, NativeSegments,
+                                                  WeightFormat)
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -65,9 +67,17 @@ class StandardDecoderLayer(Protocol):
 
 
 # llama_decode.c's structs (csrc/include/pagedlm_ops.h): the same fields in the same order.
-class _Linear(ctypes.Structure):
+class _Segment(ctypes.Structure):
     _fields_ = [("fmt", ctypes.c_int64), ("weight", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("scale", ctypes.c_void_p), ("rows", ctypes.c_int64)]
+
+
+_MAX_SEGMENTS = 3  # LINEAR_MAX_SEGMENTS: a fused layer's shards (q|k|v)
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("nseg", ctypes.c_int64), ("seg", _Segment * _MAX_SEGMENTS),
+                ("bias", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -113,13 +123,29 @@ def _linear_struct(linear: nn.Module, out_features: int, in_features: int) -> _L
     form = linear.linear_method.native_form(linear)
     if form is None:
         return f"runs no native kernel ({type(linear.linear_method).__name__})"
+    if not _fusable_tensor(linear.bias):
+        return "has a bias that is not a contiguous float32 CPU tensor"
+    segments = (form.segments if isinstance(form, NativeSegments)
+                else ((out_features, form),))
+    if len(segments) > _MAX_SEGMENTS:
+        return f"has {len(segments)} row segments, the stack takes {_MAX_SEGMENTS} at most"
+    structs = []
+    for rows, segment in segments:
+        struct = _segment_struct(segment, rows)
+        if isinstance(struct, str):
+            return struct
+        structs.append(struct)
+    return _Linear(len(structs), (_Segment * _MAX_SEGMENTS)(*structs), _ptr(linear.bias))
+
+
+def _segment_struct(form: NativeLinear, rows: int) -> _Segment | str:
     if (not form.weight.is_contiguous() or form.weight.device.type != "cpu"
-            or not _fusable_tensor(form.scale) or not _fusable_tensor(linear.bias)):
-        return "has a weight, scale or bias that is not a contiguous float32 CPU tensor"
+            or not _fusable_tensor(form.scale)):
+        return "has a weight or scale that is not a contiguous float32 CPU tensor"
     dtype = _FLOAT_FORMAT_DTYPES.get(form.fmt)
     if dtype is not None and form.weight.dtype != dtype:
         return f"has a {form.weight.dtype} weight for {form.fmt.name}, which reads {dtype}"
-    return _Linear(form.fmt, form.weight.data_ptr(), _ptr(form.scale), _ptr(linear.bias))
+    return _Segment(form.fmt, form.weight.data_ptr(), _ptr(form.scale), rows)
 
 
 def _layer_struct(parts: DecoderLayerParts) -> _Layer | str:

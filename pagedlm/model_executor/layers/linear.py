@@ -129,6 +129,19 @@ class NativeLinear:
                                                     WeightFormat.BF16_PANELS)
 
 
+@dataclass(frozen=True)
+class NativeSegments:
+    """A linear layer whose output rows are segments, in order, each its own weight and kernel
+    (a fused layer whose shards are stored in different formats): `apply` computes each
+    segment's rows as that segment's kernel does."""
+    segments: tuple[tuple[int, NativeLinear], ...]  # (its output rows, its weight)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """As NativeLinear.batch_invariant, for every segment."""
+        return all(form.batch_invariant for _, form in self.segments)
+
+
 class LinearMethodBase(ABC):
     """How a linear layer stores its weight and multiplies by it.
 
@@ -156,7 +169,7 @@ class LinearMethodBase(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Convert the loaded weights into the format `apply` runs on (once, after loading)."""
 
-    def native_form(self, layer: nn.Module) -> NativeLinear | None:
+    def native_form(self, layer: nn.Module) -> NativeLinear | NativeSegments | None:
         """The weight as a native kernel that computes what `apply` does reads it (for callers
         such as the fused decode stack that run the kernel themselves), or None where `apply`
         runs something else. Valid after process_weights_after_loading."""

@@ -68,7 +68,7 @@ class QuantizationConfig(ABC):
 
 # The packed formats (kernels.FORMATS) as the native matmul kernels name them: the enum member
 # of the format's name in capitals.
-_NATIVE_FORMATS = {fmt: WeightFormat[fmt.upper()] for fmt in kernels.FORMATS}
+NATIVE_FORMATS = {fmt: WeightFormat[fmt.upper()] for fmt in kernels.FORMATS}
 
 
 class PackedLinearMethod(UnquantizedLinearMethod):
@@ -94,7 +94,7 @@ class PackedLinearMethod(UnquantizedLinearMethod):
                                         bias, batch_invariant=self.deterministic)
 
     def native_form(self, layer) -> NativeLinear | None:
-        fmt = _NATIVE_FORMATS.get(layer.quant_format)
+        fmt = NATIVE_FORMATS.get(layer.quant_format)
         if type(self).apply is not PackedLinearMethod.apply or fmt is None:
             return None  # a subclass that multiplies another way describes its own form
         return NativeLinear(fmt, layer.qweight_data, layer.qscale,

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedlm.model_executor.layers.linear import (LinearMethodBase, RowParallelLinear,
-                                                  UnquantizedLinearMethod)
+from pagedlm.model_executor.layers.linear import (LinearMethodBase, NativeLinear, NativeSegments,
+                                                  RowParallelLinear, UnquantizedLinearMethod)
 import pagedlm.model_executor.layers.quantization.kernels as kernels
-from pagedlm.model_executor.layers.quantization.base import PackedLinearMethod, QuantizationConfig
+from pagedlm.model_executor.layers.quantization.base import (NATIVE_FORMATS, PackedLinearMethod,
+                                                            QuantizationConfig)
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.model_path import gguf_source
 from pagedlm.model_executor.model_loader.weight_utils import WeightShapeError
@@ -204,6 +205,17 @@ class GGUFShardedLinearMethod(LinearMethodBase):
         if bias is not None:
             y += bias
         return y.to(x.dtype)
+
+    def native_form(self, layer) -> NativeSegments | None:
+        segments, rows = [], 0
+        for fmt, row, blocks in layer.quant_shards:
+            native = NATIVE_FORMATS.get(fmt)
+            if native is None or row != rows:
+                return None  # a format no kernel of the stack runs, or rows it leaves unset
+            segments.append((blocks.shape[0], NativeLinear(
+                native, blocks, every_row_count=self.deterministic)))
+            rows += blocks.shape[0]
+        return NativeSegments(tuple(segments)) if rows == layer.quant_rows else None
 
 
 class _BlockRows:
