@@ -3,7 +3,8 @@
 LLMEngine.step() is synchronous and CPU-bound (torch releases the GIL in its kernels), so one
 dedicated engine thread owns the LLMEngine and is the only thread that touches it. Callers on an
 asyncio event loop send it new requests and aborts through a thread-safe queue; it hands each
-request's RequestOutputs back to that request's asyncio queue with loop.call_soon_threadsafe.
+request's RequestOutputs back to that request's asyncio queue through its loop's channel
+(engine/loop_channel.py: call_soon_threadsafe's order, without its GIL hand-off).
 
     engine = AsyncLLMEngine.from_engine_args(EngineArgs())
     params = SamplingParams(max_tokens=32, output_kind=RequestOutputKind.DELTA)
@@ -34,6 +35,7 @@ from typing import AsyncIterator, Callable, Iterable
 from pagedlm.config import EngineConfig
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.engine.loop_channel import LoopChannels
 from pagedlm.engine.request_prep import RequestPreparer
 from pagedlm.engine.request_stream import END, RequestStream, deliver
 from pagedlm.metrics.engine_view import EngineView, take_engine_view
@@ -114,6 +116,7 @@ class AsyncLLMEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._lock = threading.Lock()  # orders "is it dead?" against queueing a command
         self._dead: BaseException | None = None
+        self._channels = LoopChannels()  # the engine thread's calls onto callers' loops
         self._tokenizer = None
         self._preparer: RequestPreparer | None = None  # built on first use
         build = None if isinstance(engine, LLMEngine) else engine
@@ -197,6 +200,7 @@ class AsyncLLMEngine:
         # Lists capped and tokenized, grammar compiled: off the engine thread and event loop.
         params, compilation = await self._preparer.prepare(params)
         loop = asyncio.get_running_loop()
+        self._channels.register(loop)
         stream = RequestStream(request_id, loop)
         ack = loop.create_future()
         self._submit(_Add(request_id, prompt, params, arrival_time or time.time(), stream, ack,
@@ -222,6 +226,7 @@ class AsyncLLMEngine:
 
     async def _on_engine_thread(self, fn, *args):
         loop = asyncio.get_running_loop()
+        self._channels.register(loop)
         result = loop.create_future()
         self._submit(_Call(fn, args, loop, result))
         return await result
@@ -396,12 +401,10 @@ class AsyncLLMEngine:
         if self.log_stats:
             self.metrics.maybe_log(self.log_stats_interval)
 
-    @staticmethod
-    def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            pass
+    def _call(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        # Not loop.call_soon_threadsafe: its wake-up gives the GIL to the loop thread in the
+        # middle of the engine's step (engine/loop_channel.py).
+        self._channels.call(loop, fn, *args)
 
     def _stop(self, error: BaseException) -> None:
         """Mark the engine dead and fail everything in flight or still queued with `error`."""

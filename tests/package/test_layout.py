@@ -212,7 +212,8 @@ def test_the_import_graph_follows_the_layer_map():
 # One kernel loader: pagedlm/kernels/loader.py alone runs the compiler and opens our shared
 # objects; the C sources sit in pagedlm/csrc with one prototype header that each includes;
 # each exported function has one ctypes signature; nobody reaches the package's private names.
-LIBC_USERS = {"pagedlm.worker.malloc_tuning", "pagedlm.executor.multiproc_executor"}
+LIBC_USERS = {"pagedlm.worker.malloc_tuning", "pagedlm.executor.multiproc_executor",
+              "pagedlm.engine.loop_channel"}
 
 
 def native_loads(tree: ast.AST) -> list[str]:
