@@ -160,6 +160,8 @@ def linear_weight_bytes(llm) -> int:
             total += m.qweight_data.numel() * m.qweight_data.element_size()
             if m.qscale is not None:
                 total += m.qscale.numel() * m.qscale.element_size()
+        elif hasattr(m, "quant_shards"):  # GGUFShardedLinearMethod: a block tensor a shard
+            total += sum(blocks.numel() for _, _, blocks in m.quant_shards)
         else:
             total += m.weight.numel() * m.weight.element_size()
     return total
