@@ -11,6 +11,7 @@ import pytest
 
 from pagedlm.model_executor.model_loader.gguf_file import (check_runnable_types,
                                                          gguf_element_count, open_gguf)
+from pagedlm.model_executor.model_loader.gguf_header import read_gguf_header
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -43,12 +44,14 @@ def good(tmp_path):
 
 
 def _refused(path, *patterns):
-    with pytest.raises(ValueError) as info:
-        open_gguf(path)
-    message = str(info.value)
-    assert message.startswith(str(path)), message
-    for pattern in patterns:
-        assert re.search(pattern, message), message
+    """Both readers refuse the file alike: gguf's full one and the load path's header walk."""
+    for reader in (open_gguf, read_gguf_header):
+        with pytest.raises(ValueError) as info:
+            reader(path)
+        message = str(info.value)
+        assert message.startswith(str(path)), message
+        for pattern in patterns:
+            assert re.search(pattern, message), message
     return message
 
 
@@ -58,6 +61,17 @@ def test_valid_file_opens(good):
         "blk.0.attn_q.weight", "blk.0.attn_norm.weight", "output_norm.weight"]
     np.testing.assert_array_equal(reader.tensors[2].data, np.ones(64, dtype=np.float32))
     check_runnable_types(reader, {"q8_0", "f32"})
+    header = read_gguf_header(good)
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset, t.n_bytes)
+            for t in header.tensors] == [(t.name, t.tensor_type, t.shape.tolist(),
+                                          t.data_offset, t.n_bytes) for t in reader.tensors]
+    for mine, theirs in zip(header.tensors, reader.tensors):
+        np.testing.assert_array_equal(mine.data, theirs.data)
+    assert header.value("general.architecture") == "llama"
+    assert header.value("llama.block_count") == 1
+    assert header.value("tokenizer.ggml.tokens") == ["a", "b", "<s>"]
+    assert header.value("absent", 7) == 7
+    check_runnable_types(header, {"q8_0", "f32"})
 
 
 @pytest.mark.parametrize("keep", [0, 10, 40, 200, -100, -1])
@@ -117,13 +131,13 @@ def test_unsupported_type_names_tensor_type_and_list(tmp_path):
     block, block_bytes = gguf.GGML_QUANT_SIZES[Q.IQ2_XXS]
     raw = np.zeros((2, 256 // block * block_bytes), dtype=np.uint8)
     path = _write(tmp_path / "iq.gguf", [("blk.0.ffn_down.weight", raw, Q.IQ2_XXS)])
-    reader = open_gguf(path)  # a valid file: only the type is refused
-    with pytest.raises(ValueError) as info:
-        check_runnable_types(reader, {"F32", "q8_0", "Q4_K"})
-    message = str(info.value)
-    assert message.startswith(str(path)), message
-    assert "IQ2_XXS" in message and "'blk.0.ffn_down.weight'" in message, message
-    assert "supported types: F32, Q4_K, Q8_0" in message, message
+    for reader in (open_gguf(path), read_gguf_header(path)):  # a valid file: only the type
+        with pytest.raises(ValueError) as info:                 # is refused
+            check_runnable_types(reader, {"F32", "q8_0", "Q4_K"})
+        message = str(info.value)
+        assert message.startswith(str(path)), message
+        assert "IQ2_XXS" in message and "'blk.0.ffn_down.weight'" in message, message
+        assert "supported types: F32, Q4_K, Q8_0" in message, message
 
 
 def test_element_count_from_the_header_alone(good):

@@ -92,7 +92,9 @@ class _PlainArrayGGUFReader(GGUFReader):
         return super()._build_tensor_info(offs, count)
 
     def _build_tensors(self, start_offs, fields):
-        _check_tensor_ranges(fields, start_offs, self.alignment, self._plain_data.shape[0])
+        entries = [(bytes(f.parts[1]).decode("utf-8", errors="replace"), int(f.parts[4][0]),
+                    f.parts[3].tolist(), int(f.parts[5][0])) for f in fields]
+        check_tensor_ranges(entries, start_offs, self.alignment, self._plain_data.shape[0])
         super()._build_tensors(start_offs, fields)
 
 
@@ -104,6 +106,20 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     type, or tensor data that overlaps or runs past the end of the file.
     """
     path = os.fspath(path)
+    size = check_file_start(path)
+    try:
+        return _PlainArrayGGUFReader(path)
+    except _DoesNotFit as e:
+        raise ValueError(f"{path}: truncated or corrupt GGUF file of {size} bytes: {e}.") from e
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
+        # gguf's own checks (version, duplicate names, alignment) and numpy's failures on
+        # bytes that are not what the header says.
+        raise ValueError(f"{path}: corrupt GGUF file: {e}.") from e
+
+
+def check_file_start(path: str) -> int:
+    """The size of the file at ``path``; ValueError for a missing or unreadable file, one too
+    short for a GGUF header, or one without GGUF's magic."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -116,14 +132,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     if magic != _MAGIC:
         raise ValueError(f"{path}: not a GGUF file: it starts with {magic!r}, not the GGUF "
                          f"magic {_MAGIC!r} (a corrupt file, or another format).")
-    try:
-        return _PlainArrayGGUFReader(path)
-    except _DoesNotFit as e:
-        raise ValueError(f"{path}: truncated or corrupt GGUF file of {size} bytes: {e}.") from e
-    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
-        # gguf's own checks (version, duplicate names, alignment) and numpy's failures on
-        # bytes that are not what the header says.
-        raise ValueError(f"{path}: corrupt GGUF file: {e}.") from e
+    return size
 
 
 def check_runnable_types(reader: GGUFReader, runnable: set[str]) -> None:
@@ -155,31 +164,30 @@ def _check_count(count: int, min_bytes: int, offset: int, size: int, what: str) 
                          f"left after byte {offset} can hold")
 
 
-def _check_tensor_ranges(fields, start: int, alignment: int, size: int) -> None:
+def check_tensor_ranges(entries, start: int, alignment: int, size: int) -> None:
     """Every tensor's data within the file and apart from the others', and no more unclaimed
     bytes after the last one than alignment padding: a tensor count that is too small moves
-    the data section's start, and the tensors would be read from the wrong bytes."""
+    the data section's start, and the tensors would be read from the wrong bytes.
+
+    entries: (name, ggml type id, dims fastest first, data offset) of each tensor."""
     ranges = []
-    for field in fields:
-        _, name_data, _, dims, raw_type, offset = field.parts
-        name = bytes(name_data).decode("utf-8", errors="replace")
+    for name, raw_type, dims, offset in entries:
         try:
-            qtype = GGMLQuantizationType(int(raw_type[0]))
+            qtype = GGMLQuantizationType(raw_type)
             block, block_bytes = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            raise ValueError(f"tensor {name!r} has unknown ggml type id {int(raw_type[0])}"
-                             ) from None
+            raise ValueError(f"tensor {name!r} has unknown ggml type id {raw_type}") from None
         elements = 1
-        for d in dims.tolist():
+        for d in dims:
             elements *= int(d)
         if elements % block:
             raise ValueError(f"tensor {name!r} ({qtype.name}) has {elements} elements, not a "
                              f"whole number of its {block}-element blocks")
-        begin = start + int(offset[0])
+        begin = start + offset
         end = begin + elements // block * block_bytes
         if end > size:
             raise ValueError(
-                f"tensor {name!r} ({qtype.name}, shape {list(reversed(dims.tolist()))}) needs "
+                f"tensor {name!r} ({qtype.name}, shape {list(reversed(list(dims)))}) needs "
                 f"bytes [{begin}, {end}) but the file has {size}: a truncated file, or a wrong "
                 "tensor count or offset")
         ranges.append((begin, end, name))

@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, GenerationConfig, PretrainedConfig,
@@ -28,7 +28,7 @@ from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CO
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from pagedlm.model_executor.model_loader.gguf_file import open_gguf
+from pagedlm.model_executor.model_loader.gguf_header import GGUFHeader, read_gguf_header
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,11 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     write_float_weights(gguf_path, os.path.join(out_dir, "model.safetensors"))
 
 
-def open_architecture(gguf_path: str):
-    """(reader, architecture, its spec) of a GGUF file; ValueError for one pagedlm cannot read."""
+def open_architecture(gguf_path: str, header: GGUFHeader | None = None):
+    """(header, architecture, its spec) of a GGUF file; ValueError for one pagedlm cannot read.
+    header: the file's header if already read."""
     gguf_path = os.fspath(gguf_path)
-    reader = open_gguf(gguf_path)
+    reader = header if header is not None else read_gguf_header(gguf_path)
     arch = _metadata(reader, "general.architecture")
     spec = _ARCHITECTURES.get(arch)
     if spec is None:
@@ -205,7 +206,7 @@ def convert_gguf_metadata(gguf_path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def open_model_tensors(reader: GGUFReader, arch: str, spec: _ArchSpec,
+def open_model_tensors(reader: GGUFHeader, arch: str, spec: _ArchSpec,
                        hf_names: set[str] | None = None):
     """(tensors by name, HF config, HF parameter names, tensor processor, GGUF -> HF names).
     hf_names: the parameter names if known (HF_NAMES_FILE), else found from transformers'
@@ -219,7 +220,7 @@ def open_model_tensors(reader: GGUFReader, arch: str, spec: _ArchSpec,
     return tensors, config, hf_names, processor, gguf_to_hf
 
 
-def _hf_config(reader: GGUFReader, arch: str, spec: _ArchSpec, tensors: dict) -> PretrainedConfig:
+def _hf_config(reader: GGUFHeader, arch: str, spec: _ArchSpec, tensors: dict) -> PretrainedConfig:
     def hparam(key: str, default=None):
         return _metadata(reader, f"{arch}.{key}", default)
 
@@ -328,12 +329,11 @@ def _gguf_to_hf_names(arch: str, num_layers: int, hf_names: set[str],
 _GGUF_ARCH_IDS = MappingProxyType({name: arch for arch, name in MODEL_ARCH_NAMES.items()})
 
 
-def _metadata(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _metadata(reader: GGUFHeader, key: str, default=None):
+    return reader.value(key, default)
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, rope_freqs, rope_theta: float,
+def _rope_scaling(reader: GGUFHeader, arch: str, rope_freqs, rope_theta: float,
                   head_dim: int) -> dict:
     scaling_type = _metadata(reader, f"{arch}.rope.scaling.type", "none")
     if rope_freqs is not None:

@@ -6,8 +6,9 @@ rows are permuted, and those are copied in HF order). Every other tensor (norms,
 BF16 / F32 matrices, anything whose layout is more than a row reordering) is dequantized to
 float32 under its HF name, as the float path has it.
 
-The map is copy-on-write (np.memmap mode "c"): its views are writable numpy arrays, which
-torch.from_numpy takes without a copy or a warning, while the file itself can never be written.
+The map (the header reader's, gguf_header.py) is copy-on-write (np.memmap mode "c"): its views
+are writable numpy arrays, which torch.from_numpy takes without a copy or a warning, while the
+file itself can never be written.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
+from pagedlm.model_executor.model_loader.gguf_header import GGUFHeader
 from pagedlm.model_executor.model_loader.gguf_loader import (HF_NAMES_FILE, _gguf_shape,
                                                              add_zero_biases, float_state_dict,
                                                              open_architecture,
@@ -67,11 +69,13 @@ class GGUFBlocks:
 class GGUFWeights:
     """One GGUF file, opened for loading its weights (header read and checked once)."""
 
-    def __init__(self, gguf_path: str, metadata_dir: str | None = None) -> None:
+    def __init__(self, gguf_path: str, metadata_dir: str | None = None,
+                 header: GGUFHeader | None = None) -> None:
         """metadata_dir: the file's cached metadata directory, whose HF_NAMES_FILE spares
-        finding the parameter names again."""
+        finding the parameter names again; header: the file's header if already read (its
+        map is the one the weights are viewed in)."""
         self.path = os.fspath(gguf_path)
-        reader, arch, self.spec = open_architecture(self.path)
+        reader, arch, self.spec = open_architecture(self.path, header)
         hf_names = None
         names_file = metadata_dir and os.path.join(metadata_dir, HF_NAMES_FILE)
         if names_file and os.path.isfile(names_file):
@@ -79,10 +83,9 @@ class GGUFWeights:
                 hf_names = set(json.load(f))
         (self.tensors, self.config, self.hf_names, self.processor,
          self.gguf_to_hf) = open_model_tensors(reader, arch, self.spec, hf_names)
-        mapped = np.memmap(self.path, mode="c")
-        self._mmap = mapped._mmap
-        # A plain view: slicing an np.memmap runs its __array_finalize__ in Python each time.
-        self._map = mapped.view(np.ndarray)
+        if names_file and hf_names is None:
+            _save_names(names_file, self.hf_names)
+        self._mmap, self._map = reader.mmap, reader.map
 
     def weights(self, block_types: set[str]) -> Iterator[tuple[str, GGUFBlocks | torch.Tensor]]:
         """(HF name, GGUFBlocks) for each 2-D tensor of a type in ``block_types`` whose layout
@@ -130,3 +133,17 @@ class GGUFWeights:
             return blocks  # the file's own pages
         return blocks[torch.from_numpy(order)]  # q/k rows back in HF order (a copy)
 
+
+
+def _save_names(names_file: str, hf_names: set[str]) -> None:
+    """Add the parameter names to a metadata directory cached before they were recorded there:
+    finding them builds transformers' model class (~5 s of imports), on every load otherwise.
+    Written whole or not at all; a read-only cache just goes without."""
+    partial = f"{names_file}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w") as f:
+            json.dump(sorted(hf_names), f)
+        os.replace(partial, names_file)
+    except OSError:
+        if os.path.exists(partial):
+            os.remove(partial)

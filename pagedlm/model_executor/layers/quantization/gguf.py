@@ -57,13 +57,14 @@ def default_for_gguf(gguf_path: str) -> str | None:
     """What quantization=None means for a GGUF file: None (float32) when its float32 copy is
     at most GGUF_FLOAT_COPY_LIMIT_BYTES, else "gguf"; a large file with tensor types the
     kernels cannot run is refused, naming them."""
-    from pagedlm.model_executor.model_loader.gguf_file import (check_runnable_types,
-                                                               gguf_element_count, open_gguf)
-    size = 4 * gguf_element_count(gguf_path)  # the header alone, without its metadata values
+    from pagedlm.model_executor.model_loader.gguf_file import check_runnable_types
+    from pagedlm.model_executor.model_loader.gguf_header import read_gguf_header
+    header = read_gguf_header(gguf_path)  # without decoding its metadata arrays
+    size = 4 * sum(t.n_elements for t in header.tensors)
     if size <= GGUF_FLOAT_COPY_LIMIT_BYTES:
         return None
     try:
-        check_runnable_types(open_gguf(gguf_path), set(RUNNABLE_TYPES) | set(FLOAT_TYPES))
+        check_runnable_types(header, set(RUNNABLE_TYPES) | set(FLOAT_TYPES))
     except ValueError as e:
         raise ValueError(f"{e} Its float32 copy would take {size / 2**30:.1f} GiB, more than "
                          f"the {GGUF_FLOAT_COPY_LIMIT_BYTES / 2**30:.0f} GiB up to which "
@@ -239,22 +240,24 @@ class GGUFConfig(QuantizationConfig):
     weights_from_file = True
 
     def __init__(self, gguf_path: str, *, deterministic: bool = False,
-                 metadata_dir: str | None = None) -> None:
+                 metadata_dir: str | None = None, header=None) -> None:
+        """header: the file's GGUFHeader if already read; the weights reuse it and its map."""
         super().__init__(deterministic=deterministic)
         self.gguf_path, self.metadata_dir = gguf_path, metadata_dir
-        self._file = None
+        self._header, self._file = header, None
 
     @classmethod
     def from_model_dir(cls, model_dir: str, *, deterministic: bool = False) -> "GGUFConfig":
-        from pagedlm.model_executor.model_loader.gguf_file import (check_runnable_types,
-                                                                   open_gguf)
+        from pagedlm.model_executor.model_loader.gguf_file import check_runnable_types
+        from pagedlm.model_executor.model_loader.gguf_header import read_gguf_header
         path = gguf_source(model_dir)
         if path is None:
             raise ValueError(f"quantization='gguf' needs a GGUF model file (model=PATH.gguf); "
                              f"{model_dir} is a HuggingFace directory. Use 'int8' or 'int4' "
                              f"to quantize it.")
-        check_runnable_types(open_gguf(path), set(RUNNABLE_TYPES) | set(FLOAT_TYPES))
-        return cls(path, deterministic=deterministic, metadata_dir=model_dir)
+        header = read_gguf_header(path)
+        check_runnable_types(header, set(RUNNABLE_TYPES) | set(FLOAT_TYPES))
+        return cls(path, deterministic=deterministic, metadata_dir=model_dir, header=header)
 
     def apply(self, model: nn.Module) -> None:
         for module in model.modules():
@@ -269,7 +272,8 @@ class GGUFConfig(QuantizationConfig):
     def weights(self, float_weights):
         from pagedlm.model_executor.model_loader.gguf_weights import GGUFWeights
         # The float weights (a converted directory's) are not read: everything is in the file.
-        self._file = GGUFWeights(self.gguf_path, self.metadata_dir)
+        self._file = GGUFWeights(self.gguf_path, self.metadata_dir, self._header)
+        self._header = None  # read once per load; the weights hold the map from here
         yield from self._file.weights(set(RUNNABLE_TYPES))
 
     def process_weights_after_loading(self, model: nn.Module) -> None:
