@@ -105,12 +105,6 @@ class GGUFHeader:
             raise _DoesNotFit(f"a read of bytes [{offset + 8}, {end}) runs past its end")
         return self.mmap[offset + 8:end].decode("utf-8"), end
 
-    def _skip_string(self, offset: int) -> int:
-        end = offset + 8 + self._unpack("Q", offset)[0]
-        if end > self.size:
-            raise _DoesNotFit(f"a read of bytes [{offset + 8}, {end}) runs past its end")
-        return end
-
     def _scalar(self, value_type: int, offset: int) -> tuple[Any, int]:
         if value_type == _STRING:
             return self._string(offset)
@@ -134,9 +128,21 @@ class GGUFHeader:
         item_type, count, offset = self._array_bounds(offset)
         if item_type in _SCALAR_SIZES:
             return offset + count * _SCALAR_SIZES[item_type]
+        if item_type == _STRING:
+            # The hot loop (~100k vocabulary and merge strings): struct.error on a length read
+            # past the end, one bound check for the lengths' sum at the end.
+            length_at, m = struct.Struct(self._order + "Q").unpack_from, self.mmap
+            try:
+                for _ in range(count):
+                    offset += 8 + length_at(m, offset)[0]
+            except struct.error:
+                raise _DoesNotFit(f"a string length read at byte {offset} runs past its end"
+                                  ) from None
+            if offset > self.size:
+                raise _DoesNotFit(f"a metadata string array ends at byte {offset}, past its end")
+            return offset
         for _ in range(count):
-            offset = (self._skip_string(offset) if item_type == _STRING
-                      else self._skip_array(offset))
+            offset = self._skip_array(offset)
         return offset
 
     def _read_array(self, offset: int) -> tuple[list, int]:
