@@ -60,8 +60,6 @@
 #define QK 32
 #define QK_K 256
 #define XT 2
-/* as in quant_matmul.c */
-#define PAR_MIN_WEIGHTS (1 << 15)
 #define X_BLOCK_BYTES (128 * 1024)
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -500,25 +498,9 @@ static inline __attribute__((always_inline)) int kq_rows(float *y, const float *
     return 0;
 }
 
-typedef int (*rows_fn)(float *, const float *, const uint8_t *, int, int, int, int, int);
-
 static void kq_matmul(float *y, const float *x, const uint8_t *w, int M, int N, int K,
                       int nthreads, const rows_fn rows) {
-    int failed = 0;
-    if ((long)N * K < PAR_MIN_WEIGHTS || nthreads < 2) {
-        failed = rows(y, x, w, M, N, K, 0, N);
-    } else {
-#pragma omp parallel num_threads(nthreads) reduction(|: failed)
-        {
-            int lo, hi;
-            omp_thread_rows(N, 4, &lo, &hi);
-            failed |= rows(y, x, w, M, N, K, lo, hi);
-        }
-    }
-    if (failed) {  /* no error channel in this ABI, and a wrong y must never pass silently */
-        fprintf(stderr, "pagedlm quant_kquants: out of memory for %d x %d activations\n", M, K);
-        abort();
-    }
+    run_quant_rows("quant_kquants", y, x, w, M, N, K, nthreads, 4, rows);
 }
 
 /* Each format compiled on its own, and for M == 1 (decode) with the tile loop resolved. */

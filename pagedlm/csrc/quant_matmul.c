@@ -35,8 +35,6 @@
 #define Q8_0_BYTES 34
 #define MTILE 4
 
-/* Parallelising a tiny matmul costs more in thread wake-ups than it saves. */
-#define PAR_MIN_WEIGHTS (1 << 15)
 /* Past this many bytes of x, the rows of x a weight row meets no longer stay in L2 (3 MB at 512
  * rows of K = 1536): a pass over the weights takes this much of x at a time. Measured on a
  * Xeon (AVX-512), 2 threads, at 512 rows, SmolLM2's gate_up (3072 x 576) and down (576 x 1536)
@@ -348,7 +346,6 @@ static inline __attribute__((always_inline)) int qrows_range(
 /* qrows_range compiled for each format, and on its own for M == 1 (decode), with the tile
  * loops resolved at compile time (an OpenMP region is outlined once, whatever is inlined
  * around it, so the choice is made before it). */
-typedef int (*rows_fn)(float *, const float *, const uint8_t *, int, int, int, int, int);
 #define ROWS_FN(name, m, fmt)                                                                 \
     static int name(float *y, const float *x, const uint8_t *w, int M, int N, int K, int lo, \
                     int hi) {                                                                 \
@@ -362,21 +359,7 @@ ROWS_FN(rows_q8_0, M, FMT_Q8_0)
 
 static void qmm(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads,
                 const rows_fn rows) {
-    int failed = 0;
-    if ((long)N * K < PAR_MIN_WEIGHTS || nthreads < 2) {
-        failed = rows(y, x, w, M, N, K, 0, N);
-    } else {
-#pragma omp parallel num_threads(nthreads) reduction(|: failed)
-        {
-            int lo, hi;
-            omp_thread_rows(N, QROWS, &lo, &hi); /* whole groups per thread */
-            failed |= rows(y, x, w, M, N, K, lo, hi);
-        }
-    }
-    if (failed) {  /* no error channel in this ABI, and a wrong y must never pass silently */
-        fprintf(stderr, "pagedlm quant_matmul: out of memory for %d x %d activations\n", M, K);
-        abort();
-    }
+    run_quant_rows("quant_matmul", y, x, w, M, N, K, nthreads, QROWS, rows);
 }
 
 void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {

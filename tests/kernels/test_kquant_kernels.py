@@ -18,6 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from pagedlm.kernels import loader, quant
 from pagedlm.model_executor.layers.quantization import kernels
 from tests.conftest import needs_kernels
+from tests.kernels.test_quant_dot import _kernel
 
 pytestmark = needs_kernels
 FORMATS = kernels.GGUF_ONLY_FORMATS
@@ -58,15 +59,6 @@ def _mins(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
 def _gguf(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
     raw = blocks.numpy().reshape(blocks.shape[0], -1)
     return torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[fmt.upper()]))
-
-
-def _kernel(fmt, x, qweight, threads):
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        return kernels.quantized_matmul(fmt, x, qweight, batch_invariant=True)
-    finally:
-        torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,10 +1,15 @@
 /* What the quantized-weight kernels (quant_matmul.c, quant_kquants.c) share: reading ggml's
- * fp16 fields, and the 8-lane horizontal sum their scalar builds emulate bit for bit. */
+ * fp16 fields, the 8-lane horizontal sum their scalar builds emulate bit for bit, and the
+ * split of W's rows across threads. */
 #ifndef PAGEDLM_QUANT_COMMON_H
 #define PAGEDLM_QUANT_COMMON_H
 
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "parallel.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -41,6 +46,36 @@ static inline float hsum8_scalar(const float *lane) {
     const float h0 = lane[0] + lane[4], h1 = lane[1] + lane[5];
     const float h2 = lane[2] + lane[6], h3 = lane[3] + lane[7];
     return (h0 + h2) + (h1 + h3);
+}
+
+/* Parallelising a tiny matmul costs more in thread wake-ups than it saves. */
+#define PAR_MIN_WEIGHTS (1 << 15)
+
+/* A kernel's pass over W's rows [lo, hi) for all M rows of x; nonzero when it could not
+ * allocate its activation scratch. */
+typedef int (*rows_fn)(float *, const float *, const uint8_t *, int, int, int, int, int);
+
+/* y[M, N] = x @ W^T by `rows`, W's rows split across the threads in whole groups of `group`
+ * (the rows a kernel keeps in flight). The caller picks `rows` (M == 1 or not) before this
+ * OpenMP region, which is outlined once whatever is inlined around it. */
+static inline void run_quant_rows(const char *who, float *y, const float *x, const uint8_t *w,
+                                  int M, int N, int K, int nthreads, int group,
+                                  const rows_fn rows) {
+    int failed = 0;
+    if ((long)N * K < PAR_MIN_WEIGHTS || nthreads < 2) {
+        failed = rows(y, x, w, M, N, K, 0, N);
+    } else {
+#pragma omp parallel num_threads(nthreads) reduction(|: failed)
+        {
+            int lo, hi;
+            omp_thread_rows(N, group, &lo, &hi);
+            failed |= rows(y, x, w, M, N, K, lo, hi);
+        }
+    }
+    if (failed) {  /* no error channel in this ABI, and a wrong y must never pass silently */
+        fprintf(stderr, "pagedlm %s: out of memory for %d x %d activations\n", who, M, K);
+        abort();
+    }
 }
 
 #endif
