@@ -53,6 +53,10 @@ def check_fits_memory(need: WeightMemory, available_bytes: int, kv_cache_bytes: 
                       ) -> None:
     """ValueError, before the load starts, when the weights (and an explicit KV-cache budget)
     need more than ``available_bytes`` (the caller's figure: MemAvailable in the engine)."""
+    if kv_cache_bytes > available_bytes:
+        # The KV budget alone is the bad setting: name that field, as the worker's check does.
+        raise ValueError(f"kv_cache_memory_bytes: {kv_cache_bytes} bytes for the KV cache, more "
+                         f"than the {available_bytes} bytes of memory available")
     total = need.nbytes + kv_cache_bytes
     if total <= available_bytes:
         return
