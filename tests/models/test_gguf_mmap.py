@@ -252,8 +252,6 @@ def _write_kquant_gguf(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def kquant_runs(tmp_path_factory):
-    if "q4_k" not in kernels.FORMATS:
-        pytest.skip("the K-quant kernels are not in this tree")
     path = _write_kquant_gguf(tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf")
     return _run_both(path, tmp_path_factory.mktemp("kcache"))
 
@@ -294,8 +292,6 @@ def test_fused_decode_runs_mixed_fused_layers(gguf_file, tmp_path_factory, monke
     step fused, the 10-sequence ones too)."""
     from tests.kernels.test_fused_decode import _run
     if kquants:
-        if "q4_k" not in kernels.FORMATS:
-            pytest.skip("the K-quant kernels are not in this tree")
         path = _write_kquant_gguf(tmp_path_factory.mktemp("kq") / "tiny-q4_k_m.gguf")
         segments = {"qkv": [3], "gate_up": [1]}  # q|k|v; gate/up one Q4_K matrix
     else:  # layer 1 is one format throughout: a stack of single and segmented linears

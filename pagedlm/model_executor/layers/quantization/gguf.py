@@ -74,7 +74,7 @@ def default_for_gguf(gguf_path: str) -> str | None:
 
 def block_weights(fmt: str) -> int:
     """Input features per block of a kernel format."""
-    return getattr(kernels, "BLOCK_WEIGHTS", {}).get(fmt, kernels.QK)
+    return kernels.BLOCK_WEIGHTS[fmt]
 
 
 @dataclass(frozen=True)
