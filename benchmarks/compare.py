@@ -14,13 +14,19 @@ then run 2, ...), and the table gives the median and range of each figure:
             --serving-output-len (128) tokens that the server sustains with TTFT p99 <= 1 s and
             TPOT p99 <= 100 ms (lib/capacity.py: 60 s and at least 200 requests per point,
             bisection);
-- serving:  (not run by default) Poisson arrivals at one --request-rate: TTFT and TPOT p99.
+- serving:  (not run by default) Poisson arrivals at one --request-rate: TTFT and TPOT p99;
+- copy:     (not run by default) one stream of chat prompts whose answers quote them
+            (lib/copy_prompts.py), greedy, at most --copy-output-len tokens each, answers
+            ending where the model ends them: tokens/s over the whole set. The workload of
+            speculative decoding by prompt lookup; each system's answers are kept, and the
+            report counts those equal to the first baseline's.
 
-Every prompt is sent as token ids, so every system sees the same tokens, with `ignore_eos`; each
-answer's usage must show exactly the prompt and output token counts asked for, or that system's
-run fails. Results (JSON with the command, commit, CPU model, every server's command line and
-environment) and the server logs go to --output-dir (benchmarks/results/compare-<UTC time>),
-small enough to commit. The peers are set up on first use into --peers-dir (lib/peers.py).
+Every prompt but copy's is sent as token ids, so every system sees the same tokens, with
+`ignore_eos`; each answer's usage must show exactly the prompt and output token counts asked
+for, or that system's run fails. Results (JSON with the command, commit, CPU model, every
+server's command line and environment) and the server logs go to --output-dir
+(benchmarks/results/compare-<UTC time>), small enough to commit. The peers are set up on first
+use into --peers-dir (lib/peers.py).
 
     python benchmarks/compare.py
     python benchmarks/compare.py --systems pagedlm "pagedlm:gguf=--quantization gguf" \\
@@ -37,18 +43,20 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from lib import capacity, client, peers, stats
+from lib.copy_prompts import COPY_PROMPTS
 from lib.report import best_of_each_peer, figures_of, ratios_of, render
 from lib.servers import (REPO_ROOT, SERVED_NAME, Server, ServerSettings, free_port, parse_system,
                          plan, trim_log)
 from lib.workload import (Request, arrival_times, format_len, make_requests, ordinary_token_ids,
                           parse_len)
 
-WORKLOADS = ("batch", "single", "capacity", "serving")
+WORKLOADS = ("batch", "single", "capacity", "serving", "copy")
 DEFAULT_WORKLOADS = ("batch", "single", "capacity")
 # The issue-32 set: pagedlm's three weight formats; vLLM in both dtypes with and without
 # tcmalloc; llama.cpp in float32, the shipped Q4_1 file and its best 4-bit formats on x86.
@@ -89,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serving-output-len", type=int, default=128,
                    help="capacity and serving: output tokens.")
     p.add_argument("--serving-num-prompts", type=int, default=200, help="serving: requests.")
+    p.add_argument("--copy-output-len", type=int, default=256,
+                   help="copy: most output tokens of each answer.")
     p.add_argument("--request-rate", type=float, default=1.0, help="serving: requests/s.")
     capacity.add_args(p)
     p.add_argument("--capacity-concurrency", type=int, default=64,
@@ -122,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--systems names must be distinct: {names}")
     for flag in ("runs", "num_prompts", "single_input_len", "single_output_len",
                  "single_repeats", "serving_input_len", "serving_output_len",
-                 "serving_num_prompts", "threads"):
+                 "serving_num_prompts", "threads", "copy_output_len"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if not args.request_rate > 0:
@@ -165,6 +175,8 @@ def settings_for(workload: str, args) -> ServerSettings:
         "single": (1, args.single_input_len + args.single_output_len),
         "capacity": (args.capacity_concurrency, serving_len),
         "serving": (args.capacity_concurrency, serving_len),
+        # The longest copy prompt is under 200 tokens with its chat template.
+        "copy": (1, 512 + args.copy_output_len),
     }[workload]
     return ServerSettings(concurrency, max_len, args.threads, args.model)
 
@@ -175,7 +187,7 @@ def warmup_requests(workload: str, w: Workloads, args) -> list[Request]:
     rng = random.Random(f"{args.seed}-warmup-{workload}")
     if workload == "batch":
         return make_requests(w.vocab, args.num_prompts, args.input_len, (8, 8), rng)
-    if workload == "single":
+    if workload in ("single", "copy"):
         return make_requests(w.vocab, 1, (args.single_input_len,) * 2, (8, 8), rng)
     return make_requests(w.vocab, min(args.capacity_concurrency, 32),
                          (args.serving_input_len,) * 2, (8, 8), rng)
@@ -196,6 +208,43 @@ async def run_single(http, endpoint, system: str, requests: list[Request]) -> di
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
             "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in runs)}
+
+
+async def run_copy(http, system: str, max_tokens: int) -> dict:
+    """The copy prompts one after another, greedy, through the chat endpoint, each answer as
+    long as the model makes it (no ignore_eos): output tokens over the summed latencies."""
+    answers = []
+    for i, prompt in enumerate(COPY_PROMPTS):
+        body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0.0,
+                "messages": [{"role": "user", "content": prompt}]}
+        start = time.perf_counter()
+        response = await http.post("/v1/chat/completions", json=body)
+        latency = time.perf_counter() - start
+        if response.status_code != 200:
+            raise RuntimeError(f"{system} copy request {i}: HTTP {response.status_code}: "
+                               f"{response.text[:300]}")
+        data = response.json()
+        answers.append({"latency_s": latency,
+                        "output_tokens": data["usage"]["completion_tokens"],
+                        "text": data["choices"][0]["message"]["content"]})
+    tokens = sum(a["output_tokens"] for a in answers)
+    return {"answers": answers, "output_tokens": tokens,
+            "tokens_per_s": tokens / sum(a["latency_s"] for a in answers)}
+
+
+def copy_agreement(results: dict[str, list[dict]], baselines: list[str]) -> dict[str, str]:
+    """Of each system's first copy run: how many answers equal the first baseline's (greedy
+    answers of the same model should, but for near-ties; a peer's own numerics differ)."""
+    base = next((b for b in baselines if results.get(b) and "copy" in results[b][0]), None)
+    if base is None:
+        return {}
+    ref = [a["text"] for a in results[base][0]["copy"]["answers"]]
+    out = {}
+    for system, runs in results.items():
+        if system != base and runs and "copy" in runs[0]:
+            texts = [a["text"] for a in runs[0]["copy"]["answers"]]
+            out[system] = f"{sum(a == b for a, b in zip(texts, ref))}/{len(ref)} equal to {base}"
+    return out
 
 
 async def run_serving(http, endpoint, system: str, w: Workloads) -> dict:
@@ -244,6 +293,8 @@ async def _timed(base_url: str, endpoint: client.Endpoint, system: str, workload
             return stats.throughput(w.batch, elapsed)
         if workload == "single":
             return await run_single(http, endpoint, system, w.single)
+        if workload == "copy":
+            return await run_copy(http, system, args.copy_output_len)
         return await run_serving(http, endpoint, system, w)
 
 
@@ -262,6 +313,8 @@ def brief(workload: str, f: dict) -> str:
                 f"total tok/s in {f['elapsed_s']:.1f} s")
     if workload == "single":
         return f"{f['tokens_per_s']:.1f} tok/s (decode {f['decode_tokens_per_s']:.1f})"
+    if workload == "copy":
+        return f"{f['tokens_per_s']:.1f} tok/s ({f['output_tokens']} tokens)"
     if workload == "capacity":
         return f"{f['rate']:.3f} req/s within the SLO ({len(f['points'])} points)"
     return (f"TTFT p50 {f['ttft_ms']['median']:.0f} ms p99 {f['ttft_ms']['p99']:.0f} ms, TPOT "
@@ -345,8 +398,11 @@ def main(argv=None) -> int:
     report["figures"] = figures
     report["ratios"] = ratios_of(figures, args.baselines)
     report["best_of_each_peer"] = best_of_each_peer(figures, args.system_specs)
+    report["copy_agreement"] = copy_agreement(report["results"], args.baselines)
     print()
     print(render(figures, report["ratios"], report["errors"], report["best_of_each_peer"]))
+    for system, agreement in report["copy_agreement"].items():
+        print(f"copy answers of {system}: {agreement}")
     m = report["machine"]
     print(f"\n{m.get('cpu_model')}, {m['cpu_count']} CPUs, {args.threads} threads per server; "
           f"load average {m['loadavg_start'][0]:.2f} at the start, "

@@ -10,6 +10,7 @@ METRICS = [
     ("batch_output_tps", "batch out tok/s", lambda r: r["batch"]["output_tokens_per_s"], True),
     ("batch_total_tps", "batch total tok/s", lambda r: r["batch"]["total_tokens_per_s"], True),
     ("single_tps", "single tok/s", lambda r: r["single"]["tokens_per_s"], True),
+    ("copy_tps", "copy tok/s", lambda r: r["copy"]["tokens_per_s"], True),
     ("capacity_rps", "capacity req/s", lambda r: r["capacity"]["rate"], True),
     ("serving_ttft_p99", "TTFT p99 ms", lambda r: r["serving"]["ttft_ms"]["p99"], False),
     ("serving_tpot_p99", "TPOT p99 ms", lambda r: r["serving"]["tpot_ms"]["p99"], False),

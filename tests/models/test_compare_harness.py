@@ -429,3 +429,24 @@ def test_logs_are_trimmed_to_a_committable_size(servers, tmp_path):
     small.write_text("ok\n")
     servers.trim_log(small, max_bytes=1000)
     assert small.read_text() == "ok\n"
+
+
+def test_copy_workload_is_sized_and_answers_are_compared(compare, bench):
+    """The copy workload (speculative decoding's) runs one stream with room for its prompts,
+    and the report counts each system's answers equal to the first baseline's."""
+    from lib.copy_prompts import COPY_PROMPTS
+    args = compare.parse_args(["--workloads", "copy", "--copy-output-len", "128"])
+    copy = compare.settings_for("copy", args)
+    assert (copy.concurrency, copy.max_model_len) == (1, 640)
+    assert len(COPY_PROMPTS) >= 8
+
+    def run(*texts):
+        return {"copy": {"answers": [{"text": t} for t in texts]}}
+
+    results = {"plain": [run("a", "b", "c")], "ngram": [run("a", "b", "x")],
+               "peer": [run("q", "b", "c")], "batch-only": [{"batch": {}}]}
+    agreement = compare.copy_agreement(results, ["missing", "plain"])
+    assert agreement == {"ngram": "2/3 equal to plain", "peer": "2/3 equal to plain"}
+    assert compare.copy_agreement(results, ["batch-only"]) == {}
+    figures = bench["lib.report"].figures_of({"ngram": [{"copy": {"tokens_per_s": 5.0}}]})
+    assert figures["ngram"]["copy_tps"]["median"] == 5.0
