@@ -130,6 +130,7 @@ LAYER_OF = {
     "pagedlm.executor": "executor",
     "pagedlm.worker": "worker",
     "pagedlm.lora.worker_manager": "worker",  # loads a worker's adapters into its model
+    "pagedlm.spec_decode": "worker",  # proposers: the model runner asks them for drafts
     "pagedlm.lora": "model_executor",  # adapter layers wrap the model's linear layers
     "pagedlm.model_executor": "model_executor",
     "pagedlm.distributed": "model_executor",  # the collectives the parallel layers call
