@@ -92,6 +92,10 @@ class SamplerOutput:
     ranks: list[int] | None
     top_token_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    # Speculative decoding: tokens each of meta.draft.spans emits (aligned with the spans);
+    # a span's emitted tokens (and their logprobs) are its rows first_row..first_row+e-1, its
+    # other rows are meaningless. None without drafts.
+    num_emitted: list[int] | None = None
 
 
 @dataclass

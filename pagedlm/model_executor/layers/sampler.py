@@ -2,6 +2,10 @@
 
 Vectorised over the batch; each optional stage runs only when some row asks for it, so an
 all-greedy batch costs one argmax. Logprobs are those of the raw model distribution.
+
+With drafts (speculative decoding, meta.draft), a speculating sequence's rows go through the
+same processing, and rejection_sampler.py decides from their distributions which drafts are
+accepted; the other rows sample as without drafts.
 """
 from __future__ import annotations
 
@@ -9,6 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.model_executor.layers.rejection_sampler import (
+    DraftMetadata,
+    DraftSpan,
+    accept_greedy,
+    accept_random,
+    inverse_cdf,
+)
 from pagedlm.model_executor.layers.token_constraints import apply_token_constraints
 from pagedlm.model_io import SamplerOutput
 from pagedlm.sampling_params import SamplingParams
@@ -27,6 +38,8 @@ class SamplingMetadata:
     max_num_logprobs: int  # -1 when no row wants logprobs
     any_token_constraints: bool = False  # some row has logit_bias, allowed_token_ids, bad_words
     grammar_bitmask: GrammarBitmask | None = None  # rows with a grammar: their allowed tokens
+    # Speculating sequences' rows: verify their drafts (rejection sampling) instead.
+    draft: DraftMetadata | None = None
 
 
 class Sampler(torch.nn.Module):
@@ -37,54 +50,126 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
-        if any(p.has_penalties for p in meta.params):
-            logits = _apply_penalties(logits, meta)
-        if any(p.min_tokens and len(o) < p.min_tokens
-               for p, o in zip(meta.params, meta.output_token_ids)):
-            logits = _mask_stop_tokens(logits, meta)
-        if meta.any_token_constraints:
-            logits = apply_token_constraints(logits, meta.params, meta.output_token_ids)
-        if meta.grammar_bitmask is not None:
-            logits = apply_grammar_bitmask(logits, meta.grammar_bitmask)
+        logits = _process(logits, meta)
+        if meta.draft is not None:
+            sampled, num_emitted = self._verify(logits, meta, meta.draft.spans)
+            out = _gather_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
+            out.num_emitted = num_emitted
+            return out
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = self._sample(logits, meta)
+            sampled = self._sample(logits, meta.params, meta.generators)
         return _gather_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        params = meta.params
-        # The argmax and the division each cost a pass over the logits (4 and 1 ms at 128 rows
-        # of SmolLM2's 49k vocabulary): only when some row needs them.
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        # The argmax costs a pass over the logits (4 ms at 128 rows of SmolLM2's 49k
+        # vocabulary): only when some row needs it.
         greedy = [p.greedy for p in params]
         greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
-        temps = [1.0 if p.greedy else p.temperature for p in params]
-        if any(t != 1.0 for t in temps):
-            logits = logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1)
-        if any(p.top_k or p.top_p < 1.0 for p in params):
-            logits = _apply_top_k_top_p(logits, params)
-        if any(p.min_p > 0 for p in params):
-            probs = logits.softmax(dim=-1)
-            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        probs = logits.softmax(dim=-1)
+        probs = _target_probs(logits, params)
         # Inverse-CDF sampling: one uniform draw per row. Seeded rows draw from their own
         # generator, so their result does not depend on what else is in the batch.
         u = torch.empty(len(params), dtype=probs.dtype)
-        unseeded = [i for i, g in enumerate(meta.generators) if g is None]
+        unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
             u[unseeded] = torch.rand(len(unseeded), generator=self.generator, dtype=probs.dtype)
-        for i, g in enumerate(meta.generators):
+        for i, g in enumerate(generators):
             if g is not None:
                 u[i] = torch.rand(1, generator=g, dtype=probs.dtype)[0]
-        cdf = probs.cumsum(dim=-1)
-        # Zero-probability tokens have a flat CDF step, so `right=True` never lands on them.
-        random_tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)
-        random_tokens = random_tokens.squeeze(1).clamp_(max=probs.shape[1] - 1)
+        random_tokens = inverse_cdf(probs, u)
         if greedy_tokens is None:
             return random_tokens
         return torch.where(torch.tensor(greedy), greedy_tokens, random_tokens)
+
+    def _verify(self, logits: torch.Tensor, meta: SamplingMetadata, spans: list[DraftSpan]
+                ) -> tuple[torch.Tensor, list[int]]:
+        """Sampled tokens of every row (a span's emitted tokens in its first rows) and the
+        number each span emits."""
+        sampled = torch.zeros(logits.shape[0], dtype=torch.long)
+        in_span = torch.zeros(logits.shape[0], dtype=torch.bool)
+        for s in spans:
+            in_span[s.first_row:s.rows.stop] = True
+        other = (~in_span).nonzero().squeeze(1).tolist()
+        if other:
+            params = [meta.params[i] for i in other]
+            sub = logits[other]
+            sampled[other] = (sub.argmax(dim=-1) if all(p.greedy for p in params) else
+                              self._sample(sub, params, [meta.generators[i] for i in other]))
+        num_emitted = [0] * len(spans)
+        for greedy in (True, False):
+            which = [i for i, s in enumerate(spans) if meta.params[s.first_row].greedy == greedy]
+            if not which:
+                continue
+            group = [spans[i] for i in which]
+            rows = [r for s in group for r in s.rows]
+            if greedy:
+                tokens = logits[rows].argmax(dim=-1)
+                emitted = accept_greedy(tokens, group)
+            else:
+                probs = _target_probs(logits[rows], [meta.params[r] for r in rows])
+                u = self._span_uniforms(group, meta.generators, probs.dtype)
+                tokens, emitted = accept_random(probs, group, u)
+            sampled[rows] = tokens
+            for i, e in zip(which, emitted.tolist()):
+                num_emitted[i] = e
+        return sampled, num_emitted
+
+    def _span_uniforms(self, spans: list[DraftSpan], generators: list[torch.Generator | None],
+                       dtype: torch.dtype) -> torch.Tensor:
+        """[S, M+1]: span i's m+1 draws from its request's generator (self.generator when
+        unseeded), its first m in columns 0..m-1 (one per draft), its last in column M."""
+        longest = max(len(s.token_ids) for s in spans)
+        u = torch.ones(len(spans), longest + 1, dtype=dtype)
+        gens = [generators[s.first_row] for s in spans]
+        unseeded = [i for i, g in enumerate(gens) if g is None]
+        if unseeded:
+            flat = torch.rand(sum(len(spans[i].token_ids) + 1 for i in unseeded),
+                              generator=self.generator, dtype=dtype)
+        start = 0
+        for i, (s, g) in enumerate(zip(spans, gens)):
+            m = len(s.token_ids)
+            if g is None:
+                draws, start = flat[start:start + m + 1], start + m + 1
+            else:
+                draws = torch.rand(m + 1, generator=g, dtype=dtype)
+            u[i, :m] = draws[:m]
+            u[i, longest] = draws[m]
+        return u
+
+
+def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Penalties, min_tokens, token constraints and the grammar: the logits each row samples
+    from (before temperature)."""
+    if any(p.has_penalties for p in meta.params):
+        logits = _apply_penalties(logits, meta)
+    if any(p.min_tokens and len(o) < p.min_tokens
+           for p, o in zip(meta.params, meta.output_token_ids)):
+        logits = _mask_stop_tokens(logits, meta)
+    if meta.any_token_constraints:
+        logits = apply_token_constraints(logits, meta.params, meta.output_token_ids)
+    if meta.grammar_bitmask is not None:
+        logits = apply_grammar_bitmask(logits, meta.grammar_bitmask)
+    return logits
+
+
+def _target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution random rows draw from: temperature, top-k/top-p, min-p (greedy rows
+    at temperature 1, untruncated unless asked)."""
+    # The division costs a pass over the logits (1 ms at 128 rows of SmolLM2's 49k
+    # vocabulary): only when some row needs it.
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1)
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        logits = _apply_top_k_top_p(logits, params)
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits.softmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
