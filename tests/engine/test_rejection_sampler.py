@@ -142,14 +142,12 @@ def _draw_spans(drafts, params=None, q=None, spans_n=12000, seed=0, logits=None)
     params = params or SamplingParams(temperature=1.0)
     rows = (logits if logits is not None else torch.stack([P0, P1, P2]).log())
     logits = rows.repeat(spans_n, 1)
-    gen = torch.Generator().manual_seed(seed + 1)
-    spans = []
-    for i in range(spans_n):
-        if q is None:
-            spans.append(DraftSpan(3 * i, list(drafts)))
-        else:  # a proposer's drafts are drawn from its distribution
-            d = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
-            spans.append(DraftSpan(3 * i, d, probs=q))
+    if q is None:
+        spans = [DraftSpan(3 * i, list(drafts)) for i in range(spans_n)]
+    else:  # a proposer's drafts are drawn from its distribution
+        gen = torch.Generator().manual_seed(seed + 1)
+        d = torch.multinomial(q, spans_n, replacement=True, generator=gen).T.tolist()
+        spans = [DraftSpan(3 * i, d[i], probs=q) for i in range(spans_n)]
     meta = make_meta([params] * 3 * spans_n, spans=spans)
     out = Sampler(torch.Generator().manual_seed(seed))(logits, meta)
     return emitted(out, spans)

@@ -95,26 +95,29 @@ def accept_random(probs: torch.Tensor, spans: list[DraftSpan], uniforms: torch.T
     idx = idx.clamp_(max=probs.shape[0] - 1)
     p_draft = probs[idx, pad.drafts]  # [S, M]: p_j(d_{j+1})
     q_draft = torch.ones_like(p_draft)
-    general = [i for i, s in enumerate(spans) if s.probs is not None]
-    for i in general:
-        d = pad.drafts[i, :pad.lengths[i]]
-        q = spans[i].probs.to(probs.dtype)
-        q_draft[i, :len(d)] = q.gather(1, d.unsqueeze(1)).squeeze(1)
+    general = torch.tensor([s.probs is not None for s in spans])
+    q = None
+    if general.any():
+        # [G, M, V] the proposals' distributions, zero past a span's drafts.
+        q = torch.nn.utils.rnn.pad_sequence(
+            [s.probs.to(probs.dtype) for s in spans if s.probs is not None], batch_first=True)
+        q_draft[general] = q.gather(2, pad.drafts[general].unsqueeze(2)).squeeze(2)
     accept = (uniforms[:, :longest] * q_draft <= p_draft) & pad.valid
     accepted = _num_accepted(accept)  # [S]
     rejected = accepted < pad.lengths
     last_rows = pad.offsets + accepted
     weights = probs[last_rows]  # a copy: [S, V]
     # The residual max(p - q, 0) where a draft was rejected; one-hot q zeroes the draft's token.
-    one_hot = rejected.clone()
-    one_hot[general] = False
-    rows = one_hot.nonzero().squeeze(1)
+    rows = (rejected & ~general).nonzero().squeeze(1)
     if len(rows):
         weights[rows, pad.drafts[rows, accepted[rows]]] = 0.0
-    for i in general:
-        if rejected[i]:
-            q = spans[i].probs[accepted[i]].to(probs.dtype)
-            weights[i] = (weights[i] - q).clamp_(min=0.0)
+    if q is not None:
+        g_rows = general.nonzero().squeeze(1)
+        g_rejected = rejected[g_rows]
+        g_rows = g_rows[g_rejected]
+        if len(g_rows):
+            q_last = q[g_rejected.nonzero().squeeze(1), accepted[g_rows]]  # [R, V]
+            weights[g_rows] = (weights[g_rows] - q_last).clamp_(min=0.0)
     # Rounding can leave a residual without mass (p and q equal to float precision):
     # then p itself, which the residual equals up to that rounding.
     empty = weights.sum(dim=-1) <= 0

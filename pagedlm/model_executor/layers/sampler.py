@@ -125,17 +125,19 @@ class Sampler(torch.nn.Module):
         gens = [generators[s.first_row] for s in spans]
         unseeded = [i for i, g in enumerate(gens) if g is None]
         if unseeded:
-            flat = torch.rand(sum(len(spans[i].token_ids) + 1 for i in unseeded),
-                              generator=self.generator, dtype=dtype)
-        start = 0
+            # One call for all of them, scattered: draw k of span i to column k, or M if last.
+            m = torch.tensor([len(spans[i].token_ids) for i in unseeded])
+            span = torch.repeat_interleave(torch.arange(len(unseeded)), m + 1)
+            k = torch.arange(len(span)) - (torch.cumsum(m + 1, 0) - (m + 1))[span]
+            col = torch.where(k < m[span], k, longest)
+            u[torch.tensor(unseeded)[span], col] = torch.rand(len(span), generator=self.generator,
+                                                              dtype=dtype)
         for i, (s, g) in enumerate(zip(spans, gens)):
-            m = len(s.token_ids)
-            if g is None:
-                draws, start = flat[start:start + m + 1], start + m + 1
-            else:
+            if g is not None:
+                m = len(s.token_ids)
                 draws = torch.rand(m + 1, generator=g, dtype=dtype)
-            u[i, :m] = draws[:m]
-            u[i, longest] = draws[m]
+                u[i, :m] = draws[:m]
+                u[i, longest] = draws[m]
         return u
 
 
