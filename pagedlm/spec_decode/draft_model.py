@@ -22,7 +22,7 @@ from pagedlm.config import CacheConfig, ModelConfig
 from pagedlm.model_executor.model_loader.loader import get_model
 from pagedlm.spec_decode.proposer import Proposal, ProposalRequest
 from pagedlm.utils import cdiv
-from pagedlm.worker.cache_engine import CacheEngine
+from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagedlm.worker.model_runner import ModelRunner, _FlatBatch
 
 
@@ -34,21 +34,33 @@ class _DraftSeq:
 
 
 class DraftModelProposer:
-    """Proposer (spec_decode/proposer.py) of a draft model with `num_blocks` KV blocks."""
+    """Proposer (spec_decode/proposer.py) of a draft model with a pool of KV blocks.
 
-    def __init__(self, config: ModelConfig, cache_config: CacheConfig, num_blocks: int,
+    The worker sizes the pool with the target's (the same block count, each block's bytes
+    counted in kv_bytes_per_block): every token the target can cache, the draft can too."""
+
+    def __init__(self, config: ModelConfig, cache_config: CacheConfig, num_blocks: int = 0,
                  device: torch.device | str = "cpu", model: torch.nn.Module | None = None
                  ) -> None:
         """config: draft_config.draft_model_config's; cache_config: the target's (block size,
-        KV dtype); model: the loaded draft (default: loaded now)."""
+        KV dtype); num_blocks: the pool (0: initialize_cache later); model: the loaded draft
+        (default: loaded now)."""
         self.config = config
+        self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.num_blocks = num_blocks
         self.model = model if model is not None else get_model(config, device)
         self.device = next(p.device for p in self.model.parameters() if not p.is_meta)
-        self.kv_caches = CacheEngine(config, cache_config, num_blocks).kv_caches
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
+        self.kv_bytes_per_block = kv_bytes_per_block(
+            config, self.block_size, dtype=cache_config.kv_dtype(config.dtype))
         self.seqs: dict[int, _DraftSeq] = {}
+        self.initialize_cache(num_blocks)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """(Re)allocate the pool; every sequence's state is dropped."""
+        self.num_blocks = num_blocks
+        self.kv_caches = CacheEngine(self.config, self.cache_config, num_blocks).kv_caches
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
+        self.seqs.clear()
 
     @property
     def num_free_blocks(self) -> int:
