@@ -72,11 +72,13 @@ class DraftModelProposer:
             if seq is not None:
                 self.free_blocks += reversed(seq.block_ids)
 
-    def _sync(self, req: ProposalRequest) -> tuple[_DraftSeq, int, int] | None:
+    def _sync(self, req: ProposalRequest, drafting: set[int]
+              ) -> tuple[_DraftSeq, int, int] | None:
         """Roll the sequence's cache back to the longest prefix it shares with the committed
         tokens and give it blocks for the step: (seq, tokens kept, k), or None when it drafts
-        nothing this step (k = 0, or the pool cannot hold it: its blocks are then given back,
-        so a sequence that does not fit never holds blocks the others could use)."""
+        nothing this step (k = 0, or the pool cannot hold it even after the sequences not
+        drafting this step gave theirs back: its own are then given back too, so a sequence
+        that does not fit never holds blocks the others could use)."""
         tokens, length = req.token_ids, len(req.token_ids)
         # Fed: the committed tokens not yet cached and d1..d_{k-1}, at positions up to L+k-2.
         k = min(req.num_tokens, self.config.max_model_len - length + 1)
@@ -94,7 +96,16 @@ class DraftModelProposer:
             keep += 1
         del cached[keep:]
         need = cdiv(length + k - 1, self.block_size)
-        if need > len(seq.block_ids) + len(self.free_blocks):
+        short = need - len(seq.block_ids) - len(self.free_blocks)
+        if short > 0:
+            # Sequences not drafting this step (preempted, or backed off to k = 0) give their
+            # blocks first, in the order they first drafted; they catch up when they draft again.
+            for idle in [i for i in self.seqs if i not in drafting]:
+                if short <= 0:
+                    break
+                short -= len(self.seqs[idle].block_ids)
+                self.drop([idle])
+        if short > 0:
             self.drop([req.seq_id])
             return None
         while len(seq.block_ids) > need:
@@ -106,7 +117,8 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
         drafts: list[list[int]] = [[] for _ in requests]
-        synced = [(i, self._sync(r)) for i, r in enumerate(requests)]
+        drafting = {r.seq_id for r in requests}
+        synced = [(i, self._sync(r, drafting)) for i, r in enumerate(requests)]
         active = [(i, *s) for i, s in synced if s is not None]
         if not active:
             return [Proposal([]) for _ in requests]
