@@ -214,3 +214,27 @@ def test_seeded_spans_use_their_generator_and_do_not_depend_on_the_batch():
         gen = torch.Generator().manual_seed(4)
         results.append(run(first_row, rows))
     assert results[0] == results[1] == results[2]
+
+
+def test_greedy_and_random_spans_in_one_batch_in_any_order():
+    vocab = 12
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(2))
+    argmax = logits.argmax(dim=-1).tolist()
+    greedy, seeded = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5)
+    params = [greedy] + [seeded] * 3 + [greedy] * 3
+    greedy_span = DraftSpan(4, [argmax[4], (argmax[5] + 1) % vocab])  # accepts one
+    random_span = DraftSpan(1, [3, 4])
+
+    def run(rows, spans):
+        gens = [torch.Generator().manual_seed(5) if p is seeded else None for p in params]
+        gens[1:4] = [gens[1]] * 3  # one request, one generator
+        meta = make_meta([params[r] for r in rows],
+                         generators=[gens[r] for r in rows], spans=spans)
+        return Sampler(torch.Generator().manual_seed(0))(logits[rows], meta)
+
+    out = run(list(range(7)), [greedy_span, random_span])
+    assert out.sampled_token_ids[0] == argmax[0]
+    both = emitted(out, [greedy_span, random_span])
+    assert out.num_emitted[0] == 2 and both[0] == argmax[4:6]
+    alone = run([1, 2, 3], [DraftSpan(0, random_span.token_ids)])
+    assert both[1] == emitted(alone, [DraftSpan(0, [3, 4])])[0]
