@@ -19,6 +19,7 @@ from pagedlm import envs
 from pagedlm.distributed.utils import get_pp_indices
 from pagedlm.model_executor.models.registry import resolve_architecture
 from pagedlm.pooling_params import PoolerConfig
+from pagedlm.speculative_config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -425,6 +426,7 @@ class EngineConfig:
     # Seconds a new grammar may take to compile (in a child process, killed past it).
     structured_outputs_compile_timeout: float = 10.0
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.trace_file is not None:
@@ -447,6 +449,15 @@ class EngineConfig:
                              f"enable_lora: LoRA adapters need the float base weights.")
         pc = self.parallel_config
         model.verify_with_parallel_config(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        spec = self.speculative_config
+        if spec is not None and model.runner == "pooling":
+            raise ValueError("speculative_config cannot be combined with runner='pooling': "
+                             "nothing is decoded.")
+        if spec is not None and spec.method == "draft_model" and pc.world_size > 1:
+            raise ValueError(f"speculative_config with a draft model cannot be combined with "
+                             f"tensor_parallel_size={pc.tensor_parallel_size} x "
+                             f"pipeline_parallel_size={pc.pipeline_parallel_size}: the draft "
+                             f"runs in one worker.")
         sc = self.scheduler_config
         if sc.max_model_len != model.max_model_len:
             raise ValueError(f"scheduler_config.max_model_len ({sc.max_model_len}) differs from "

@@ -6,9 +6,10 @@ v1/core/sched/output.py and v1/outputs.py free of the code on either side).
 
 The request carries ids and diffs, not live objects. A request's sampling settings and prompt go
 to the workers once (NewRequestData); a sequence goes once in full (NewSequenceData: a new
-prompt, a fork, or one whose block table was rewritten by a copy-on-write or a swap); afterwards
-a step carries only what changed: the tokens appended since the workers last saw it, the blocks
-appended to its table, and its computed-token count (CachedSequenceData). The workers keep the
+prompt or a fork); afterwards a step carries only what changed: the tokens appended since the
+workers last saw it, the blocks appended to its table (after the part it keeps, where a
+copy-on-write, a swap or given-back lookahead slots rewrote the tail), and its computed-token
+count (CachedSequenceData). The workers keep the
 rest (worker/model_runner.py: tokens, block tables, the request's seeded generator), so a decode
 step costs a few integers per sequence however long the sequences are, and crossing a process
 boundary pickles no detokenizer or metrics. Sequences are the unit (vLLM's is the request) since
@@ -55,6 +56,9 @@ class CachedSequenceData:
     seq_ids: list[int] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)  # appended since last sent
     new_block_ids: list[list[int]] = field(default_factory=list)  # appended to its table
+    # seq id -> how many of its table's blocks the workers keep before appending, where the
+    # table was rewritten (absent: all).
+    num_kept_blocks: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,6 +71,9 @@ class ExecuteModelRequest:
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_samples: list[int] = field(default_factory=list)  # 0 mid-prompt, best_of at a fork
+    # Speculative decoding: k lookahead slots past a decode's one new token (0: plain decode);
+    # empty when nothing speculates this step.
+    num_lookahead: list[int] = field(default_factory=list)
     # Requests whose scheduled prompt chunk should also return prompt logprobs.
     prompt_logprobs_req_ids: list[str] = field(default_factory=list)
     # State the workers can drop (finished or aborted since the last step).
@@ -126,6 +133,10 @@ class ModelRunnerOutput:
     # Pooling runner: seq id -> its prompt's pooled final hidden state (float32, on the host),
     # for the sequences whose prompt completed this step; nothing is sampled.
     pooled: dict[int, torch.Tensor] | None = None
+    # Speculative decoding, for the sequences that verified >= 1 draft: seq id -> drafts
+    # verified, and tokens emitted (its rows first_sample_row.. hold them in order).
+    num_drafts: dict[int, int] = field(default_factory=dict)
+    num_emitted: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -66,6 +66,10 @@ class Sequence:
     # its first synced_num_tokens tokens and this block table; None: nothing yet.
     synced_num_tokens: int = 0
     synced_block_ids: list[int] | None = None
+    # Speculative decoding's per-sequence back-off (core/spec_policy.py): its current k (None:
+    # not decoded yet) and, at k = 0, its plain steps left before it tries again.
+    spec_k: int | None = None
+    spec_wait: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -104,6 +108,9 @@ class SequenceUpdates:
     """What the output processor decided in one step, for the scheduler to act on."""
     forks: list[tuple[SequenceGroup, Sequence, Sequence]] = field(default_factory=list)
     finished: list[tuple[Sequence, SequenceStatus]] = field(default_factory=list)
+    # Speculative decoding: (sequence, drafts verified, drafts accepted) for each sequence that
+    # verified at least one draft; its accepted drafts' K/V are in the cache.
+    spec: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -188,7 +188,9 @@ class BlockManager:
         copies = []
         for s, n in zip(seqs, num_new_tokens):
             copies += self._allocate(s, n)
-            self._cache_full_blocks(s, s.num_computed_tokens + n)
+            # Committed tokens only: speculative lookahead slots (past the sequence's tokens)
+            # hold drafts that may be rejected, so no block is hashed over them.
+            self._cache_full_blocks(s, min(s.num_computed_tokens + n, len(s.token_ids)))
         return copies
 
     def _allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
@@ -204,6 +206,13 @@ class BlockManager:
         while len(seq.block_table) < total:
             seq.block_table.append(self.device.take())
         return copies
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past what seq's tokens need: the lookahead slots of drafts
+        that were rejected (or never proposed). Never registered, so they free plainly."""
+        keep = self.num_blocks_for(len(seq.token_ids))
+        while len(seq.block_table) > keep:
+            self.device.release(seq.block_table.pop())
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_table = list(parent.block_table)

@@ -38,6 +38,7 @@ class ExecuteModelRequestBuilder:
             finished_req_ids=self._finished_req_ids, finished_seq_ids=self._finished_seq_ids)
         self._finished_req_ids, self._finished_seq_ids = [], []
         cached = req.cached_seqs
+        speculating = False  # num_lookahead stays empty until a sequence has lookahead
         for sg in sched_out.scheduled_groups:
             group = sg.group
             rid = group.request_id
@@ -49,20 +50,31 @@ class ExecuteModelRequestBuilder:
             sp = group.sampling_params
             if sp.prompt_logprobs is not None and group.prompt_logprobs is None:
                 req.prompt_logprobs_req_ids.append(rid)
-            for seq, n, k in zip(sg.seqs, sg.num_new_tokens, sg.num_samples):
+            if any(sg.num_lookahead) and not speculating:
+                speculating = True
+                req.num_lookahead = [0] * len(req.seq_ids)
+            for seq, n, k, la in zip(sg.seqs, sg.num_new_tokens, sg.num_samples,
+                                     sg.num_lookahead):
                 synced = seq.synced_block_ids
                 table = seq.block_table
-                if synced is None or table[:len(synced)] != synced:
+                if synced is None:
                     req.new_seqs.append(NewSequenceData(seq.seq_id, rid, list(seq.token_ids),
                                                         list(table)))
                 else:
+                    keep = len(synced)
+                    if table[:keep] != synced:  # its tail was rewritten: resend from there
+                        keep = next((i for i, (a, b) in enumerate(zip(table, synced))
+                                     if a != b), min(len(table), keep))
+                        cached.num_kept_blocks[seq.seq_id] = keep
                     cached.seq_ids.append(seq.seq_id)
                     cached.new_token_ids.append(seq.token_ids[seq.synced_num_tokens:])
-                    cached.new_block_ids.append(table[len(synced):])
+                    cached.new_block_ids.append(table[keep:])
                 seq.synced_num_tokens = len(seq.token_ids)
                 seq.synced_block_ids = list(table)
                 req.seq_ids.append(seq.seq_id)
                 req.num_computed_tokens.append(seq.num_computed_tokens)
                 req.num_scheduled_tokens.append(n)
                 req.num_samples.append(k)
+                if speculating:
+                    req.num_lookahead.append(la)
         return req

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.block_manager import BlockManager, PoolFactory, plain_pool
+from pagedlm.core.spec_policy import SpecPolicy
 from pagedlm.model_io import is_decode
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdates
+from pagedlm.speculative_config import SpeculativeConfig
 
 
 @dataclass
@@ -37,10 +39,14 @@ class ScheduledGroup:
     num_new_tokens: list[int]  # per seq: tokens computed this step
     # per seq: tokens to sample after this step; 0 mid-prompt, best_of when a prompt forks.
     num_samples: list[int] = field(default_factory=list)
+    # per seq: speculative lookahead slots reserved past its one new token (0: none).
+    num_lookahead: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.num_samples = [self.group.num_samples(s, n)
                             for s, n in zip(self.seqs, self.num_new_tokens)]
+        if self.num_lookahead is None:
+            self.num_lookahead = [0] * len(self.seqs)
 
 
 @dataclass
@@ -75,15 +81,26 @@ class SchedulerStats:
     num_ignored: int = 0  # groups finished unscheduled: they could never fit
     num_lora_waits: int = 0  # steps x groups held back because no adapter slot was free
     max_step_loras: int = 0  # most distinct adapters in one step
+    # Speculative decoding: drafts verified, of those accepted, and sequence-steps that
+    # verified at least one (acceptance rate = accepted / drafts; mean accepted length =
+    # 1 + accepted / verifies, the tokens a verifying sequence-step emits).
+    spec_num_drafts: int = 0
+    spec_num_accepted: int = 0
+    spec_num_verifies: int = 0
 
 
 class Scheduler:
 
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
                  num_device_blocks: int, num_cpu_blocks: int = 0, *, watermark: float = 0.01,
-                 pool_factory: PoolFactory = plain_pool) -> None:
+                 pool_factory: PoolFactory = plain_pool,
+                 speculative_config: SpeculativeConfig | None = None,
+                 deterministic: bool = False) -> None:
         """The Scheduler owns its BlockManager, sized by what the executor allocated."""
         self.config = config
+        self.spec_policy = (SpecPolicy(speculative_config, deterministic, config.max_model_len,
+                                       config.max_num_batched_tokens)
+                            if speculative_config is not None else None)
         self.block_manager = BlockManager(
             num_device_blocks, cache_config.block_size, watermark, num_cpu_blocks,
             enable_prefix_caching=cache_config.enable_prefix_caching,
@@ -137,13 +154,29 @@ class Scheduler:
                     for g in order]
         pending = deque([g for g, d in zip(order, decoding) if d]
                         + [g for g, d in zip(order, decoding) if not d])
+        decoding_ids = {id(g) for g, d in zip(order, decoding) if d}
+        policy = self.spec_policy
+        speculate = policy is not None and policy.batch_allows(
+            sum(len(g.unfinished_seqs()) for g, d in zip(order, decoding) if d))
         preempted: set[int] = set()
         while pending:
             group = pending.popleft()
             seqs, tokens = self._plan(group, group.unfinished_seqs())
             if not seqs:
                 continue  # no token budget left this step; it keeps its place
-            while (copies := bm.allocate_slots(seqs, tokens)) is None:
+            lookahead = None
+            if speculate and id(group) in decoding_ids:
+                lookahead = [policy.lookahead(group, s) for s in seqs]
+                if sum(tokens) + sum(lookahead) > self._budget:
+                    if policy.deterministic:
+                        continue  # its k is its own: it waits for a step with the budget
+                    lookahead = None
+            while (copies := bm.allocate_slots(
+                    seqs, tokens if not lookahead else
+                    [n + k for n, k in zip(tokens, lookahead)])) is None:
+                if lookahead and any(lookahead) and not policy.deterministic:
+                    lookahead = None  # plain decoding before anyone is preempted
+                    continue
                 victim = max([*pending, group], key=self._key)
                 if victim is not group:
                     pending.remove(victim)
@@ -152,7 +185,9 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                self._add_scheduled(group, seqs, tokens, copies, sched_out)
+                if speculate and id(group) in decoding_ids:
+                    policy.scheduled(seqs)
+                self._add_scheduled(group, seqs, tokens, copies, sched_out, lookahead)
         self.running = [g for g in order if id(g) not in preempted]
         return bool(preempted)
 
@@ -277,11 +312,14 @@ class Scheduler:
         return chosen, tokens
 
     def _add_scheduled(self, group: SequenceGroup, seqs: list[Sequence], tokens: list[int],
-                       copies: list[tuple[int, int]], sched_out: SchedulerOutput) -> None:
-        """Put a group whose slots are allocated into this step's output."""
+                       copies: list[tuple[int, int]], sched_out: SchedulerOutput,
+                       lookahead: list[int] | None = None) -> None:
+        """Put a group whose slots are allocated into this step's output; lookahead slots
+        are charged to the token budget (they are computed as verification rows)."""
         sched_out.blocks_to_copy += copies
-        sched_out.scheduled_groups.append(ScheduledGroup(group, seqs, tokens))
-        self._budget -= sum(tokens)
+        sched_out.scheduled_groups.append(ScheduledGroup(group, seqs, tokens,
+                                                         num_lookahead=lookahead))
+        self._budget -= sum(tokens) + (sum(lookahead) if lookahead else 0)
 
     def _can_ever_fit(self, seqs: list[Sequence]) -> bool:
         lens = [len(s.token_ids) for s in seqs]
@@ -322,8 +360,20 @@ class Scheduler:
                 self.block_manager.fork(parent, child)
                 child.num_computed_tokens = parent.num_computed_tokens
                 group.seqs.append(child)
+            for seq, num_drafts, num_accepted in updates.spec:
+                seq.num_computed_tokens += num_accepted  # their K/V were written in the step
+                self.stats.spec_num_drafts += num_drafts
+                self.stats.spec_num_accepted += num_accepted
+                self.stats.spec_num_verifies += 1
+                self.spec_policy.update(seq, num_drafts, num_accepted)
             for seq, status in updates.finished:
                 self._finish_seq(seq, status)
+        if self.spec_policy is not None:
+            # The slots of rejected (or never proposed) lookahead tokens go back to the pool.
+            for sg in sched_out.scheduled_groups:
+                for seq, k in zip(sg.seqs, sg.num_lookahead):
+                    if k and not seq.status.finished:
+                        self.block_manager.trim(seq)
         finished = [sg.group for sg in sched_out.scheduled_groups if sg.group.is_finished()]
         if finished:
             self.running = [g for g in self.running if not g.is_finished()]

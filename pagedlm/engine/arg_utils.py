@@ -17,6 +17,8 @@ from pagedlm.model_executor.layers.quantization import (get_quantization_config,
 from pagedlm.model_executor.model_loader.memory_check import check_fits_memory, weight_memory
 from pagedlm.model_executor.model_loader.model_path import ensure_float_weights, resolve_model
 from pagedlm.pooling_params import PoolerConfig
+from pagedlm.speculative_config import SpeculativeConfig
+from pagedlm.spec_decode.draft_config import check_draft_model
 from pagedlm.structured_output.registry import SUPPORTED_BACKENDS
 from pagedlm.utils import available_memory_bytes
 
@@ -71,6 +73,10 @@ class EngineArgs:
     # A directory whose tokenizer and chat template replace the model's (for a GGUF file, the
     # ones in its metadata); default: the model's own.
     tokenizer: str | None = None
+    # Speculative decoding, in vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"model": DIR_OR_GGUF,
+    # "num_speculative_tokens": k}; a dict or its JSON text. None: off.
+    speculative_config: dict | str | SpeculativeConfig | None = None
 
     def _pooler_config(self) -> PoolerConfig | None:
         if self.runner not in ("generate", "pooling"):
@@ -136,6 +142,7 @@ class EngineArgs:
         cache_config = self._cache_config(pooler_config)
         request_limits = RequestLimits(**{f.name: getattr(self, f.name)
                                           for f in dataclasses.fields(RequestLimits)})
+        speculative_config = SpeculativeConfig.from_user(self.speculative_config)
         model_dir = resolve_model(self.model)
         # quantization=None keeps a large GGUF file in its blocks (resolve_quantization).
         quantization = resolve_quantization(quantization, model_dir)
@@ -154,6 +161,9 @@ class EngineArgs:
                           available_memory_bytes(), cache_config.kv_cache_memory_bytes or 0)
         if quantization != "gguf":
             ensure_float_weights(model_dir)  # a GGUF file's float32 copy, written once
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            # Its path and vocabulary, before any worker loads it.
+            check_draft_model(speculative_config.model, model_config)
         chunked = self.enable_chunked_prefill
         batched = self.max_num_batched_tokens
         if batched is None:
@@ -174,7 +184,8 @@ class EngineArgs:
                             structured_outputs_backend=self._structured_outputs_backend(),
                             structured_outputs_compile_timeout=(
                                 self.structured_outputs_compile_timeout),
-                            request_limits=request_limits)
+                            request_limits=request_limits,
+                            speculative_config=speculative_config)
 
     def _structured_outputs_backend(self) -> str:
         if self.structured_outputs_backend not in SUPPORTED_BACKENDS:

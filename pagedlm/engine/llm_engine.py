@@ -55,7 +55,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler_config, cc, self.executor.num_gpu_blocks,
             self.executor.num_cpu_blocks,
-            pool_factory=plain_pool if self.tracer is None else self.tracer.block_pool)
+            pool_factory=plain_pool if self.tracer is None else self.tracer.block_pool,
+            speculative_config=config.speculative_config, deterministic=mc.deterministic)
         # Called around every step (step() checks the list is empty, and nothing else runs).
         self.observers: list[StepObserver] = [] if self.tracer is None else [self.tracer]
         self.request_builder = ExecuteModelRequestBuilder()
@@ -361,6 +362,9 @@ class LLMEngine:
                                     for s, n in zip(sg.seqs, sg.num_new_tokens)
                                     if not is_decode(s.num_computed_tokens, n))
         st.num_generation_tokens += len(result.sampler_output.sampled_token_ids)
+        if result.num_emitted:  # a verifying sequence's rows are its drafts + 1, not emitted
+            st.num_generation_tokens += sum(result.num_emitted.values()) - sum(
+                n + 1 for n in result.num_drafts.values())
         if result.pooled is not None:
             updates = self.output_processor.process_pooled(
                 sched, result, self.config.model_config.pooler_config.normalize)

@@ -50,13 +50,22 @@ class OutputProcessor:
                     child = seq.fork(next(self.next_seq_id))
                     updates.forks.append((group, seq, child))
                     targets.append(child)
+                num_emitted = result.num_emitted.get(seq.seq_id) if result.num_emitted else None
+                if num_emitted is not None:
+                    # A verification: its accepted drafts and one more token, appended one at a
+                    # time with every stop check; a stop drops the rest.
+                    num_drafts = result.num_drafts[seq.seq_id]
+                    updates.spec.append((seq, num_drafts, num_emitted - 1))
+                    for r in range(row, row + num_emitted):
+                        status = self._append_token(group, seq, s.sampled_token_ids[r],
+                                                    self._row_logprobs(s, r))
+                        if status is not None:
+                            updates.finished.append((seq, status))
+                            break
+                    continue
                 for target in targets:
-                    lp = None
-                    if s.sampled_logprobs is not None:
-                        lp = (s.sampled_logprobs[row], s.ranks[row],
-                              s.top_token_ids[row] if s.top_token_ids else [],
-                              s.top_logprobs[row] if s.top_logprobs else [])
-                    status = self._append_token(group, target, s.sampled_token_ids[row], lp)
+                    status = self._append_token(group, target, s.sampled_token_ids[row],
+                                                self._row_logprobs(s, row))
                     if status is not None:
                         updates.finished.append((target, status))
                     row += 1
@@ -65,6 +74,14 @@ class OutputProcessor:
             if (p := result.prompt_logprobs.get(group.request_id)) is not None:
                 self._add_prompt_logprobs(group, p)
         return updates
+
+    @staticmethod
+    def _row_logprobs(s, row: int):
+        if s.sampled_logprobs is None:
+            return None
+        return (s.sampled_logprobs[row], s.ranks[row],
+                s.top_token_ids[row] if s.top_token_ids else [],
+                s.top_logprobs[row] if s.top_logprobs else [])
 
     def process_pooled(self, sched_out: SchedulerOutput, result: ModelRunnerOutput,
                        default_normalize: bool) -> SequenceUpdates:

@@ -232,6 +232,10 @@ def new_beam_search(request_id: str, prompt: str | None, prompt_token_ids: list[
     """A search for a use_beam_search request, which is checked here as the engine checks a
     request (a private copy; ValueError naming the field). The prompt itself is checked when
     the first step's requests are added."""
+    if config.speculative_config is not None:
+        raise ValueError(f"beam search (use_beam_search, LLM.beam_search) is not supported on "
+                         f"an engine with speculative_config (method "
+                         f"{config.speculative_config.method!r}): start one without it.")
     params = params.clone()  # the caller may change its copy's plain attributes later
     params.verify()
     check_sampling_limits(params, config)

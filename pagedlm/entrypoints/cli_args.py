@@ -84,6 +84,12 @@ _HELP = {
                      "kernel then sums in an order set by the row alone; costs prefill time. "
                      "Needs the native kernels: float32 weights, bfloat16 ones on the panel "
                      "kernel (AVX2), or int8/int4/gguf.",
+    "speculative_config": "Speculative decoding, as JSON: '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4}' (prompt lookup; "
+                          "prompt_lookup_min/max bound the n-gram) or '{\"model\": "
+                          "\"DIR_OR_GGUF\", \"num_speculative_tokens\": 4}' (a draft model "
+                          "sharing the tokenizer). Greedy outputs are plain decoding's; sampled "
+                          "ones keep its distribution (rejection sampling).",
 }
 # Fixed choices of str fields.
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "scheduling_policy": ["fcfs", "priority"],
@@ -122,8 +128,9 @@ def _json_object(text: str) -> dict:
     return value
 
 
-_PARSERS = {"kv_cache_memory_bytes": parse_size, "pooler_config": _json_object}
-_PARSER_METAVARS = {"pooler_config": "JSON"}
+_PARSERS = {"kv_cache_memory_bytes": parse_size, "pooler_config": _json_object,
+            "speculative_config": _json_object}
+_PARSER_METAVARS = {"pooler_config": "JSON", "speculative_config": "JSON"}
 
 
 def _field_comments() -> dict[str, str]:

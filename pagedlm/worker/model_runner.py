@@ -8,7 +8,7 @@ maps sequence ids to rows of the sampler's output.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,10 +17,13 @@ from pagedlm.config import ModelConfig
 from pagedlm.distributed import IntermediateTensors
 from pagedlm.lora.request import LoRARequest
 from pagedlm.model_executor.layers.pooler import Pooler
+from pagedlm.model_executor.layers.rejection_sampler import DraftMetadata, DraftSpan
 from pagedlm.model_executor.layers.sampler import Sampler, SamplingMetadata
 from pagedlm.model_io import (ExecuteModelRequest, ModelRunnerOutput, PromptLogprobs,
                               SamplerOutput, StepTimings, is_decode)
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.spec_decode.proposer import Proposal, ProposalRequest, Proposer
+from pagedlm.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass
@@ -58,6 +61,7 @@ class ModelInput:
     prompt_logprobs: list[PromptLogprobsRequest]
     first_sample_row: dict[int, int]  # seq id -> its first row of sample_rows
     last_row: dict[int, int] | None = None  # seq id -> its last row of the flat batch
+    spec_seq_ids: list[int] | None = None  # the sequence of each of sampling_metadata.draft
 
 
 def _num_logprobs(sp: SamplingParams) -> int:
@@ -76,15 +80,28 @@ class _FlatBatch:
     decodes: list[tuple[CachedSequenceState, int]]  # (seq, computed tokens)
     prefills: list[tuple[CachedSequenceState, int, int, int]]  # (seq, computed, row0, end)
     last_row: dict[int, int]  # seq id -> its last row
+    # Speculating sequences' drafts (seq id -> proposal): each is m+1 decode rows, not one.
+    drafts: dict[int, Proposal] = field(default_factory=dict)
     # With LoRA: each sequence's adapter and token count, in row order.
     loras: list[LoRARequest | None] | None = None
     lora_counts: list[int] | None = None
 
 
+def _move_bitmask_rows(mask: GrammarBitmask, engine_rows: list[int], num_rows: int
+                       ) -> GrammarBitmask:
+    """The engine's grammar bitmask (one row per sample as it counts them) on this step's
+    sample rows, where drafted sequences have more rows than the engine counted."""
+    rows = [engine_rows[r] for r in mask.rows]
+    bitmask = torch.full((num_rows, mask.bitmask.shape[1]), -1, dtype=mask.bitmask.dtype)
+    bitmask[rows] = mask.bitmask[mask.rows]
+    return GrammarBitmask(rows, bitmask, mask.vocab_size)
+
+
 class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, model: torch.nn.Module, block_size: int,
-                 eos_token_ids: frozenset[int], lora_manager=None) -> None:
+                 eos_token_ids: frozenset[int], lora_manager=None,
+                 proposer: Proposer | None = None) -> None:
         self.model_config = model_config
         self.model = model
         self.block_size = block_size
@@ -98,19 +115,26 @@ class ModelRunner:
         self.lora_manager = lora_manager  # a WorkerLoRAManager, or None without LoRA
         self.pooler = (Pooler(model_config.pooler_config)
                        if model_config.runner == "pooling" else None)
+        self.proposer = proposer  # speculative decoding's drafts (None: off)
 
     # -- state --------------------------------------------------------------------------------
     def update_states(self, req: ExecuteModelRequest) -> None:
+        dropped = []
         for rid in req.finished_req_ids:
             state = self.requests.pop(rid, None)
             if self.pooler is not None:
                 self.pooler.drop(rid)
             for seq_id in state.seq_ids if state else ():
-                self.seqs.pop(seq_id, None)
+                if self.seqs.pop(seq_id, None) is not None:
+                    dropped.append(seq_id)
         for seq_id in req.finished_seq_ids:
             seq = self.seqs.pop(seq_id, None)
-            if seq is not None and seq.req_id in self.requests:
-                self.requests[seq.req_id].seq_ids.discard(seq_id)
+            if seq is not None:
+                dropped.append(seq_id)
+                if seq.req_id in self.requests:
+                    self.requests[seq.req_id].seq_ids.discard(seq_id)
+        if dropped and self.proposer is not None:
+            self.proposer.drop(dropped)
         for new in req.new_requests:
             sp = new.sampling_params
             gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
@@ -122,46 +146,69 @@ class ModelRunner:
             self.seqs[new.seq_id] = CachedSequenceState(new.req_id, new.token_ids, new.block_ids,
                                                         len(state.prompt_token_ids))
         cached = req.cached_seqs
+        kept = cached.num_kept_blocks
         for seq_id, tokens, blocks in zip(cached.seq_ids, cached.new_token_ids,
                                           cached.new_block_ids):
             seq = self.seqs[seq_id]
             seq.token_ids += tokens
+            if kept and seq_id in kept:
+                del seq.block_ids[kept[seq_id]:]
             seq.block_ids += blocks
 
     # -- inputs -------------------------------------------------------------------------------
     def prepare_input(self, req: ExecuteModelRequest) -> ModelInput:
-        batch = self._build_batch(req)
-        sampling, sample_rows, first_row = self._build_sampling_metadata(req, batch.last_row)
+        batch = self._build_batch(req, self._propose(req))
+        sampling, sample_rows, first_row, spec_ids = self._build_sampling_metadata(req, batch)
         dev = self.device
         if self.lora_manager is not None:
             self.lora_manager.set_active_loras(batch.loras, batch.lora_counts, dev)
         return ModelInput(torch.tensor(batch.input_ids, device=dev),
                           torch.tensor(batch.positions, device=dev),
                           self._build_attn_metadata(batch, dev), sample_rows.to(dev), sampling,
-                          self._prompt_logprobs_requests(req, batch), first_row, batch.last_row)
+                          self._prompt_logprobs_requests(req, batch), first_row, batch.last_row,
+                          spec_ids)
 
-    def _build_batch(self, req: ExecuteModelRequest) -> _FlatBatch:
+    def _propose(self, req: ExecuteModelRequest) -> dict[int, Proposal]:
+        """Drafts for the sequences the scheduler gave lookahead slots (at most that many)."""
+        if self.proposer is None or not req.num_lookahead:
+            return {}
+        asks = [ProposalRequest(seq_id, self.seqs[seq_id].token_ids, k)
+                for seq_id, k in zip(req.seq_ids, req.num_lookahead) if k]
+        proposals = self.proposer.propose(asks) if asks else []
+        return {a.seq_id: p for a, p in zip(asks, proposals)
+                if 0 < len(p.token_ids) <= a.num_tokens}
+
+    def _build_batch(self, req: ExecuteModelRequest,
+                     drafts: dict[int, Proposal] | None = None) -> _FlatBatch:
+        """A speculating sequence is m+1 decode rows (its last token and its m drafts at the
+        next positions, each attending to the rows before it): what decoding them one at a
+        time would compute, in one pass."""
         bs = self.block_size
+        drafts = drafts or {}
         decodes, prefills = [], []
         for seq_id, start, n in zip(req.seq_ids, req.num_computed_tokens,
                                     req.num_scheduled_tokens):
             (decodes if is_decode(start, n) else prefills).append((seq_id, start, n))
-        batch = _FlatBatch([], [], [], [], [], {})
+        batch = _FlatBatch([], [], [], [], [], {}, drafts)
         if self.lora_manager is not None:
             batch.loras, batch.lora_counts = [], []
         for i, (seq_id, start, n) in enumerate(decodes + prefills):
             seq = self.seqs[seq_id]
+            tokens = seq.token_ids[start:start + n]
+            if seq_id in drafts:
+                tokens = tokens + drafts[seq_id].token_ids
+            n = len(tokens)
             if batch.loras is not None:
                 batch.loras.append(self.requests[seq.req_id].lora_request)
                 batch.lora_counts.append(n)
             table = seq.block_ids
             row0 = len(batch.input_ids)
-            batch.input_ids += seq.token_ids[start:start + n]
+            batch.input_ids += tokens
             batch.positions += range(start, start + n)
             batch.slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             batch.last_row[seq_id] = len(batch.input_ids) - 1
             if i < len(decodes):
-                batch.decodes.append((seq, start))
+                batch.decodes += [(seq, start + j) for j in range(n)]
             else:
                 batch.prefills.append((seq, start, row0, len(batch.input_ids)))
         return batch
@@ -185,10 +232,14 @@ class ModelRunner:
                                  decode_block_tables=block_tables, decode_mask=None,
                                  prefills=chunks, decode_seq_lens=seq_lens)
 
-    def _build_sampling_metadata(self, req: ExecuteModelRequest, last_row: dict[int, int]
-                                 ) -> tuple[SamplingMetadata, torch.Tensor, dict[int, int]]:
+    def _build_sampling_metadata(self, req: ExecuteModelRequest, batch: _FlatBatch
+                                 ) -> tuple[SamplingMetadata, torch.Tensor, dict[int, int],
+                                            list[int] | None]:
         rows, params, gens, outs, prompts, stops = [], [], [], [], [], []
         first_row: dict[int, int] = {}
+        spans, spec_ids = [], []
+        # Our row of each of the engine's sample rows (drafted sequences take more rows).
+        engine_rows: list[int] = []
         constrained = False
         for seq_id, k in zip(req.seq_ids, req.num_samples):
             if not k:
@@ -199,24 +250,43 @@ class ModelRunner:
             # History and stop ids only where used (penalties, min_tokens): copying every
             # sequence's output each step would grow with its length.
             stop_ids = sp.stop_token_ids_with(self.eos_token_ids) if sp.min_tokens else frozenset()
-            history = (seq.token_ids[seq.num_prompt_tokens:]
-                       if sp.has_penalties or sp.min_tokens or sp.bad_words else [])
+            wants_history = sp.has_penalties or sp.min_tokens or sp.bad_words
+            history = seq.token_ids[seq.num_prompt_tokens:] if wants_history else []
             constrained = constrained or sp.has_token_constraints
+            engine_rows += range(len(rows), len(rows) + k)
             first_row[seq_id] = len(rows)
-            rows += [last_row[seq_id]] * k
+            proposal = batch.drafts.get(seq_id)
+            if proposal is not None:
+                # Row j verifies the j-th draft: the drafts before it count as generated
+                # (penalties, min_tokens, bad_words see them).
+                d = proposal.token_ids
+                spans.append(DraftSpan(len(rows), d, proposal.probs))
+                spec_ids.append(seq_id)
+                last = batch.last_row[seq_id]
+                rows += range(last - len(d), last + 1)
+                outs += [history + d[:j] if wants_history else []
+                         for j in range(len(d) + 1)]
+                k = len(d) + 1
+            else:
+                rows += [batch.last_row[seq_id]] * k
+                outs += [history] * k
             params += [sp] * k
             gens += [state.generator] * k
-            outs += [history] * k
             prompts += [state.prompt_token_ids] * k
             stops += [stop_ids] * k
         want_lp = [_num_logprobs(p) for p in params]
+        bitmask = req.grammar_bitmask
+        if spans and bitmask is not None:
+            bitmask = _move_bitmask_rows(bitmask, engine_rows, len(rows))
         sampling = SamplingMetadata(params=params, generators=gens, output_token_ids=outs,
                                     prompt_token_ids=prompts, stop_ids=stops,
                                     all_greedy=all(p.greedy for p in params),
                                     max_num_logprobs=max(want_lp, default=-1),
                                     any_token_constraints=constrained,
-                                    grammar_bitmask=req.grammar_bitmask)
-        return sampling, torch.tensor(rows, dtype=torch.long), first_row
+                                    grammar_bitmask=bitmask,
+                                    draft=DraftMetadata(spans) if spans else None)
+        return (sampling, torch.tensor(rows, dtype=torch.long), first_row,
+                spec_ids if spans else None)
 
     def _prompt_logprobs_requests(self, req: ExecuteModelRequest, batch: _FlatBatch
                                   ) -> list[PromptLogprobsRequest]:
@@ -258,8 +328,14 @@ class ModelRunner:
         t2 = time.perf_counter()
         sampled = self.sampler(logits, inp.sampling_metadata)
         prompt_logprobs = {r.req_id: self._prompt_logprobs(hidden, r) for r in inp.prompt_logprobs}
-        return ModelRunnerOutput(sampled, inp.first_sample_row, prompt_logprobs,
-                                 StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2))
+        out = ModelRunnerOutput(sampled, inp.first_sample_row, prompt_logprobs,
+                                StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2))
+        if inp.spec_seq_ids:
+            spans = inp.sampling_metadata.draft.spans
+            for seq_id, span, e in zip(inp.spec_seq_ids, spans, sampled.num_emitted):
+                out.num_drafts[seq_id] = len(span.token_ids)
+                out.num_emitted[seq_id] = e
+        return out
 
     def _pool(self, req: ExecuteModelRequest, inp: ModelInput, hidden: torch.Tensor,
               t0: float, t1: float) -> ModelRunnerOutput:

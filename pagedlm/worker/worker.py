@@ -25,6 +25,9 @@ from pagedlm.lora.worker_manager import WorkerLoRAManager
 from pagedlm.model_executor.model_loader.loader import get_model
 from pagedlm.model_io import ExecuteModelRequest, LoRAStats, ModelRunnerOutput
 from pagedlm.utils import available_memory_bytes, cdiv
+from pagedlm.spec_decode.draft_config import draft_model_config
+from pagedlm.spec_decode.draft_model import DraftModelProposer
+from pagedlm.spec_decode.ngram import NgramProposer
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagedlm.worker.malloc_tuning import keep_freed_memory, release_freed_memory
 from pagedlm.worker.model_runner import ModelRunner
@@ -45,6 +48,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
+        self.proposer = None  # speculative decoding's (load_model builds it)
         self.cache_engine: CacheEngine | None = None
 
     # -- start-up -----------------------------------------------------------------------------
@@ -78,8 +82,21 @@ class Worker:
                 self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras,
                 pipeline_parallel=self.config.parallel_config.pipeline_parallel_size > 1,
                 deterministic=self.model_config.deterministic)
+        self.proposer = self._build_proposer()
         self.runner = ModelRunner(self.model_config, self.model, self.cache_config.block_size,
-                                  self.eos_token_ids, self.lora_manager)
+                                  self.eos_token_ids, self.lora_manager, self.proposer)
+
+    def _build_proposer(self):
+        """Speculative decoding's proposer, or None."""
+        sc = self.config.speculative_config
+        if sc is None:
+            return None
+        if sc.method == "ngram":
+            return NgramProposer(sc)
+        # A draft model (one worker only: EngineConfig refuses it with TP/PP). Its KV pool is
+        # sized with the target's in initialize_cache.
+        draft_config = draft_model_config(sc.model, self.model_config)
+        return DraftModelProposer(draft_config, self.cache_config, 0, self.config.device)
 
     def _kv_shape(self) -> tuple[int, int]:
         """This rank's KV heads and layers."""
@@ -92,6 +109,8 @@ class Worker:
         cc, sc = self.cache_config, self.config.scheduler_config
         per_block = kv_bytes_per_block(self.model_config, cc.block_size, *self._kv_shape(),
                                        dtype=cc.kv_dtype(self.model_config.dtype))
+        # A draft model's pool has as many blocks as the target's.
+        per_block += getattr(self.proposer, "kv_bytes_per_block", 0)
         num_cpu_blocks = cc.swap_space_bytes // per_block
         if cc.reserves_memory:
             # An explicit size is committed at start-up: past the free RAM it would meet the
@@ -115,6 +134,8 @@ class Worker:
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, num_gpu_blocks,
                                         num_cpu_blocks, *self._kv_shape())
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.initialize_cache(num_gpu_blocks)
 
     # -- each step ----------------------------------------------------------------------------
     def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:

@@ -131,6 +131,8 @@ LAYER_OF = {
     "pagedlm.worker": "worker",
     "pagedlm.lora.worker_manager": "worker",  # loads a worker's adapters into its model
     "pagedlm.spec_decode": "worker",  # proposers: the model runner asks them for drafts
+    # A draft model's config, checked when the engine's config is built (reads files only).
+    "pagedlm.spec_decode.draft_config": "model_executor",
     "pagedlm.lora": "model_executor",  # adapter layers wrap the model's linear layers
     "pagedlm.model_executor": "model_executor",
     "pagedlm.distributed": "model_executor",  # the collectives the parallel layers call

@@ -1,0 +1,65 @@
+"""How far each decoding sequence speculates this step (k lookahead slots; 0: plain decode).
+
+Per request, so it is visible and deterministic-safe:
+- no speculation for requests with a grammar (structured outputs: drafts are not checked
+  against the grammar, the request decodes plainly), nor for prompts still being prefilled;
+- k never reaches past max_tokens or max_model_len (those slots could never be used);
+- back-off: a verification that accepts nothing halves the sequence's k; at 0 it decodes
+  plainly for backoff_retry_steps of its own steps, then tries k = 1 again; a verification
+  that accepts every draft raises k by one (up to num_speculative_tokens). This depends only
+  on the sequence's own history.
+And one rule by load, off under --deterministic (a seeded request's output must not depend on
+the others): with more than max_batch_for_spec decoding sequences in a step, none speculates,
+since a large batch is compute-bound on a CPU and k verification rows per sequence cost more
+than they save.
+"""
+from __future__ import annotations
+
+from pagedlm.sequence import Sequence, SequenceGroup
+from pagedlm.speculative_config import SpeculativeConfig
+
+
+class SpecPolicy:
+
+    def __init__(self, config: SpeculativeConfig, deterministic: bool, max_model_len: int,
+                 max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.deterministic = deterministic
+        self.max_model_len = max_model_len
+        # A sequence's 1 + k tokens must fit one step's budget on their own.
+        self.max_k = min(config.num_speculative_tokens, max_num_batched_tokens - 1)
+
+    def batch_allows(self, num_decoding: int) -> bool:
+        return self.deterministic or num_decoding <= self.config.max_batch_for_spec
+
+    def lookahead(self, group: SequenceGroup, seq: Sequence) -> int:
+        """The sequence's k this step, if it is scheduled (`scheduled` then counts it)."""
+        if group.structured_output is not None:
+            return 0
+        if seq.spec_k is None:
+            seq.spec_k = self.max_k
+        k = seq.spec_k or (1 if seq.spec_wait <= 1 else 0)  # backed off: the periodic retry
+        # Tokens it may still emit after the first, and positions left in the model.
+        left = group.sampling_params.max_tokens - seq.num_output_tokens - 1
+        room = self.max_model_len - len(seq.token_ids)
+        return max(0, min(k, left, room))
+
+    @staticmethod
+    def scheduled(seqs: list[Sequence]) -> None:
+        """A step of these decoding sequences was scheduled: backed-off ones count it."""
+        for seq in seqs:
+            if seq.spec_k == 0:
+                seq.spec_wait -= 1
+                if seq.spec_wait <= 0:
+                    seq.spec_k = 1
+
+    def update(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """After a verification of num_drafts >= 1 drafts."""
+        if seq.spec_k is None:
+            return
+        if num_accepted == 0:
+            seq.spec_k //= 2
+            if seq.spec_k == 0:
+                seq.spec_wait = self.config.backoff_retry_steps
+        elif num_accepted == num_drafts:
+            seq.spec_k = min(self.max_k, seq.spec_k + 1)
