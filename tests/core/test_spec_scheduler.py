@@ -1,0 +1,168 @@
+"""Speculative decoding in the scheduler, driven directly (no model): lookahead slots inside the
+token budget, blocks for them, hashes over committed tokens only, slots of rejected drafts
+given back, the per-request policy (grammar, max_tokens, back-off) and the batch rule."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.scheduler import Scheduler
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.sequence import Sequence, SequenceGroup, SequenceUpdates
+from pagedlm.speculative_config import SpeculativeConfig
+
+
+def make_group(rid: str, prompt_len: int, seq_id: int, max_tokens: int = 100) -> SequenceGroup:
+    ids = list(range(1, prompt_len + 1))
+    return SequenceGroup(rid, [Sequence(seq_id, list(ids), prompt_len)],
+                         SamplingParams(max_tokens=max_tokens), None, ids)
+
+
+def make_scheduler(k=4, num_blocks=64, budget=64, block_size=4, caching=False,
+                   deterministic=False, **spec):
+    spec_config = SpeculativeConfig(num_speculative_tokens=k, **spec)
+    return Scheduler(SchedulerConfig(budget, 8, budget, enable_chunked_prefill=True),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+                     num_blocks, watermark=0.0, speculative_config=spec_config,
+                     deterministic=deterministic)
+
+
+def step(sched: Scheduler, emitted: dict[int, list[int]] | None = None, drafts: int = 0):
+    """One step without a model. A sequence given lookahead emits `emitted[seq_id]` (its
+    accepted drafts and one more; `drafts` of them were verified); others get token 7."""
+    out = sched.schedule()
+    updates = SequenceUpdates()
+    for sg in out.scheduled_groups:
+        for seq, k, la in zip(sg.seqs, sg.num_samples, sg.num_lookahead):
+            if not k:
+                continue
+            tokens = (emitted or {}).get(seq.seq_id, [7]) if la else [7]
+            seq.token_ids += tokens
+            if la and drafts:
+                updates.spec.append((seq, drafts, len(tokens) - 1))
+    sched.update_from_output(out, updates)
+    return out
+
+
+def test_lookahead_slots_are_charged_allocated_and_given_back():
+    sched = make_scheduler(k=4, block_size=4)
+    bm = sched.block_manager
+    sched.add_seq_group(make_group("r", 6, 0))
+    out = step(sched)  # the prompt: no lookahead while prefilling
+    assert out.scheduled_groups[0].num_lookahead == [0]
+    seq = sched.running[0].seqs[0]
+    assert len(seq.token_ids) == 7 and seq.num_computed_tokens == 6
+    free = bm.num_free_blocks
+    # A decode with k = 4: 1 + 4 tokens charged; positions 6..10 need blocks 0..2.
+    out = sched.schedule()
+    sg = out.scheduled_groups[0]
+    assert sg.num_new_tokens == [1] and sg.num_lookahead == [4]
+    assert out.num_batched_tokens == 5
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == free - 1
+    # Two of four drafts accepted: 3 tokens emitted, L + e - 1 = 7 + 2 computed; the block past
+    # what 10 tokens need (cdiv(10, 4) = 3) stays, nothing more was allocated.
+    seq.token_ids += [11, 12, 13]
+    sched.update_from_output(out, SequenceUpdates(spec=[(seq, 4, 2)]))
+    assert seq.num_computed_tokens == 9 and len(seq.token_ids) == 10
+    assert len(seq.block_table) == 3
+    stats = sched.stats
+    assert (stats.spec_num_drafts, stats.spec_num_accepted, stats.spec_num_verifies) == (4, 2, 1)
+    # Next: k = 4 again reaches position 13 (block 3); all rejected -> the block goes back.
+    out = sched.schedule()
+    assert out.scheduled_groups[0].num_lookahead == [4] and len(seq.block_table) == 4
+    seq.token_ids.append(21)
+    sched.update_from_output(out, SequenceUpdates(spec=[(seq, 4, 0)]))
+    assert seq.num_computed_tokens == 10 and len(seq.block_table) == 3
+    assert bm.num_free_blocks == free - 1
+    # Back-off: nothing accepted halved its k.
+    assert step(sched).scheduled_groups[0].num_lookahead == [2]
+
+
+def test_blocks_are_hashed_over_committed_tokens_only():
+    sched = make_scheduler(k=4, block_size=4, caching=True)
+    bm = sched.block_manager
+    sched.add_seq_group(make_group("r", 7, 0))
+    step(sched)  # 7 prompt tokens computed, token 7 appended: 8 tokens
+    seq = sched.running[0].seqs[0]
+    # The decode's lookahead reaches positions 7..11 (blocks 1 and 2). Only block 0 and block
+    # 1 (tokens 4..7, all committed) may be hashed: block 2 would hold only drafts.
+    out = sched.schedule()
+    assert out.scheduled_groups[0].num_lookahead == [4] and len(seq.block_table) == 3
+    assert len(seq.block_hashes) == 2 and seq.num_cached_blocks == 2
+    seq.token_ids += [30]  # every draft rejected: one token emitted
+    sched.update_from_output(out, SequenceUpdates(spec=[(seq, 4, 0)]))
+    assert len(seq.block_table) == 3 and len(seq.block_hashes) == 2
+    # A later sequence with the same committed tokens finds exactly the hashed blocks.
+    twin = Sequence(9, list(seq.token_ids), len(seq.token_ids))
+    assert bm.find_cached_prefix(twin) == seq.block_table[:2]
+
+
+def test_policy_grammar_max_tokens_and_model_length():
+    sched = make_scheduler(k=4)
+    sched.add_seq_group(make_group("short", 6, 0, max_tokens=3))
+    grammar = make_group("grammar", 6, 1)
+    # Any (compiled) grammar: its requests never speculate.
+    grammar.structured_output = SimpleNamespace(ready=True)
+    sched.add_seq_group(grammar)
+    step(sched)
+    out = step(sched)
+    by_id = {sg.group.request_id: sg.num_lookahead[0] for sg in out.scheduled_groups}
+    # "short" has 1 output token and may emit 2 more: 1 + 1 lookahead at most.
+    assert by_id == {"short": 1, "grammar": 0}
+    # Near max_model_len (64 here): no slot past the last position.
+    sched = make_scheduler(k=4, budget=64)
+    sched.add_seq_group(make_group("long", 61, 0))
+    step(sched)
+    out = sched.schedule()
+    assert out.scheduled_groups[0].num_lookahead == [2]  # positions 61..63
+
+
+def test_backoff_retries_after_its_own_steps():
+    sched = make_scheduler(k=2, backoff_retry_steps=3)
+    sched.add_seq_group(make_group("r", 6, 0))
+    step(sched)
+    ks = []
+    for _ in range(7):
+        out = step(sched, drafts=1)  # one draft verified, none accepted, each time
+        ks.append(out.scheduled_groups[0].num_lookahead[0])
+    # 2 -> 1 -> 0: plain for its next steps, then k = 1 again (and backs off again).
+    assert ks == [2, 1, 0, 0, 1, 0, 0]
+    # Full acceptance raises k back by one per step, up to num_speculative_tokens.
+    seq = sched.running[0].seqs[0]
+    seq.spec_k, seq.spec_wait = 1, 0
+    assert step(sched, {0: [5, 6]}, drafts=1).scheduled_groups[0].num_lookahead == [1]
+    assert step(sched, {0: [5, 6, 7]}, drafts=2).scheduled_groups[0].num_lookahead == [2]
+    assert step(sched).scheduled_groups[0].num_lookahead == [2]
+
+
+def test_batch_rule_is_off_under_deterministic():
+    for deterministic, want in ((False, [0, 0, 0]), (True, [2, 2, 2])):
+        sched = make_scheduler(k=2, max_batch_for_spec=2, deterministic=deterministic)
+        for i in range(3):
+            sched.add_seq_group(make_group(f"r{i}", 5, i))
+        step(sched)
+        out = sched.schedule()
+        assert [sg.num_lookahead[0] for sg in out.scheduled_groups] == want
+    # Two decoding sequences are within the rule.
+    sched = make_scheduler(k=2, max_batch_for_spec=2)
+    for i in range(2):
+        sched.add_seq_group(make_group(f"r{i}", 5, i))
+    step(sched)
+    assert [sg.num_lookahead[0] for sg in sched.schedule().scheduled_groups] == [2, 2]
+
+
+def test_budget_and_block_shortage_fall_back_to_plain_decoding():
+    # A budget of 8: the first decode takes 1 + 4, the second has 1 left: plain decode.
+    sched = make_scheduler(k=4, budget=8)
+    for i in range(2):
+        sched.add_seq_group(make_group(f"r{i}", 3, i))
+    step(sched)
+    out = sched.schedule()
+    assert [sg.num_lookahead[0] for sg in out.scheduled_groups] == [4, 0]
+    assert out.num_batched_tokens == 6
+    # Blocks: 1 block of 4 holds the 4-token sequence's next token, not 4 more: no preemption.
+    sched = make_scheduler(k=4, num_blocks=1, block_size=4)
+    sched.add_seq_group(make_group("r", 3, 0))
+    step(sched)
+    out = sched.schedule()
+    assert out.scheduled_groups[0].num_lookahead == [0] and sched.stats.num_preemptions == 0
