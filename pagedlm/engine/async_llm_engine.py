@@ -133,7 +133,9 @@ class AsyncLLMEngine:
             raise self._build_error
         try:
             name = model_name or self.engine.config.model_config.model or "default"
-            self.metrics = metrics if metrics is not None else EngineMetrics(name)
+            speculative = self.engine.config.speculative_config is not None
+            self.metrics = (metrics if metrics is not None
+                            else EngineMetrics(name, speculative=speculative))
         except BaseException:
             self._started.set()
             self.shutdown()  # no caller will ever get this engine to shut down
@@ -397,7 +399,8 @@ class AsyncLLMEngine:
             generation_tokens=e.stats.num_generation_tokens,
             preemptions=e.stats.num_preemptions,
             running_loras=e.running_loras() if e.config.lora_config else [],
-            max_loras=e.config.lora_config.max_loras if e.config.lora_config else 0))
+            max_loras=e.config.lora_config.max_loras if e.config.lora_config else 0,
+            spec_decode=e.stats.spec_decode))
         if self.log_stats:
             self.metrics.maybe_log(self.log_stats_interval)
 

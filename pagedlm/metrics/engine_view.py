@@ -47,6 +47,12 @@ class EngineView:
     num_swapped_out: int = 0
     num_swapped_in: int = 0
     prefix_cache_hit_rate: float = 0.0
+    # Speculative decoding (the page shows it only when on): totals since start-up.
+    speculative: bool = False
+    spec_num_draft_tokens: int = 0  # drafts verified
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0  # accepted / verified drafts
+    spec_mean_acceptance_length: float = 0.0  # tokens per verifying sequence-step
 
 
 def _request_view(group: "SequenceGroup", queue: str) -> RequestView:
@@ -67,6 +73,13 @@ def take_engine_view(sched: "Scheduler", st: "EngineStats") -> EngineView:
                       num_preemptions=st.num_preemptions, num_swapped_out=st.num_swapped_out,
                       num_swapped_in=st.num_swapped_in,
                       prefix_cache_hit_rate=bm.prefix_hit_rate())
+    if sched.spec_policy is not None:
+        spec = st.spec_decode
+        view.speculative = True
+        view.spec_num_draft_tokens = spec.num_draft_tokens
+        view.spec_num_accepted_tokens = spec.num_accepted_tokens
+        view.spec_acceptance_rate = spec.acceptance_rate
+        view.spec_mean_acceptance_length = spec.mean_acceptance_length
     for queue in ("running", "waiting", "swapped"):
         view.requests += [_request_view(g, queue) for g in getattr(sched, queue)]
     return view

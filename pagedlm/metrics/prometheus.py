@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagedlm.metrics.stats import SpecDecodeCounts
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import RequestOutputKind
 
@@ -38,6 +39,7 @@ class EngineSnapshot:
     preemptions: int = 0
     running_loras: list[str] = field(default_factory=list)  # adapters of running requests
     max_loras: int = 0
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
 
 
 @dataclass
@@ -52,7 +54,9 @@ class RequestTimes:
 
 class EngineMetrics:
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 speculative: bool = False) -> None:
+        """speculative: the engine has speculative decoding (its metrics are there then)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -102,6 +106,19 @@ class EngineMetrics:
                                "time.", ["running_lora_adapters", "max_lora"], registry=r)
         self.num_running_loras = gauge("pagedlm:num_running_lora_adapters",
                                        "Distinct LoRA adapters among the running requests.")
+        self.speculative = speculative
+        if speculative:  # vLLM's names (v1's counters, v0's acceptance-rate gauge)
+            self.spec_drafts = counter("pagedlm:spec_decode_num_drafts",
+                                       "Sequence-steps that verified at least one draft token.")
+            self.spec_draft_tokens = counter("pagedlm:spec_decode_num_draft_tokens",
+                                             "Draft tokens verified.")
+            self.spec_accepted_tokens = counter("pagedlm:spec_decode_num_accepted_tokens",
+                                                "Draft tokens accepted.")
+            self.spec_acceptance_rate = gauge("pagedlm:spec_decode_draft_acceptance_rate",
+                                              "Accepted / verified draft tokens since start-up.")
+            self.spec_mean_length = gauge("pagedlm:spec_decode_mean_acceptance_length",
+                                          "Tokens emitted per verifying sequence-step (accepted "
+                                          "drafts + 1) since start-up.")
         self.num_finished: dict[str, int] = {}  # the same counts, readable without a scrape
         self.snapshot = EngineSnapshot()
         self._last_log_time = time.monotonic()
@@ -118,6 +135,13 @@ class EngineMetrics:
         self.prompt_tokens.inc(max(0, snap.prompt_tokens - old.prompt_tokens))
         self.generation_tokens.inc(max(0, snap.generation_tokens - old.generation_tokens))
         self.preemptions.inc(max(0, snap.preemptions - old.preemptions))
+        if self.speculative:
+            new = snap.spec_decode - old.spec_decode
+            self.spec_drafts.inc(max(0, new.num_drafts))
+            self.spec_draft_tokens.inc(max(0, new.num_draft_tokens))
+            self.spec_accepted_tokens.inc(max(0, new.num_accepted_tokens))
+            self.spec_acceptance_rate.set(snap.spec_decode.acceptance_rate)
+            self.spec_mean_length.set(snap.spec_decode.mean_acceptance_length)
         if snap.max_loras:
             self.num_running_loras.set(len(snap.running_loras))
             if snap.running_loras != old.running_loras or not old.max_loras:
@@ -178,4 +202,7 @@ class EngineMetrics:
                     gen_tps, snap.num_running, snap.num_swapped, snap.num_waiting,
                     100 * snap.kv_cache_usage, 100 * snap.prefix_cache_hit_rate,
                     snap.preemptions)
+        spec = snap.spec_decode - last.spec_decode
+        if self.speculative and spec.num_drafts:
+            logger.info("SpecDecoding metrics: %s", spec.summary())
         return True

@@ -16,6 +16,39 @@ if TYPE_CHECKING:
     from pagedlm.core.scheduler import Scheduler, SchedulerOutput
 
 
+@dataclass(frozen=True)
+class SpecDecodeCounts:
+    """Speculative decoding's totals since start-up, or their change over an interval."""
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_drafts: int = 0  # sequence-steps that verified at least one draft (vLLM's "drafts")
+
+    @classmethod
+    def of(cls, stats: SchedulerStats) -> SpecDecodeCounts:
+        return cls(stats.spec_num_drafts, stats.spec_num_accepted, stats.spec_num_verifies)
+
+    def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
+        return SpecDecodeCounts(self.num_draft_tokens - other.num_draft_tokens,
+                                self.num_accepted_tokens - other.num_accepted_tokens,
+                                self.num_drafts - other.num_drafts)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified drafts (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying sequence-step emits: its accepted drafts and the one after them
+        (vLLM's mean acceptance length; 0 before any)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def summary(self) -> str:
+        return (f"Mean acceptance length: {self.mean_acceptance_length:.2f}, Accepted: "
+                f"{self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+                f"Draft acceptance rate: {100 * self.acceptance_rate:.1f}%")
+
+
 @dataclass
 class EngineStats:
     scheduler: SchedulerStats  # preemptions, swaps and ignored groups: kept there only
@@ -44,6 +77,10 @@ class EngineStats:
     @property
     def num_ignored(self) -> int:
         return self.scheduler.num_ignored
+
+    @property
+    def spec_decode(self) -> SpecDecodeCounts:
+        return SpecDecodeCounts.of(self.scheduler)
 
     def model_times(self) -> tuple[float, float, float]:
         """(prepare, forward, sample) so far: an observer's step takes the differences."""

@@ -3,7 +3,8 @@
 `LLM(..., trace_file="run.json")` (or `--trace-file run.json`) records, per step: the scheduled
 sequences with their token counts (prefill chunk or decode), the token budget used, preemptions
 (recompute or swap) and swaps in, prefix-cache hits, block allocations, frees, copy-on-write
-copies and evictions, the queues, the KV block map, and the step's time split. On shutdown it
+copies and evictions, the queues, the KV block map, speculative decoding's lookahead per
+sequence and drafts verified and accepted, and the step's time split. On shutdown it
 writes `run.json` (Chrome trace-event JSON: open it in https://ui.perfetto.dev or
 chrome://tracing) and `run.steps.jsonl` (one meta line, then one StepRecord per line), each
 atomically (temp file + rename). `pagedlm trace run.steps.jsonl -o DIR` renders them
@@ -25,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedlm.core.block_pool import BlockPool
-from pagedlm.metrics.stats import FinishedStep, ScheduledStep, StepObserver, StepTimes
+from pagedlm.metrics.stats import (
+    FinishedStep,
+    ScheduledStep,
+    SpecDecodeCounts,
+    StepObserver,
+    StepTimes,
+)
 
 if TYPE_CHECKING:
     from pagedlm.core.block_manager import BlockManager
@@ -56,6 +63,7 @@ class ScheduledSeq:
     kind: str  # "prefill" (a prompt chunk, or recomputation) or "decode" (one new token)
     num_tokens: int
     num_computed_tokens: int  # before this step (a prefix-cache hit included)
+    lookahead: int = 0  # speculative decoding: slots reserved for drafts past its new token
 
 
 @dataclass
@@ -87,6 +95,10 @@ class StepRecord:
     swapped: int = 0
     block_map: str = ""  # after the step, one of FREE/USED/SHARED/CACHED per device block
     times: StepTimes = field(default_factory=StepTimes)
+    # Speculative decoding in this step: drafts verified, accepted, and sequences verifying.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafts: int = 0
 
 
 @dataclass
@@ -178,6 +190,7 @@ class StepTracer(StepObserver):
         # step's record (None when nothing ran).
         self._before: tuple[set[int], set[int]] = (set(), set())
         self._prefix_hits = 0
+        self._spec = SpecDecodeCounts()
         self._record: StepRecord | None = None
         # An engine nobody shut down is otherwise closed by LLM.__del__ during interpreter
         # teardown, when builtins such as open() are already gone.
@@ -195,6 +208,7 @@ class StepTracer(StepObserver):
     def step_begins(self, scheduler: "Scheduler") -> None:
         self._before = self.queues_before(scheduler)
         self._prefix_hits = scheduler.block_manager.prefix_hits
+        self._spec = SpecDecodeCounts.of(scheduler.stats)
 
     def step_scheduled(self, step: ScheduledStep) -> None:
         hits = step.scheduler.block_manager.prefix_hits - self._prefix_hits
@@ -204,6 +218,10 @@ class StepTracer(StepObserver):
 
     def step_finished(self, step: FinishedStep) -> None:
         if self._record is not None:
+            spec = SpecDecodeCounts.of(step.scheduler.stats) - self._spec
+            self._record.spec_draft_tokens = spec.num_draft_tokens
+            self._record.spec_accepted_tokens = spec.num_accepted_tokens
+            self._record.spec_drafts = spec.num_drafts
             self.finish(self._record, step.output, step.scheduler.block_manager, step.end,
                         step.times)
             self._record = None
@@ -232,9 +250,10 @@ class StepTracer(StepObserver):
                          ignored=[g.request_id for g in sched.ignored_groups])
         for sg in sched.scheduled_groups:
             rid = sg.group.request_id
-            for s, n in zip(sg.seqs, sg.num_new_tokens):
+            for s, n, k in zip(sg.seqs, sg.num_new_tokens, sg.num_lookahead):
                 kind = "decode" if is_decode(s.num_computed_tokens, n) else "prefill"
-                rec.scheduled.append(ScheduledSeq(rid, s.seq_id, kind, n, s.num_computed_tokens))
+                rec.scheduled.append(ScheduledSeq(rid, s.seq_id, kind, n, s.num_computed_tokens,
+                                                  k))
             if id(sg.group) in swapped:
                 rec.swapped_in.append(rid)
         rec.preempted = ([Preemption(g.request_id, "recompute") for g in scheduler.waiting
@@ -304,6 +323,9 @@ def chrome_trace(meta: dict, steps: list[dict]) -> dict:
         {"ph": "M", "pid": 2, "tid": 0, "name": "process_name", "args": {"name": "requests"}},
     ]
     tids: dict[str, int] = {}
+    # A counter track for speculative decoding only in runs that drafted (records written
+    # before it existed lack the fields).
+    speculative = any(s.get("spec_draft_tokens") for s in steps)
 
     def tid(rid: str) -> int:
         if rid not in tids:
@@ -321,7 +343,9 @@ def chrome_trace(meta: dict, steps: list[dict]) -> dict:
                        "args": {"tokens": s["num_batched_tokens"], "budget": s["token_budget"],
                                 "prefill_tokens": prefill, "decode_tokens": decode,
                                 "cow_copies": s["cow_copies"],
-                                "device_blocks": s["device"]}})
+                                "device_blocks": s["device"],
+                                "draft_tokens": s.get("spec_draft_tokens", 0),
+                                "accepted_tokens": s.get("spec_accepted_tokens", 0)}})
         t = ts
         for phase in ("schedule", "prepare", "forward", "sample", "output"):
             d = max(0.0, times[phase]) * us
@@ -332,7 +356,8 @@ def chrome_trace(meta: dict, steps: list[dict]) -> dict:
             events.append({"ph": "X", "pid": 2, "tid": tid(x["request_id"]), "ts": ts,
                            "dur": s["duration"] * us, "name": x["kind"], "cat": x["kind"],
                            "args": {"seq_id": x["seq_id"], "tokens": x["num_tokens"],
-                                    "computed_before": x["num_computed_tokens"]}})
+                                    "computed_before": x["num_computed_tokens"],
+                                    "lookahead": x.get("lookahead", 0)}})
         for p in s["preempted"]:
             events.append({"ph": "i", "s": "t", "pid": 2, "tid": tid(p["request_id"]), "ts": ts,
                            "name": f"preempted ({p['mode']})", "cat": "preemption"})
@@ -349,5 +374,9 @@ def chrome_trace(meta: dict, steps: list[dict]) -> dict:
             {"ph": "C", "pid": 1, "tid": 0, "ts": ts, "name": "tokens",
              "args": {"prefill": prefill, "decode": decode}},
         ]
+        if speculative:
+            events.append({"ph": "C", "pid": 1, "tid": 0, "ts": ts, "name": "speculation",
+                           "args": {"drafted": s.get("spec_draft_tokens", 0),
+                                    "accepted": s.get("spec_accepted_tokens", 0)}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {k: v for k, v in meta.items() if k != "type"}}

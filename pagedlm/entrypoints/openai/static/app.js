@@ -242,6 +242,12 @@ function renderView(v) {
   $("steps").textContent = v.num_steps;
   $("preemptions").textContent = v.num_preemptions;
   $("hit-rate").textContent = `${(100 * v.prefix_cache_hit_rate).toFixed(0)}%`;
+  // Speculative decoding, since start-up: shown only when the engine speculates.
+  document.querySelectorAll(".spec").forEach((el) => { el.hidden = !v.speculative; });
+  if (v.speculative && v.spec_num_draft_tokens > 0) {
+    $("spec-rate").textContent = `${(100 * v.spec_acceptance_rate).toFixed(0)}%`;
+    $("spec-length").textContent = v.spec_mean_acceptance_length.toFixed(2);
+  }
   $("kv-used").textContent = count(v.block_map, "u");
   $("kv-shared").textContent = count(v.block_map, "s");
   $("kv-cached").textContent = count(v.block_map, "c");
