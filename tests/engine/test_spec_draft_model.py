@@ -100,9 +100,13 @@ def test_full_pool_proposes_nothing_for_that_sequence(draft_dir, target_config, 
     props = proposer.propose([ProposalRequest(0, short, 3), ProposalRequest(1, long, 3)])
     assert props[0].token_ids == greedy(hf_draft, short, 3) and props[1].token_ids == []
     assert 1 not in proposer.seqs  # holds no blocks the others could use
+    # A sequence not drafting this step gives its blocks to one that needs them.
+    mid = list(range(300, 312))
+    assert proposer.propose([ProposalRequest(2, mid, 3)])[0].token_ids == greedy(hf_draft,
+                                                                                  mid, 3)
+    assert list(proposer.seqs) == [2]
     # Nor when its own lookahead outgrows the pool: its blocks are given back.
-    assert proposer.propose([ProposalRequest(0, short + props[0].token_ids[:1], 16)]
-                            )[0].token_ids == []
+    assert proposer.propose([ProposalRequest(2, mid + [1], 16)])[0].token_ids == []
     assert not proposer.seqs
     assert proposer.num_free_blocks == 4
 
@@ -119,3 +123,37 @@ def test_draft_model_refusals_name_the_field(tmp_path, draft_dir, target_config)
         check_draft_model(str(tmp_path / "missing"), target_config)
     with pytest.raises(ValueError, match=r"speculative_config\.model: .*config\.json"):
         check_draft_model(str(tmp_path), target_config)
+
+
+PROMPTS = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,", "Once upon a time",
+           "Water boils at", "The quick brown fox", "import numpy as np\n", "Dear Sir,"]
+
+
+def test_greedy_outputs_equal_plain_decoding_end_to_end(draft_dir):
+    """A random draft is mostly rejected, but every output is the target's: under
+    --deterministic, token for token the plain engine's. Every KV block is free afterwards,
+    the draft's too."""
+    from pagedlm import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    settings = dict(deterministic=True, kv_cache_memory_bytes=32 << 20)
+    outputs = {}
+    for spec in (None, {"model": draft_dir, "num_speculative_tokens": 3}):
+        llm = LLM(speculative_config=spec, **settings)
+        try:
+            outputs[spec is None] = [o.outputs[0].token_ids
+                                     for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            engine = llm.llm_engine
+            bm = engine.block_manager
+            assert not engine.has_unfinished_requests()
+            assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+            if spec is not None:
+                proposer = engine.executor.worker.proposer
+                assert isinstance(proposer, DraftModelProposer)
+                # The workers drop finished sequences' state (the draft's blocks too) when
+                # the next step tells them: a one-token request (a prefill, never drafted).
+                llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)
+                assert proposer.num_free_blocks == proposer.num_blocks and not proposer.seqs
+                assert engine.scheduler.stats.spec_num_drafts > 0  # it did speculate
+        finally:
+            llm.shutdown()
+    assert outputs[False] == outputs[True]
