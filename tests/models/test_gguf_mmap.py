@@ -257,8 +257,8 @@ def kquant_runs(tmp_path_factory):
 
 
 def test_kquant_mix_stays_quantized_and_matches_the_float_path(kquant_runs):
-    """Q4_K_M's mix: the q/k/v layer runs Q4_K and Q6_K shards side by side, gate/up is one
-    Q4_K matrix, the embedding and tied head stay Q6_K; every layer's blocks dequantize bit
+    """Q4_K_M's mix: the q/k/v layer runs Q4_K and Q6_K shards side by side, gate/up two Q4_K
+    shards, the embedding and tied head stay Q6_K; every layer's blocks dequantize bit
     for bit to the float path's weights (measured: greedy tokens of the 4 prompts identical
     on the first token)."""
     model, floats = kquant_runs["gguf"]["model"], kquant_runs[None]["model"]
@@ -269,6 +269,11 @@ def test_kquant_mix_stays_quantized_and_matches_the_float_path(kquant_runs):
                        "layers.0.mlp.gate_up_proj": "q4_k", "layers.0.mlp.down_proj": "q6_k",
                        "lm_head": "q6_k"}, formats
     assert all("norm" in name for name, _ in model.named_parameters())
+    # gate/up of one block type: two shards, each still the mapped file's pages (memory torch
+    # did not allocate, as a joined copy would be).
+    gate_up = model.layers["0"].mlp.gate_up_proj
+    assert [(fmt, row) for fmt, row, _ in gate_up.quant_shards] == [("q4_k", 0), ("q4_k", K_FFN)]
+    assert not any(blocks.untyped_storage().resizable() for _, _, blocks in gate_up.quant_shards)
     float_layers = dict(floats.named_modules())
     for name in formats:
         weight = _dequantized(dict(model.named_modules())[name])
@@ -293,9 +298,9 @@ def test_fused_decode_runs_mixed_fused_layers(gguf_file, tmp_path_factory, monke
     from tests.kernels.test_fused_decode import _run
     if kquants:
         path = _write_kquant_gguf(tmp_path_factory.mktemp("kq") / "tiny-q4_k_m.gguf")
-        segments = {"qkv": [3], "gate_up": [1]}  # q|k|v; gate/up one Q4_K matrix
-    else:  # layer 1 is one format throughout: a stack of single and segmented linears
-        path, segments = gguf_file, {"qkv": [1, 3], "gate_up": [1, 2]}
+        segments = {"qkv": [3], "gate_up": [2]}  # q|k|v; gate|up, both Q4_K
+    else:  # fused layers keep their shards even in one format (layer 1's are all Q4_1)
+        path, segments = gguf_file, {"qkv": [3, 3], "gate_up": [2, 2]}
     monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path_factory.mktemp("fcache")))
     args = {"quantization": "gguf", "deterministic": deterministic}
     ref, off = _run(str(path), False, monkeypatch, **args)

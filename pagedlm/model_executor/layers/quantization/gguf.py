@@ -8,9 +8,9 @@ pages where nothing needs reordering or joining. A layer that gets a float tenso
 BF16 in the file, widened to float32 for now; or a layout other than a row reordering) gets a
 float32 weight then, and runs on the float path with any block shards dequantized into it.
 
-Fused layers (q/k/v, gate/up): shards of one block type are joined into one matrix; shards of
-different types (Q4_K_M files have v or down Q6_K beside q/k Q4_K in some layers) stay apart,
-each multiplied in its own format into its slice of the output (GGUFShardedLinearMethod).
+Fused layers (q/k/v, gate/up): the shards stay apart (views of the file where nothing needs
+reordering), each multiplied in its own format into its slice of the output
+(GGUFShardedLinearMethod); Q4_K_M files have v or down Q6_K beside q/k Q4_K in some layers.
 
 The token embedding stays in its blocks: a lookup gathers the ids' block rows and dequantizes
 only those (for a 128k-vocabulary 8B model a float table would be 2.1 GB). A tied LM head
@@ -168,15 +168,17 @@ class GGUFLinearMethod(PackedLinearMethod):
             layer.linear_method.process_weights_after_loading(layer)
             return
         formats = sorted({p.fmt for p in parts})
-        if len(formats) > 1:
+        blocks = [p.blocks for p in parts]
+        missing = receiver.shape[0] - sum(b.shape[0] for b in blocks)
+        if len(parts) > 1 and not missing:
+            # Shards stay apart even in one format: joining them copied every fused layer out
+            # of the map at each load (torch.cat of 300 MB, about 1 s of a 1B Q4_K_M start).
             layer.linear_method = GGUFShardedLinearMethod(deterministic=self.deterministic)
             layer.quant_format = "+".join(formats)
             layer.quant_rows = receiver.shape[0]
             layer.quant_shards = tuple((p.fmt, p.offset, p.blocks.contiguous()) for p in parts)
             layer.register_parameter("weight", None)
             return
-        blocks = [p.blocks for p in parts]
-        missing = receiver.shape[0] - sum(b.shape[0] for b in blocks)
         if missing and layer.tp_size > 1:
             # A vocabulary's padding rows on the last rank: the ranks' logits are gathered in
             # equal slices. Zero blocks are zero weights in every format.
@@ -192,8 +194,8 @@ class GGUFLinearMethod(PackedLinearMethod):
 
 
 class GGUFShardedLinearMethod(LinearMethodBase):
-    """A fused layer whose shards are of different block types: each shard's rows run in its
-    own format into its slice of the output (layer.quant_shards: (format, row, blocks))."""
+    """A fused layer kept as its shards: each shard's rows run in its own format into its
+    slice of the output (layer.quant_shards: (format, row, blocks))."""
 
     def create_weights(self, *args, **kwargs) -> None:
         raise NotImplementedError("set after loading by GGUFLinearMethod")
