@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -449,6 +450,32 @@ def test_gguf_file_is_converted_once(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_loader, "convert_gguf_metadata", lambda *a: calls.append(a))
     assert resolve_model(str(tiny_gguf)) == first
     assert calls == []
+
+
+def test_tokenizer_config_lists_the_added_tokens(tiny_gguf, tmp_path):
+    """tokenizer_config.json carries added_tokens_decoder (without it transformers 5 parses the
+    whole tokenizer.json in Python at every load); a cache entry written before gets it at its
+    next resolve, and the tokenizer loads the same either way."""
+    from pagedlm.transformers_utils.tokenizer import get_tokenizer
+    directory = Path(resolve_model(str(tiny_gguf)))
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    added = json.loads((directory / "tokenizer.json").read_text())["added_tokens"]
+    assert added and sorted(config["added_tokens_decoder"]) == sorted(str(t["id"]) for t in added)
+    with_list = get_tokenizer(str(directory))
+    del config["added_tokens_decoder"]
+    config_file.write_text(json.dumps(config))
+    old = tmp_path / "old"
+    shutil.copytree(directory, old)
+    without = get_tokenizer(str(old))
+    assert resolve_model(str(tiny_gguf)) == str(directory)
+    assert "added_tokens_decoder" in json.loads(config_file.read_text())
+    assert with_list.added_tokens_decoder == without.added_tokens_decoder
+    assert with_list.all_special_tokens == without.all_special_tokens
+    for text in SAMPLE_TEXTS:
+        ids = with_list(text).input_ids
+        assert ids == without(text).input_ids, text
+        assert with_list.decode(ids) == without.decode(ids)
 
 
 def test_modified_gguf_gets_a_new_cache_entry(tiny_gguf):
