@@ -2,6 +2,7 @@
 tokenizer drafts greedily, kept in step with committed tokens across rollbacks."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -12,6 +13,7 @@ from pagedlm.config import CacheConfig, ModelConfig
 from pagedlm.spec_decode.draft_config import check_draft_model, draft_model_config
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.proposer import ProposalRequest
+from tests.models.test_model_loading import _tiny_hf_state, write_tiny_gguf
 
 
 def tiny_draft(root, target: ModelConfig, **overrides) -> str:
@@ -108,10 +110,16 @@ def test_full_pool_proposes_nothing_for_that_sequence(draft_dir, target_config, 
     # Nor when its own lookahead outgrows the pool: its blocks are given back.
     assert proposer.propose([ProposalRequest(2, mid + [1], 16)])[0].token_ids == []
     assert not proposer.seqs
+    # Positions past the draft's context are not fed: k shrinks to fit it.
+    short_context = DraftModelProposer(dataclasses.replace(proposer.config, max_model_len=14),
+                                       CacheConfig(block_size=4), 4, model=proposer.model)
+    assert short_context.propose([ProposalRequest(0, mid, 4)])[0].token_ids == greedy(
+        hf_draft, mid, 3)
+    assert short_context.propose([ProposalRequest(0, mid + [1, 2, 3], 4)])[0].token_ids == []
     assert proposer.num_free_blocks == 4
 
 
-def test_draft_model_refusals_name_the_field(tmp_path, draft_dir, target_config):
+def test_draft_model_refusals_name_the_field(tmp_path, monkeypatch, draft_dir, target_config):
     check_draft_model(draft_dir, target_config)
     other = tiny_draft(tmp_path / "other", target_config, vocab_size=1000)
     with pytest.raises(ValueError, match=r"speculative_config\.model: .*vocabulary has 1000"):
@@ -119,6 +127,11 @@ def test_draft_model_refusals_name_the_field(tmp_path, draft_dir, target_config)
     eos = tiny_draft(tmp_path / "eos", target_config, eos_token_id=7)
     with pytest.raises(ValueError, match=r"speculative_config\.model: .*EOS token ids \[7\]"):
         check_draft_model(eos, target_config)
+    # A .gguf draft is read from its metadata (tests/models/test_model_loading's tiny file).
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_draft = write_tiny_gguf(tmp_path / "draft.gguf", _tiny_hf_state(False, False))
+    with pytest.raises(ValueError, match=r"speculative_config\.model: .*vocabulary has 260"):
+        check_draft_model(str(gguf_draft), target_config)
     with pytest.raises(ValueError, match=r"speculative_config\.model: .*does not exist"):
         check_draft_model(str(tmp_path / "missing"), target_config)
     with pytest.raises(ValueError, match=r"speculative_config\.model: .*config\.json"):
