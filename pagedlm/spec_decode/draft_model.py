@@ -40,12 +40,14 @@ class DraftModelProposer:
     counted in kv_bytes_per_block): every token the target can cache, the draft can too."""
 
     def __init__(self, config: ModelConfig, cache_config: CacheConfig, num_blocks: int = 0,
-                 device: torch.device | str = "cpu", model: torch.nn.Module | None = None
-                 ) -> None:
+                 device: torch.device | str = "cpu", model: torch.nn.Module | None = None,
+                 max_catchup_tokens: int = 2048) -> None:
         """config: draft_config.draft_model_config's; cache_config: the target's (block size,
         KV dtype); num_blocks: the pool (0: initialize_cache later); model: the loaded draft
-        (default: loaded now)."""
+        (default: loaded now); max_catchup_tokens: committed tokens computed per propose()
+        (the default is the engine's chunked-prefill budget)."""
         self.config = config
+        self.max_catchup_tokens = max_catchup_tokens
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.model = model if model is not None else get_model(config, device)
@@ -122,16 +124,31 @@ class DraftModelProposer:
         active = [(i, *s) for i, s in synced if s is not None]
         if not active:
             return [Proposal([]) for _ in requests]
-        # The catch-up: each sequence's uncached committed tokens, decode rows first.
-        rows = sorted(((i, seq, keep, k, len(requests[i].token_ids) - keep == 1 and keep > 0)
-                       for i, seq, keep, k in active), key=lambda a: not a[4])
+        # The catch-up: each sequence's uncached committed tokens, at most max_catchup_tokens
+        # in all (a long prompt's first draft would stall the step as an unchunked prefill
+        # does): the shortest first, so that decodes are never held up; a sequence not caught
+        # up drafts nothing this step. Decode rows first, then prefill chunks.
+        budget, rows = self.max_catchup_tokens, []
+        for i, seq, keep, k in sorted(active, key=lambda a: len(requests[a[0]].token_ids)
+                                      - a[2]):
+            n = min(len(requests[i].token_ids) - keep, budget)
+            if n == 0:
+                break
+            budget -= n
+            rows.append((i, seq, keep, k, n))
+        rows.sort(key=lambda r: not (r[4] == 1 and r[2] > 0))
         batch = self._new_batch()
-        for i, seq, keep, _, decode in rows:
-            self._add_rows(batch, seq, requests[i].token_ids[keep:], keep, decode)
-        for (i, seq, keep, _, _), d in zip(rows, self._greedy(batch, len(rows))):
-            seq.token_ids += requests[i].token_ids[keep:]
+        for i, seq, keep, _, n in rows:
+            self._add_rows(batch, seq, requests[i].token_ids[keep:keep + n], keep,
+                           decode=n == 1 and keep > 0)
+        sampled = [j for j, (i, _, keep, _, n) in enumerate(rows)
+                   if keep + n == len(requests[i].token_ids)]
+        for i, seq, keep, _, n in rows:
+            seq.token_ids += requests[i].token_ids[keep:keep + n]
             seq.num_committed = len(seq.token_ids)
-            drafts[i].append(d)
+        for j, d in zip(sampled, self._greedy(batch, sampled)):
+            drafts[rows[j][0]].append(d)
+        rows = [rows[j] for j in sampled]
         # k-1 more steps, one decode row per sequence still drafting.
         step = 1
         while True:
@@ -143,7 +160,7 @@ class DraftModelProposer:
                 last = drafts[i][-1]
                 self._add_rows(batch, seq, [last], len(seq.token_ids), decode=True)
                 seq.token_ids.append(last)
-            for (i, _), d in zip(drafting, self._greedy(batch, len(drafting))):
+            for (i, _), d in zip(drafting, self._greedy(batch, range(len(drafting)))):
                 drafts[i].append(d)
             step += 1
         return [Proposal(d) for d in drafts]
@@ -166,11 +183,14 @@ class DraftModelProposer:
         else:
             batch.prefills.append((seq, start, row0, len(batch.input_ids)))
 
-    def _greedy(self, batch: _FlatBatch, num_seqs: int) -> list[int]:
-        """Run the batch; the argmax token after each sequence's last row, in row order."""
+    def _greedy(self, batch: _FlatBatch, sampled) -> list[int]:
+        """Run the batch; the argmax token after the last row of each of the sampled
+        sequences (indices in the batch's order)."""
         dev = self.device
         meta = ModelRunner._build_attn_metadata(batch, dev)
         hidden = self.model(torch.tensor(batch.input_ids, device=dev),
                             torch.tensor(batch.positions, device=dev), self.kv_caches, meta)
-        last = torch.tensor([batch.last_row[j] for j in range(num_seqs)], device=dev)
+        if not sampled:  # catch-up chunks only: their K/V is what was wanted
+            return []
+        last = torch.tensor([batch.last_row[j] for j in sampled], device=dev)
         return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
