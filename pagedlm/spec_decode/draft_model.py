@@ -44,8 +44,8 @@ class DraftModelProposer:
                  max_catchup_tokens: int = 2048) -> None:
         """config: draft_config.draft_model_config's; cache_config: the target's (block size,
         KV dtype); num_blocks: the pool (0: initialize_cache later); model: the loaded draft
-        (default: loaded now); max_catchup_tokens: committed tokens computed per propose()
-        (the default is the engine's chunked-prefill budget)."""
+        (default: loaded now); max_catchup_tokens: a sequence's committed tokens computed per
+        propose() (the default is the engine's chunked-prefill budget)."""
         self.config = config
         self.max_catchup_tokens = max_catchup_tokens
         self.cache_config = cache_config
@@ -125,17 +125,13 @@ class DraftModelProposer:
         if not active:
             return [Proposal([]) for _ in requests]
         # The catch-up: each sequence's uncached committed tokens, at most max_catchup_tokens
-        # in all (a long prompt's first draft would stall the step as an unchunked prefill
-        # does): the shortest first, so that decodes are never held up; a sequence not caught
-        # up drafts nothing this step. Decode rows first, then prefill chunks.
-        budget, rows = self.max_catchup_tokens, []
-        for i, seq, keep, k in sorted(active, key=lambda a: len(requests[a[0]].token_ids)
-                                      - a[2]):
-            n = min(len(requests[i].token_ids) - keep, budget)
-            if n == 0:
-                break
-            budget -= n
-            rows.append((i, seq, keep, k, n))
+        # of them (a long prompt's first draft would stall the step as an unchunked prefill
+        # does); one not caught up drafts nothing this step. Per sequence, not per step, so
+        # that whether it drafts depends on its own history only (--deterministic).
+        rows = [(i, seq, keep, k, min(len(requests[i].token_ids) - keep,
+                                      self.max_catchup_tokens))
+                for i, seq, keep, k in active]
+        # Decode rows first, then prefill chunks.
         rows.sort(key=lambda r: not (r[4] == 1 and r[2] > 0))
         batch = self._new_batch()
         for i, seq, keep, _, n in rows:
