@@ -178,3 +178,33 @@ def test_greedy_outputs_equal_plain_decoding_end_to_end(draft_dir):
         finally:
             llm.shutdown()
     assert outputs[False] == outputs[True]
+
+
+def test_accepted_drafts_with_preemption_and_n_2(draft_dir):
+    """The draft as its own target: drafts are accepted (bonus tokens, two-token catch-ups),
+    through recompute preemptions (a 24-block cache) and an n=2 request, and the greedy outputs
+    are still plain decoding's."""
+    from pagedlm import LLM, SamplingParams
+    greedy_params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for spec in (None, {"model": draft_dir, "num_speculative_tokens": 3}):
+        llm = LLM(model=draft_dir, speculative_config=spec, deterministic=True, block_size=4,
+                  num_gpu_blocks_override=24)
+        try:
+            outs = llm.generate(PROMPTS + PROMPTS[:1], [greedy_params] * 8 + [sampled],
+                                use_tqdm=False)
+            outputs[spec is None] = [o.outputs[0].token_ids for o in outs[:8]]
+            assert [len(c.token_ids) for c in outs[8].outputs] == [16, 16]
+            stats = llm.llm_engine.scheduler.stats
+            assert stats.num_preemptions > 0
+            if spec is not None:
+                assert stats.spec_num_accepted > stats.spec_num_verifies > 0
+                proposer = llm.llm_engine.executor.worker.proposer
+                llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)
+                assert proposer.num_free_blocks == proposer.num_blocks and not proposer.seqs
+            bm = llm.llm_engine.block_manager
+            assert bm.num_free_blocks == bm.num_blocks
+        finally:
+            llm.shutdown()
+    assert outputs[False] == outputs[True]
