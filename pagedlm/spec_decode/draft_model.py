@@ -9,8 +9,8 @@ every sequence in one batch.
 
 Drafts are greedy (argmax), so Proposal.probs is None: a one-hot q. Rejection sampling stays
 exact with any q (it accepts d with probability min(1, p(d)/q(d)) and resamples from
-max(p - q, 0)); a one-hot q only lowers the acceptance at temperature > 0, and saves the
-[k, V] softmax rows per sequence.
+max(p - q, 0)); a one-hot q changes only how often drafts are accepted at temperature > 0
+(p(d) instead of the overlap of p and q), and saves the [k, V] softmax rows per sequence.
 """
 from __future__ import annotations
 
