@@ -184,6 +184,13 @@ def render_html(meta: dict, steps: list[dict], timeline_png: bytes, blocks_png: 
             ("blocks allocated", sum(s["device"]["allocated"] for s in steps)),
             ("blocks evicted", sum(s["device"]["evicted"] for s in steps)),
             ("copy-on-write copies", sum(s["cow_copies"] for s in steps))]
+    drafted = sum(s.get("spec_draft_tokens", 0) for s in steps)
+    if drafted:  # speculative decoding
+        accepted = sum(s["spec_accepted_tokens"] for s in steps)
+        verifies = sum(s["spec_drafts"] for s in steps)
+        rows += [("draft tokens verified", drafted),
+                 ("draft tokens accepted", f"{accepted} ({100 * accepted / drafted:.1f}%)"),
+                 ("mean acceptance length", f"{1 + accepted / verifies:.2f}")]
     rows += [(f"time in {p}", f"{total[p]:.3f}s ({100 * total[p] / wall:.1f}%)")
              for p in phases]
     table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in rows)

@@ -25,6 +25,7 @@ import torch
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.metrics.engine_view import take_engine_view
+from pagedlm.metrics.trace_render import render_html
 from pagedlm.metrics.tracer import load_records, records_path
 from tests.server_utils import serve_in_thread
 from tests.stats_utils import assert_fits, assert_same_distribution
@@ -32,7 +33,7 @@ from tests.stats_utils import assert_fits, assert_same_distribution
 ALLOWED = [1012, 1013, 1014]
 Z = 999  # precedes each key: bigram lookup finds (Z, first token) and drafts what followed
 OUTSIDE = 1500  # a draft the target never samples (not allowed)
-NUM_REQUESTS = 1000
+NUM_REQUESTS = 600
 SPEC = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
         "prompt_lookup_max": 2, "max_batch_for_spec": 4096}
 
@@ -140,9 +141,9 @@ def spec_run(case, tmp_path_factory):
             spec_after = engine.stats.spec_decode
     finally:
         server_engine.shutdown()
-    _, steps = load_records(records_path(trace_file))
+    meta, steps = load_records(records_path(trace_file))
     return dict(outs=outs, counts=_pairs(outs), spec=spec, view=view, metrics=metrics,
-                spec_after=spec_after, steps=steps)
+                spec_after=spec_after, meta=meta, steps=steps)
 
 
 def test_speculation_keeps_the_exact_distribution(case, plain_counts, spec_run):
@@ -172,6 +173,9 @@ def test_trace_engine_view_and_metrics_report_speculation(spec_run):
     assert sum(s["spec_accepted_tokens"] for s in steps) == after.num_accepted_tokens
     assert sum(s["spec_drafts"] for s in steps) == after.num_drafts
     assert max(x["lookahead"] for s in steps for x in s["scheduled"]) == 2
+    page = render_html(spec_run["meta"], steps, b"", b"")
+    assert f"<th>draft tokens verified</th><td>{after.num_draft_tokens}</td>" in page
+    assert f"<th>mean acceptance length</th><td>{after.mean_acceptance_length:.2f}" in page
     view = spec_run["view"]
     assert view.speculative and view.spec_num_draft_tokens == spec.num_draft_tokens
     assert view.spec_acceptance_rate == pytest.approx(spec.acceptance_rate)
