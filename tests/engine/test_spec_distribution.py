@@ -100,7 +100,7 @@ def case(tmp_path_factory, default_model_dir):
     # every first token common enough to be drafted after.
     assert p_draft[a] > 0.5 and 0 < p_draft[b] < 0.25 and p_draft[c] == 0, p_draft
     assert min(first) > 0.05, first
-    return dict(path=path, prompt=prompt, drafts=drafts, joint=joint, p_draft=p_draft)
+    return dict(path=path, hf=hf, prompt=prompt, drafts=drafts, joint=joint, p_draft=p_draft)
 
 
 def _params():
@@ -129,6 +129,11 @@ def spec_run(case, tmp_path_factory):
                         use_tqdm=False)
     spec = engine.stats.spec_decode
     view = take_engine_view(engine.scheduler, engine.stats)
+    lp_outs = llm.generate([{"prompt_token_ids": case["prompt"]}] * 16,
+                           [SamplingParams(temperature=1.0, seed=i, max_tokens=4, logprobs=2,
+                                           allowed_token_ids=ALLOWED) for i in range(16)],
+                           use_tqdm=False)
+    lp_spec = engine.stats.spec_decode - spec
     # The same engine behind a server: /metrics after one more request.
     server_engine = AsyncLLMEngine(engine, log_stats=False, model_name="tiny")
     try:
@@ -143,7 +148,7 @@ def spec_run(case, tmp_path_factory):
         server_engine.shutdown()
     meta, steps = load_records(records_path(trace_file))
     return dict(outs=outs, counts=_pairs(outs), spec=spec, view=view, metrics=metrics,
-                spec_after=spec_after, meta=meta, steps=steps)
+                spec_after=spec_after, meta=meta, steps=steps, lp_outs=lp_outs, lp_spec=lp_spec)
 
 
 def test_speculation_keeps_the_exact_distribution(case, plain_counts, spec_run):
@@ -164,6 +169,22 @@ def test_counters_match_the_emitted_tokens(case, spec_run):
         n = sum(v for (a, _), v in counts.items() if a == t1)
         rate = counts[(t1, drafts[t1])] / n
         assert abs(rate - case["p_draft"][t1]) < 0.1, (t1, rate, case["p_draft"])
+
+
+def test_logprobs_of_accepted_drafts_are_the_models(case, spec_run):
+    # Raw logprobs (before allowed_token_ids), as transformers computes them teacher-forced.
+    assert spec_run["lp_spec"].num_accepted_tokens > 0  # some tokens were accepted drafts
+    prompt = case["prompt"]
+    for out in spec_run["lp_outs"]:
+        c = out.outputs[0]
+        with torch.no_grad():
+            raw = case["hf"](torch.tensor([prompt + c.token_ids])).logits[0].log_softmax(-1)
+        assert len(c.logprobs) == len(c.token_ids) == 4
+        for j, (tok, lps) in enumerate(zip(c.token_ids, c.logprobs)):
+            row = raw[len(prompt) - 1 + j]
+            assert lps[tok].logprob == pytest.approx(float(row[tok]), abs=1e-4)
+            assert lps[tok].rank == int((row > row[tok]).sum()) + 1
+            assert set(row.topk(2).indices.tolist()) <= set(lps)
 
 
 def test_trace_engine_view_and_metrics_report_speculation(spec_run):
