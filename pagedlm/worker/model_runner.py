@@ -253,7 +253,8 @@ class ModelRunner:
             wants_history = sp.has_penalties or sp.min_tokens or sp.bad_words
             history = seq.token_ids[seq.num_prompt_tokens:] if wants_history else []
             constrained = constrained or sp.has_token_constraints
-            engine_rows += range(len(rows), len(rows) + k)
+            if req.grammar_bitmask is not None:
+                engine_rows += range(len(rows), len(rows) + k)
             first_row[seq_id] = len(rows)
             proposal = batch.drafts.get(seq_id)
             if proposal is not None:
