@@ -154,8 +154,9 @@ class Scheduler:
                     for g in order]
         pending = deque([g for g, d in zip(order, decoding) if d]
                         + [g for g, d in zip(order, decoding) if not d])
-        decoding_ids = {id(g) for g, d in zip(order, decoding) if d}
         policy = self.spec_policy
+        decoding_ids = ({id(g) for g, d in zip(order, decoding) if d}
+                        if policy is not None else set())
         speculate = policy is not None and policy.batch_allows(
             sum(len(g.unfinished_seqs()) for g, d in zip(order, decoding) if d))
         preempted: set[int] = set()
@@ -167,17 +168,21 @@ class Scheduler:
             lookahead = None
             if speculate and id(group) in decoding_ids:
                 lookahead = [policy.lookahead(group, s) for s in seqs]
-                if sum(tokens) + sum(lookahead) > self._budget:
-                    if policy.deterministic:
+                need = sum(tokens) + sum(lookahead)
+                if need > self._budget:
+                    if policy.deterministic and need <= self.config.max_num_batched_tokens:
                         continue  # its k is its own: it waits for a step with the budget
                     lookahead = None
             while (copies := bm.allocate_slots(
                     seqs, tokens if not lookahead else
                     [n + k for n, k in zip(tokens, lookahead)])) is None:
-                if lookahead and any(lookahead) and not policy.deterministic:
-                    lookahead = None  # plain decoding before anyone is preempted
-                    continue
                 victim = max([*pending, group], key=self._key)
+                if lookahead and any(lookahead) and (not policy.deterministic
+                                                     or victim is group):
+                    # Plain decoding before anyone is preempted (deterministic: before the
+                    # group itself is; a cache too small for its slots would never fit them).
+                    lookahead = None
+                    continue
                 if victim is not group:
                     pending.remove(victim)
                 self._preempt(victim, sched_out)

@@ -160,9 +160,21 @@ def test_budget_and_block_shortage_fall_back_to_plain_decoding():
     out = sched.schedule()
     assert [sg.num_lookahead[0] for sg in out.scheduled_groups] == [4, 0]
     assert out.num_batched_tokens == 6
-    # Blocks: 1 block of 4 holds the 4-token sequence's next token, not 4 more: no preemption.
-    sched = make_scheduler(k=4, num_blocks=1, block_size=4)
-    sched.add_seq_group(make_group("r", 3, 0))
+    # Blocks: 1 block of 4 holds the 4-token sequence's next token, not 4 more: no preemption
+    # (under deterministic too: the group would only preempt itself).
+    for deterministic in (False, True):
+        sched = make_scheduler(k=4, num_blocks=1, block_size=4, deterministic=deterministic)
+        sched.add_seq_group(make_group("r", 3, 0))
+        step(sched)
+        out = sched.schedule()
+        assert out.scheduled_groups[0].num_lookahead == [0]
+        assert sched.stats.num_preemptions == 0
+    # Deterministic: a group whose 1 + k does not fit what is left of the budget waits for
+    # the next step rather than change its k.
+    sched = make_scheduler(k=4, budget=8, deterministic=True)
+    for i in range(2):
+        sched.add_seq_group(make_group(f"r{i}", 3, i))
     step(sched)
-    out = sched.schedule()
-    assert out.scheduled_groups[0].num_lookahead == [0] and sched.stats.num_preemptions == 0
+    out = step(sched)
+    assert [sg.group.request_id for sg in out.scheduled_groups] == ["r0"]
+    assert out.scheduled_groups[0].num_lookahead == [4] and len(sched.running) == 2
