@@ -25,7 +25,7 @@ import torch
 from pagedlm.sampling_params import StructuredOutputsParams
 from pagedlm.structured_output.backend import CompiledGrammar, StructuredOutputBackend
 from pagedlm.structured_output.bitmask import GrammarBitmask, bitmask_width
-from pagedlm.structured_output.registry import backend_class
+from pagedlm.structured_output.registry import backend_class, check_backend
 from pagedlm.structured_output.request import StructuredOutputRequest
 from pagedlm.structured_output.sandbox import GrammarSandbox
 from pagedlm.utils import lower_thread_priority
@@ -64,7 +64,8 @@ class StructuredOutputManager:
 
     def __init__(self, backend: str, tokenizer, vocab_size: int,
                  eos_token_ids: frozenset[int], compile_timeout: float = 10.0) -> None:
-        self.backend_cls = backend_class(backend)
+        check_backend(backend)
+        self._backend_name = backend
         self._backend_args = (tokenizer, vocab_size, eos_token_ids)
         self._backend: StructuredOutputBackend | None = None
         self.vocab_size = vocab_size
@@ -80,6 +81,12 @@ class StructuredOutputManager:
         self._adopted: dict[tuple, Compilation] = {}  # engine thread: see adopted()
         self._pending: list[tuple[str, StructuredOutputRequest]] = []  # (request id, ...)
         self._closed = False
+
+    @property
+    def backend_cls(self) -> type[StructuredOutputBackend]:
+        # Imported at the first structured-output request (on the request-preparing thread),
+        # not at engine start-up.
+        return backend_class(self._backend_name)
 
     @property
     def backend(self) -> StructuredOutputBackend:

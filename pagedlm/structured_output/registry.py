@@ -10,11 +10,16 @@ if TYPE_CHECKING:
 SUPPORTED_BACKENDS = ("xgrammar",)
 
 
+def check_backend(name: str) -> None:
+    """ValueError unless `name` is a backend, without importing it."""
+    if name not in SUPPORTED_BACKENDS:
+        raise ValueError(f"structured_outputs_backend must be one of "
+                         f"{list(SUPPORTED_BACKENDS)}, got {name!r}.")
+
+
 def backend_class(name: str) -> type[StructuredOutputBackend]:
-    if name == "xgrammar":
-        # Imported on first use: xgrammar loads torch and transformers, which a server with no
-        # structured-output request never needs.
-        from pagedlm.structured_output.xgrammar_backend import XGrammarBackend
-        return XGrammarBackend
-    raise ValueError(f"structured_outputs_backend must be one of {list(SUPPORTED_BACKENDS)}, "
-                     f"got {name!r}.")
+    check_backend(name)
+    # Imported on first use: xgrammar takes about 1 s to import, which a server with no
+    # structured-output request never needs (nor its start-up).
+    from pagedlm.structured_output.xgrammar_backend import XGrammarBackend
+    return XGrammarBackend

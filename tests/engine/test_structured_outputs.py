@@ -284,3 +284,17 @@ def test_bitmask_kernel_and_torch_fallback_agree_with_the_definition(monkeypatch
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match=r"structured_outputs_backend .*'xgrammar'"):
         EngineArgs(structured_outputs_backend="outlines").create_engine_config()
+
+
+def test_backend_is_imported_at_the_first_structured_request_not_at_start_up(monkeypatch):
+    """xgrammar takes about a second to import: an engine is built without it."""
+    import sys
+
+    from pagedlm.structured_output.manager import StructuredOutputManager
+    # None in sys.modules: any import of the backend module raises ImportError.
+    monkeypatch.setitem(sys.modules, "pagedlm.structured_output.xgrammar_backend", None)
+    manager = StructuredOutputManager("xgrammar", None, 10, frozenset())
+    with pytest.raises(ImportError):
+        manager.backend_cls
+    with pytest.raises(ValueError, match=r"structured_outputs_backend .*'xgrammar'"):
+        StructuredOutputManager("outlines", None, 10, frozenset())
