@@ -19,9 +19,10 @@ def make_group(rid: str, prompt_len: int, seq_id: int, max_tokens: int = 100) ->
 
 
 def make_scheduler(k=4, num_blocks=64, budget=64, block_size=4, caching=False,
-                   deterministic=False, **spec):
+                   deterministic=False, max_model_len=None, **spec):
     spec_config = SpeculativeConfig(num_speculative_tokens=k, **spec)
-    return Scheduler(SchedulerConfig(budget, 8, budget, enable_chunked_prefill=True),
+    return Scheduler(SchedulerConfig(budget, 8, max_model_len or budget,
+                                     enable_chunked_prefill=True),
                      CacheConfig(block_size=block_size, enable_prefix_caching=caching),
                      num_blocks, watermark=0.0, speculative_config=spec_config,
                      deterministic=deterministic)
@@ -178,3 +179,21 @@ def test_budget_and_block_shortage_fall_back_to_plain_decoding():
     out = step(sched)
     assert [sg.group.request_id for sg in out.scheduled_groups] == ["r0"]
     assert out.scheduled_groups[0].num_lookahead == [4] and len(sched.running) == 2
+
+
+def test_lookahead_beside_a_chunked_prefill():
+    # A decode with k = 4 takes 5 of the 16-token budget; a long prompt's chunk takes the
+    # rest, and gets no lookahead until its prompt is done.
+    sched = make_scheduler(k=4, budget=16, max_model_len=128)
+    sched.add_seq_group(make_group("decode", 4, 0))
+    step(sched)
+    sched.add_seq_group(make_group("prompt", 40, 1))
+    out = step(sched)
+    by_id = {sg.group.request_id: (sg.num_new_tokens[0], sg.num_lookahead[0])
+             for sg in out.scheduled_groups}
+    assert by_id == {"decode": (1, 4), "prompt": (11, 0)} and out.num_batched_tokens == 16
+    while sched.waiting or any(s.num_computed_tokens < 40 for g in sched.running
+                               for s in g.seqs if s.seq_id == 1):
+        step(sched)
+    out = step(sched)
+    assert [sg.num_lookahead[0] for sg in out.scheduled_groups] == [4, 4]
