@@ -151,3 +151,34 @@ def test_bfloat16_layer_keeps_only_its_panels():
     panels = own.panel_weight
     method.process_weights_after_loading(own)
     assert own.panel_weight is panels
+
+
+def test_safetensors_pages_are_released_as_the_load_goes(tmp_path, monkeypatch):
+    """A checkpoint is read through a fresh map every _BYTES_PER_MAP bytes: the pages of the
+    tensors already consumed leave the process (a 2 GB bf16 file stayed resident beside its
+    copied weights), and the tensors are the file's."""
+    from safetensors.torch import save_file
+
+    from pagedlm.model_executor.model_loader import weight_utils
+    mib = 2**20
+    tensors = {f"t{i}": torch.full((mib // 2,), i, dtype=torch.bfloat16) for i in range(8)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(weight_utils, "_BYTES_PER_MAP", mib)
+
+    def resident_file_bytes() -> int:
+        total, ours = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if "-" in line.split()[0]:  # a mapping's first line
+                    ours = line.rstrip().endswith("model.safetensors")
+                elif ours and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+        return total
+
+    most = 0
+    for name, tensor in weight_utils.iterate_safetensors(str(tmp_path)):
+        assert torch.equal(tensor, tensors[name])  # touches every page
+        most = max(most, resident_file_bytes())
+        del tensor
+    assert mib <= most <= 2 * mib + 8192, most  # one map's worth, not the file's 8 MiB
+    assert resident_file_bytes() == 0

@@ -38,15 +38,31 @@ def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor
     param.data.copy_(loaded_weight)
 
 
+# A file is read through a fresh map every this many bytes of tensors. A tensor is a view of
+# its handle's map, which keeps every page it touched resident until the handle and all its
+# tensors are gone: read through one handle, a 2.1 GB bf16 checkpoint stayed resident beside
+# the weights copied out of it (1B Llama, dtype=bfloat16: peak RSS 4.34 GiB, 3.0-3.5 with
+# this; 2.39 after loading either way).
+_BYTES_PER_MAP = 64 * 2**20
+
+
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in the directory's *.safetensors files."""
+    """(name, tensor) of every tensor in the directory's *.safetensors files. The tensors are
+    views of the file: a consumer copies what it keeps before asking for the next."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise ValueError(f"model: no *.safetensors files in {model_dir}.")
     for path in files:
+        handle, mapped = None, 0
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            names = list(f.keys())
+        for name in names:
+            if handle is None or mapped >= _BYTES_PER_MAP:
+                handle, mapped = safe_open(path, framework="pt"), 0
+            tensor = handle.get_tensor(name)
+            mapped += tensor.numel() * tensor.element_size()
+            yield name, tensor
+            del tensor  # the last view of an old map: its pages leave with it
 
 
 def describe_missing(missing: list[str]) -> str:
