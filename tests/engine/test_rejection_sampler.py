@@ -12,33 +12,14 @@ from collections import Counter
 import torch
 
 from pagedlm import SamplingParams
-from pagedlm.model_executor.layers.sampler import (
-    DraftMetadata,
-    DraftSpan,
-    Sampler,
-    SamplingMetadata,
-)
+from pagedlm.model_executor.layers.sampler import DraftSpan, Sampler
+from tests.sampling_utils import make_meta
 from tests.stats_utils import assert_fits
+
 
 def assert_chi_square(counts: Counter, probs: torch.Tensor) -> None:
     """The token counts fit the distribution over token ids (p = 0.001)."""
     assert_fits(counts, {t: float(p) for t, p in enumerate(probs)})
-
-
-def make_meta(params, outputs=None, generators=None, spans=None):
-    rows = len(params)
-    want = [p.logprobs for p in params if p.logprobs is not None]
-    return SamplingMetadata(
-        params=list(params),
-        generators=list(generators) if generators is not None else [None] * rows,
-        output_token_ids=[list(o) for o in outputs] if outputs is not None else [[]] * rows,
-        prompt_token_ids=[[0]] * rows,
-        stop_ids=[frozenset()] * rows,
-        all_greedy=all(p.greedy for p in params),
-        max_num_logprobs=max(want, default=-1),
-        any_token_constraints=any(p.has_token_constraints for p in params),
-        draft=DraftMetadata(spans) if spans is not None else None,
-    )
 
 
 def emitted(out, spans):

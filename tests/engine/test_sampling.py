@@ -12,29 +12,15 @@ import torch
 from pagedlm import SamplingParams
 from pagedlm.model_executor.layers.sampler import (
     Sampler,
-    SamplingMetadata,
     _apply_penalties,
 )
 from tests.compare_utils import assert_outputs_bitwise_equal
 from tests.conftest import needs_kernels
+from tests.sampling_utils import make_meta
 
 # ---------------------------------------------------------------------------------------------
 # Sampler on hand-built logits
 # ---------------------------------------------------------------------------------------------
-
-
-def make_meta(params, outputs=None, prompts=None, generators=None, stop_ids=None):
-    rows = len(params)
-    want = [p.logprobs for p in params if p.logprobs is not None]
-    return SamplingMetadata(
-        params=list(params),
-        generators=list(generators) if generators is not None else [None] * rows,
-        output_token_ids=[list(o) for o in outputs] if outputs is not None else [[]] * rows,
-        prompt_token_ids=[list(p) for p in prompts] if prompts is not None else [[0]] * rows,
-        stop_ids=list(stop_ids) if stop_ids is not None else [frozenset()] * rows,
-        all_greedy=all(p.greedy for p in params),
-        max_num_logprobs=max(want, default=-1),
-    )
 
 
 def sample_many(logits_row, params, draws=4000, seed=0):
