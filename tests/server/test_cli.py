@@ -87,6 +87,9 @@ def test_every_engine_arg_has_a_flag():
             value = 4096
         if f.name == "pooler_config":  # a JSON object on the command line
             value, text = {"pooling_type": "MEAN"}, '{"pooling_type": "MEAN"}'
+        if f.name == "speculative_config":  # likewise
+            value = {"method": "ngram", "num_speculative_tokens": 3}
+            text = '{"method": "ngram", "num_speculative_tokens": 3}'
         choices = next(a.choices for a in _serve_actions() if a.dest == f.name)
         if choices:  # a str field with fixed choices: one that is not the default
             value = text = [c for c in choices if c != f.default][-1]
