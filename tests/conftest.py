@@ -10,7 +10,13 @@ import sys
 import pytest
 import torch
 
-from pagedlm.kernels.loader import kernels_disabled
+# Without a GPU, the GPU path's Triton kernels run on CPU tensors in Triton's interpreter. It
+# must be chosen before anything imports triton (triton.language's own helpers are built for
+# one mode at import), so here, first; on a GPU machine the kernels are compiled for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedlm.kernels.loader import kernels_disabled  # noqa: E402
 
 
 def pytest_configure(config):
