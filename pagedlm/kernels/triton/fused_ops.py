@@ -28,16 +28,18 @@ def _next_pow2(n: int) -> int:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] (rows contiguous). With residual: residual += x (in place) and the norm of the
-    sum is returned with it, as RMSNorm.forward does."""
+    """x [T, H] (rows contiguous). With residual: the norm of x + residual, returned with that
+    sum, as RMSNorm.forward does (new tensors; the inputs are not modified)."""
     norm_kernel = _kernels()[0]
     t, n = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     res = residual if residual is not None else x
+    res_out = torch.empty_like(out) if residual is not None else out
     if t:
-        norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n,
-                          eps, HAS_RESIDUAL=residual is not None, BLOCK=_next_pow2(n))
-    return out if residual is None else (out, residual)
+        norm_kernel[(t,)](x, res, res_out, weight, out, x.stride(0), res.stride(0),
+                          out.stride(0), n, eps, HAS_RESIDUAL=residual is not None,
+                          BLOCK=_next_pow2(n))
+    return out if residual is None else (out, res_out)
 
 
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

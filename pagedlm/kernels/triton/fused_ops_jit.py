@@ -7,8 +7,8 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride,
-                    n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, x_stride, res_stride,
+                    out_stride, n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -18,7 +18,7 @@ def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_st
         # the norm then reads the rounded sum.
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-        tl.store(res_ptr + row * res_stride + cols, x, mask=mask)
+        tl.store(res_out_ptr + row * out_stride + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)

@@ -2,7 +2,8 @@
 
 float32 rows go through the native library's one-call kernel (pagedlm/kernels/fused_ops.py)
 where it is available: the PyTorch form is eight dispatches (add, float, pow, mean, add, rsqrt,
-mul, mul), which at batch 1 cost far more than the arithmetic (figures in that module).
+mul, mul), which at batch 1 cost far more than the arithmetic (figures in that module). On a GPU,
+rows go through one Triton launch (pagedlm/kernels/triton/fused_ops.py) for the same reason.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedlm import kernels
+from pagedlm.kernels.triton import fused_ops as triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -31,10 +33,16 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def _triton_ok(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dim() == 2 and x.stride(1) == 1
+                and self.weight.dtype is x.dtype)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self._native_ok(x) and (residual is None or self._native_ok(residual)):
             return kernels.fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        if self._triton_ok(x) and (residual is None or self._triton_ok(residual)):
+            return triton_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

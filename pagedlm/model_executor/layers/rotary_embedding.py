@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedlm import kernels
+from pagedlm.kernels.triton import fused_ops as triton_ops
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -114,6 +115,16 @@ class RotaryEmbedding(nn.Module):
         dtypes get new tensors. Positions must be below the max_position it was built for."""
         if self._native_ok(positions, q, k):
             kernels.fused_ops.rotary_(positions, q, k, self.cos, self.sin)
+            return q, k
+        if self.cos.device != positions.device:
+            # The tables are built on the CPU (see __init__); a GPU model moves them on its
+            # first step (a warm-up step, before any CUDA graph is captured).
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        if (q.is_cuda and q.dim() == 3 and k.dim() == 3 and q.stride(2) == 1
+                and k.stride(2) == 1):
+            # One Triton launch for q and k instead of about twenty, in place like the native
+            # kernel.
+            triton_ops.rotary_(positions, q, k, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
