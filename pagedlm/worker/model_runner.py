@@ -24,6 +24,7 @@ from pagedlm.model_io import (ExecuteModelRequest, ModelRunnerOutput, PromptLogp
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.spec_decode.proposer import Proposal, ProposalRequest, Proposer
 from pagedlm.structured_output.bitmask import GrammarBitmask
+from pagedlm.worker.cuda_graph import CUDAGraphRunner
 
 
 @dataclass
@@ -116,6 +117,8 @@ class ModelRunner:
         self.pooler = (Pooler(model_config.pooler_config)
                        if model_config.runner == "pooling" else None)
         self.proposer = proposer  # speculative decoding's drafts (None: off)
+        # Pure decode steps replay CUDA graphs through it once the worker has captured them.
+        self.cuda_graphs: CUDAGraphRunner | None = None
 
     # -- state --------------------------------------------------------------------------------
     def update_states(self, req: ExecuteModelRequest) -> None:
@@ -319,8 +322,14 @@ class ModelRunner:
         self.update_states(req)
         inp = self.prepare_input(req)
         t1 = time.perf_counter()
-        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_metadata,
-                            intermediate_tensors)
+        graphs, size = self.cuda_graphs, None
+        if graphs is not None and intermediate_tensors is None:
+            size = graphs.size_for(inp.input_ids.shape[0], kv_caches, inp.attn_metadata)
+        if size is not None:
+            hidden = graphs.run(size, inp.input_ids, inp.positions, inp.attn_metadata)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_metadata,
+                                intermediate_tensors)
         if isinstance(hidden, IntermediateTensors):
             return hidden
         if self.pooler is not None:

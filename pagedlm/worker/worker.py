@@ -29,6 +29,7 @@ from pagedlm.spec_decode.draft_config import draft_model_config
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram import NgramProposer
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from pagedlm.worker.cuda_graph import capture_cuda_graphs
 from pagedlm.worker.malloc_tuning import keep_freed_memory, release_freed_memory
 from pagedlm.worker.model_runner import ModelRunner
 
@@ -136,6 +137,10 @@ class Worker:
                                         num_cpu_blocks, *self._kv_shape())
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.initialize_cache(num_gpu_blocks)
+        # The graphs write into this cache, so they are captured once it exists.
+        self.runner.cuda_graphs = capture_cuda_graphs(
+            self.config, self.model, self.cache_engine.kv_caches, self.runner.device,
+            has_lora=self.lora_manager is not None)
 
     # -- each step ----------------------------------------------------------------------------
     def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
