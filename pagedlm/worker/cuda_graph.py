@@ -159,6 +159,8 @@ class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], sizes: Sequence[int],
                  block_table_width: int, device: torch.device) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        # The graphs write into these caches' memory: a step over any other cache runs eagerly.
+        self._cache_ptr = kv_caches[0][0].data_ptr()
         self.sizes = sorted(sizes)
         self.batch = StaticDecodeBatch(self.sizes[-1], block_table_width, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -167,6 +169,7 @@ class CUDAGraphRunner:
         self._metas: dict[int, AttentionMetadata] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
+        self.capture_s = 0.0  # seconds capture() took (warm-up runs included)
 
     def forward_static(self, size: int, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """The model on the buffers' first `size` rows: what a graph of that size records."""
@@ -179,8 +182,9 @@ class CUDAGraphRunner:
         t0 = time.perf_counter()
         with torch.cuda.device(self.device):
             self._capture_all()
+        self.capture_s = time.perf_counter() - t0
         logger.info("captured CUDA graphs for %d decode batch sizes (%s) in %.2fs",
-                    len(self.sizes), ", ".join(map(str, self.sizes)), time.perf_counter() - t0)
+                    len(self.sizes), ", ".join(map(str, self.sizes)), self.capture_s)
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()  # one pool: the graphs never run at once
@@ -203,7 +207,8 @@ class CUDAGraphRunner:
     def size_for(self, num_rows: int, kv_caches: list[KVCache],
                  meta: AttentionMetadata) -> int | None:
         """The graph a step runs (its padded size), or None: run it eagerly."""
-        if kv_caches is not self.kv_caches or not self.batch.fits(num_rows, meta):
+        if (not kv_caches or kv_caches[0][0].data_ptr() != self._cache_ptr
+                or not self.batch.fits(num_rows, meta)):
             return None
         size = padded_size(num_rows, self.sizes)
         return size if size in self.graphs else None
@@ -229,5 +234,11 @@ def capture_cuda_graphs(config: EngineConfig, model: torch.nn.Module,
     sc, block_size = config.scheduler_config, config.cache_config.block_size
     runner = CUDAGraphRunner(model, kv_caches, capture_sizes(sc.max_num_seqs),
                              cdiv(sc.max_model_len, block_size), device)
-    runner.capture()
+    try:
+        runner.capture()
+    except RuntimeError:
+        # Something in the decode path cannot be captured (a host sync, an allocation the
+        # capture refuses): the engine still serves, eagerly, and says why.
+        logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+        return None
     return runner
