@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     PAGEDLM_DISABLE_FUSED_DECODE: bool
     PAGEDLM_DISABLE_ONEDNN: bool
     PAGEDLM_DEFAULT_MALLOC: bool
+    PAGEDLM_ATTENTION_BACKEND: str | None
+    TRITON_INTERPRET: bool
     PAGEDLM_API_KEY: str | None
     RAY_ADDRESS: str | None
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
@@ -42,6 +44,14 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "PAGEDLM_DISABLE_ONEDNN": _flag("PAGEDLM_DISABLE_ONEDNN"),
     # 1/true/yes: workers keep glibc's malloc defaults (worker/malloc_tuning.py).
     "PAGEDLM_DEFAULT_MALLOC": _flag("PAGEDLM_DEFAULT_MALLOC"),
+    # "native" | "torch_sdpa" | "triton": the attention backend every model uses
+    # (get_attn_backend; an error if it cannot run the model's dtype on its device). Unset or
+    # empty: chosen by dtype and device (Triton on a GPU, the native kernel for float32 on the
+    # CPU, else Torch SDPA).
+    "PAGEDLM_ATTENTION_BACKEND": _string("PAGEDLM_ATTENTION_BACKEND"),
+    # Triton's own switch (1/true/yes/on): its kernels run on CPU tensors in its interpreter.
+    # Read here only to know whether the Triton attention backend can run on the CPU.
+    "TRITON_INTERPRET": _flag("TRITON_INTERPRET", ("1", "true", "yes", "on")),
     # The server's API key, the default of --api-key; unset: no key.
     "PAGEDLM_API_KEY": _string("PAGEDLM_API_KEY"),
     # A Ray cluster to join (ray.init's address); set, it also makes "ray" the default executor

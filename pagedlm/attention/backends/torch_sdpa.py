@@ -50,7 +50,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     scores = torch.tanh(scores / soft_cap) * soft_cap
     if mask is None:
         n = q.shape[-2]
-        mask = torch.ones(n, k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - n)
+        mask = torch.ones(n, k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - n)
     scores = scores.masked_fill(~mask, float("-inf"))
     # Softmax in float32, as transformers' eager attention does, then back to the model dtype.
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -74,16 +74,16 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             k, v = k.to(k_cache.dtype).to(key.dtype), v.to(v_cache.dtype).to(value.dtype)
         mask = None  # causal
         if sliding_window is not None and sliding_window < n:
-            rows = torch.arange(n).unsqueeze(1)
-            cols = torch.arange(n).unsqueeze(0)
+            rows = torch.arange(n, device=query.device).unsqueeze(1)
+            cols = torch.arange(n, device=query.device).unsqueeze(0)
             mask = (cols <= rows) & (cols > rows - sliding_window)
     else:
         total = p.context_len + n
         k = gather_blocks(k_cache, p.block_table[None])[:, :, :total].to(query.dtype)
         v = gather_blocks(v_cache, p.block_table[None])[:, :, :total].to(query.dtype)
         # Query i sits at position context_len + i and sees keys up to there.
-        rows = torch.arange(n).unsqueeze(1) + p.context_len
-        cols = torch.arange(total).unsqueeze(0)
+        rows = torch.arange(n, device=query.device).unsqueeze(1) + p.context_len
+        cols = torch.arange(total, device=query.device).unsqueeze(0)
         mask = cols <= rows
         if sliding_window is not None:
             mask &= cols > rows - sliding_window
@@ -102,13 +102,13 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     mask = meta.decode_mask
     width = meta.decode_block_tables.shape[1] * k_cache.shape[1]
     if mask is None:  # built once per step, from decode_seq_lens
-        mask = torch.arange(width) < meta.decode_seq_lens.view(-1, 1)
+        mask = torch.arange(width, device=query.device) < meta.decode_seq_lens.view(-1, 1)
         mask = meta.decode_mask = mask.view(nd, 1, 1, width)
     if sliding_window is not None:  # one mask per window size per step, shared by its layers
         windowed = meta._window_masks.get(sliding_window)
         if windowed is None:
             seq_lens = mask.reshape(nd, -1).sum(-1, keepdim=True)
-            start = torch.arange(width) >= seq_lens - sliding_window
+            start = torch.arange(width, device=query.device) >= seq_lens - sliding_window
             windowed = meta._window_masks[sliding_window] = mask & start.view(nd, 1, 1, width)
         mask = windowed
     q = query[:nd].unsqueeze(2)  # [B, Hq, 1, D]

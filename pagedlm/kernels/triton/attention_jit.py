@@ -1,0 +1,224 @@
+"""The Triton kernels behind attention.py (imported by it on first use: this module needs Triton):
+the KV-cache write, paged decode attention, and prefill over chunks with cached context.
+Module-level `@triton.jit` functions, because Triton's compiler and interpreter read `tl` from
+the kernel's module globals.
+
+Caches are [num_blocks, block_size, num_kv_heads, head_dim]; a token at position p of a sequence
+lives in block block_table[p // block_size], row p % block_size. Scores, the softmax and the
+output accumulate in float32 whatever the cache holds (online softmax, one pass over the keys).
+
+DOT_FP32: the products run in float32 (input_precision="ieee": Triton would otherwise use TF32
+on the GPU, and float32 parity is tested with TF32 off). Otherwise the query and the cache share
+a 16-bit dtype, and the tensor cores multiply them exactly into float32 accumulators; the
+probabilities are then rounded to that dtype for the product with V, as flash attention does.
+
+Loops over keys are `while` loops, not `for ... in range(...)`: under TRITON_INTERPRET (the CPU
+tests), range() needs its bounds as Python ints, and Triton 3.6's interpreter holds a loaded
+scalar as a one-element array, which NumPy >= 2.4 refuses to convert. The cost on the GPU is
+Triton's software pipelining (it applies to `for` loops only); the many programs per SM of a
+batch hide load latency instead.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                    k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                    c_stride_b, c_stride_s, c_stride_h,
+                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per token: its K and V rows (all KV heads) into the slot the mapping names,
+    # cast to the cache's dtype. A negative slot (PAD_SLOT_ID: a CUDA-graph padding row) is
+    # skipped.
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    dst = ((slot // BLOCK_SIZE) * c_stride_b + (slot % BLOCK_SIZE) * c_stride_s
+           + h[:, None] * c_stride_h + d[None, :])
+    k = tl.load(key_ptr + t * k_stride_t + h[:, None] * k_stride_h + d[None, :], mask=mask)
+    v = tl.load(value_ptr + t * v_stride_t + h[:, None] * v_stride_h + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    # cap * tanh(s / cap), with tanh from exp (1 - 2 / (e^2x + 1)): it saturates to +-1 for
+    # large |x| instead of overflowing, and Triton's language has no portable tanh.
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * (s / cap)) + 1.0))
+
+
+@triton.jit
+def _scores(q, k, scale, soft_cap, HAS_SOFT_CAP: tl.constexpr, DOT_FP32: tl.constexpr):
+    # q [M, D] . k [N, D]^T -> [M, N] float32, scaled (and soft-capped).
+    if DOT_FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    if HAS_SOFT_CAP:
+        s = _soft_cap(s, soft_cap)
+    return s
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
+    # One tile of keys into the running (max, denominator, numerator) of each query row. s is
+    # -inf where a key is masked; a row with every key masked so far keeps max -inf, and the
+    # shifts below use 0 for it so that no -inf - -inf (NaN) appears.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+                        scale, soft_cap, window,
+                        q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+                        c_stride_b, c_stride_s, c_stride_h, bt_stride,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+                        DOT_FP32: tl.constexpr):
+    # One program per (decode row, KV head): the GROUP query heads sharing that KV head attend
+    # together, so each K/V tile is read once for all of them (rows padded to BLOCK_H >= 16,
+    # the tensor cores' smallest tile). The row attends to keys [max(0, L - window), L), L its
+    # sequence length read here: the grid depends on shapes only, so the launch can be captured
+    # in a CUDA graph whatever the lengths are. L = 0 (a padding row) writes zeros.
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + row)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_mask = (h[:, None] < GROUP) & d_mask[None, :]
+    q_off = row * q_stride_t + (kvh * GROUP + h[:, None]) * q_stride_h + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    lo = tl.full([], 0, tl.int32)
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    table = block_tables_ptr + row.to(tl.int64) * bt_stride
+    n0 = (lo // BLOCK_N) * BLOCK_N
+    while n0 < seq_len:  # not `for`: see the module's note on loops
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = (pos < seq_len) & (pos >= lo)
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = blk * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _scores(q, k, scale, soft_cap, HAS_SOFT_CAP, DOT_FP32)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
+        n0 += BLOCK_N
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = row * o_stride_t + (kvh * GROUP + h[:, None]) * o_stride_h + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def prefill_attention_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+                             query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
+                             scale, soft_cap, window,
+                             q_stride_t, q_stride_h, k_stride_t, k_stride_h,
+                             v_stride_t, v_stride_h, o_stride_t, o_stride_h,
+                             c_stride_b, c_stride_s, c_stride_h, bt_stride,
+                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                             HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+                             DOT_FP32: tl.constexpr):
+    # One program per (chunk, query head, tile of BLOCK_M query rows). Chunk c holds rows
+    # [start[c], start[c + 1]) of the flat batch, at positions ctx .. ctx + n - 1 of its
+    # sequence. Its keys: the ctx cached ones (read through its block table; all earlier than
+    # every query row, so only the window masks them), then the chunk's own K/V, causal, read
+    # from the step's key/value rounded to the cache's dtype as the cache holds them (a prompt
+    # attends to the same K/V whether it is computed fresh or read back from the cache).
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    m_start = tl.program_id(2) * BLOCK_M
+    row0 = tl.load(query_start_loc_ptr + chunk)
+    n = tl.load(query_start_loc_ptr + chunk + 1) - row0
+    if m_start >= n:  # the grid covers the longest chunk
+        return
+    ctx = tl.load(context_lens_ptr + chunk)
+    kvh = head // GROUP
+    m = m_start + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    m_mask = m < n
+    rows = (row0 + m).to(tl.int64)
+    q_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + rows[:, None] * q_stride_t + head * q_stride_h + d[None, :],
+                mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # The cached context, from the first key the tile's first row sees.
+    lo = tl.full([], 0, tl.int32)
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx + m_start - window + 1, 0)
+    table = block_tables_ptr + chunk.to(tl.int64) * bt_stride
+    n0 = (lo // BLOCK_N) * BLOCK_N
+    while n0 < ctx:
+        pos = n0 + tl.arange(0, BLOCK_N)
+        in_ctx = pos < ctx
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        off = blk * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
+        kv_mask = in_ctx[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _scores(q, k, scale, soft_cap, HAS_SOFT_CAP, DOT_FP32)
+        valid = in_ctx[None, :]
+        if HAS_WINDOW:
+            valid = valid & (pos[None, :] > ctx + m[:, None] - window)
+        s = tl.where(valid, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
+        n0 += BLOCK_N
+
+    # The chunk's own keys, up to the tile's last row.
+    j_lo = tl.full([], 0, tl.int32)
+    if HAS_WINDOW:
+        j_lo = tl.maximum(m_start - window + 1, 0)
+    hi = tl.minimum(n, m_start + BLOCK_M)
+    j0 = (j_lo // BLOCK_N) * BLOCK_N
+    while j0 < hi:
+        j = j0 + tl.arange(0, BLOCK_N)
+        j_mask = j < hi
+        kv_rows = (row0 + j).to(tl.int64)
+        kv_mask = j_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_rows[:, None] * k_stride_t + kvh * k_stride_h + d[None, :],
+                    mask=kv_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+        v = tl.load(v_ptr + kv_rows[:, None] * v_stride_t + kvh * v_stride_h + d[None, :],
+                    mask=kv_mask, other=0.0).to(v_cache_ptr.dtype.element_ty)
+        s = _scores(q, k, scale, soft_cap, HAS_SOFT_CAP, DOT_FP32)
+        valid = j_mask[None, :] & (j[None, :] <= m[:, None])
+        if HAS_WINDOW:
+            valid = valid & (j[None, :] > m[:, None] - window)
+        s = tl.where(valid, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
+        j0 += BLOCK_N
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + rows[:, None] * o_stride_t + head * o_stride_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
