@@ -35,9 +35,10 @@ class SequenceStatus(enum.Enum):
 @dataclass
 class DetokenizerState:
     """Incremental detokenization offsets (see engine/detokenizer.py)."""
-    tokens: list[str] = field(default_factory=list)
+    tokens: list[int] | list[str] = field(default_factory=list)  # ids with a fast tokenizer
     prefix_offset: int = 0
     read_offset: int = 0
+    prefix_len: int = 0  # characters of tokens[prefix_offset:read_offset] decoded
 
 
 @dataclass(eq=False)
@@ -93,7 +94,7 @@ class Sequence:
                         output_text=self.output_text, cache_salt=self.cache_salt,
                         lora_key=self.lora_key,
                         detok=DetokenizerState(list(self.detok.tokens), self.detok.prefix_offset,
-                                               self.detok.read_offset))
+                                               self.detok.read_offset, self.detok.prefix_len))
 
 
 @dataclass
