@@ -10,8 +10,10 @@ import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
-from pagedlm.worker.cuda_graph import (StaticDecodeBatch, capture_sizes, graphs_off_reason,
-                                       padded_size)
+from pagedlm.utils import cdiv
+from pagedlm.worker.cuda_graph import (CUDAGraphRunner, StaticDecodeBatch,
+                                       attention_backend_names, capture_sizes,
+                                       graphs_off_reason, padded_size)
 from tests.conftest import make_tiny_model
 
 
@@ -114,3 +116,46 @@ def test_an_engine_decides_once_whether_its_worker_captures(tiny_llm):
     tp = dataclasses.replace(config, parallel_config=dataclasses.replace(
         config.parallel_config, tensor_parallel_size=2, distributed_executor_backend="mp"))
     assert "more than one rank" in graphs_off_reason(tp, model, cuda, has_lora=False)
+
+
+def test_a_padded_static_step_computes_the_eager_rows(monkeypatch, tmp_path_factory,
+                                                       default_model_dir):
+    """What a graph records, run eagerly on the CPU through the Triton backend (interpreted):
+    a 3-row decode step padded to 4 in the static buffers (after a 5-row step left its rows
+    there) gives the eager step's hidden states and KV-cache writes; the padding row writes
+    nothing."""
+    monkeypatch.setenv("PAGEDLM_ATTENTION_BACKEND", "triton")
+    path = make_tiny_model(tmp_path_factory.mktemp("static"), "llama", default_model_dir,
+                           num_hidden_layers=2)
+    with LLM(path, max_num_seqs=8, max_model_len=64, num_gpu_blocks_override=12) as llm:
+        worker = llm.llm_engine.executor.worker
+        model, kv = worker.model, worker.cache_engine.kv_caches
+        assert attention_backend_names(model) == {"triton"}
+        gen = torch.Generator().manual_seed(0)
+        for k, v in kv:
+            k.copy_(torch.randn(k.shape, generator=gen))
+            v.copy_(torch.randn(v.shape, generator=gen))
+        bs = kv[0][0].shape[1]
+
+        def step(tables, seq_lens, ids):
+            pos = [n - 1 for n in seq_lens]
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+            return torch.tensor(ids), torch.tensor(pos), _decode_meta(slots, tables, seq_lens)
+
+        before = [(k.clone(), v.clone()) for k, v in kv]
+        ids, pos, meta = step([[0, 1], [2, 3], [4, 5]], [20, 9, 32], [5, 77, 300])
+        with torch.inference_mode():
+            eager = model(ids, pos, kv, meta).clone()
+            eager_kv = [(k.clone(), v.clone()) for k, v in kv]
+            for (k, v), (k0, v0) in zip(kv, before):
+                k.copy_(k0)
+                v.copy_(v0)
+            runner = CUDAGraphRunner(model, kv, capture_sizes(8), cdiv(64, bs), torch.device("cpu"))
+            runner.batch.load(*step([[6], [7], [8], [9], [10]], [3, 4, 5, 6, 7], [1, 2, 3, 4, 5]))
+            runner.batch.load(ids, pos, meta)
+            static = runner.forward_static(padded_size(3, runner.sizes))
+        assert static.shape[0] == 4 and torch.isfinite(static).all()
+        torch.testing.assert_close(static[:3], eager, rtol=1e-5, atol=1e-5)
+        for (k, v), (ke, ve) in zip(kv, eager_kv):
+            assert torch.equal(k, ke) and torch.equal(v, ve)
+        assert model.fused_decode.stack is None  # the layers ran, not the native stack
