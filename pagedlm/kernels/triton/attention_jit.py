@@ -83,7 +83,9 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+# The block tables' width changes from step to step when run eagerly: not specialised on (a value
+# of 1 or a multiple of 16 would otherwise compile another variant mid-run).
+@triton.jit(do_not_specialize=["bt_stride"])
 def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
                         scale, soft_cap, window,
                         q_stride_t, q_stride_h, o_stride_t, o_stride_h,
@@ -133,7 +135,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])
 def prefill_attention_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                              query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
                              scale, soft_cap, window,
