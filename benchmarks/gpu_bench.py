@@ -1,0 +1,362 @@
+"""Issue 35's GPU figures in one invocation, as JSON: pagedlm against transformers eager (no
+torch.compile) on a random-weight model of SmolLM2-135M's shape, on the same GPU.
+
+Legs, each in its own process under its own time limit (a hung or failed leg is recorded and
+the next one runs; the JSON is rewritten after every leg, so a killed run keeps what it had):
+- pagedlm: LLM(device=cuda, bfloat16), warm: one stream of 256 tokens, then 128 requests
+  (prompts 32-512 tokens, outputs 16-256, seeded, ignore_eos) handed over at once.
+- serving: `pagedlm serve` on the device; Poisson arrivals at 20 requests/s for 15 s, streamed
+  with httpx; TTFT p50/p99, TPOT.
+- hf_float32, hf_bfloat16: transformers generate, warm, on the same stream and the same 128
+  requests as one left-padded batch (each row runs to the longest output; only the tokens a
+  request asked for count: useful tokens/s).
+Ratios are against the better transformers figure of each workload.
+
+    python benchmarks/gpu_bench.py --out gpu_bench.json             # on the GPU machine
+    python benchmarks/gpu_bench.py --dry-run --out /tmp/bench.json  # CPU, tiny sizes: plumbing
+
+Runs where transformers 5.17+ and pagedlm import (scripts/gpu_check.sh sets PYTHONPATH); the
+model comes from .gpu_assets/ (scripts/gpu_assets.py) or, here, the embedded GGUF's metadata.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from lib.stats import throughput, write_json  # noqa: E402
+from lib.workload import make_requests, ordinary_token_ids  # noqa: E402
+
+LEGS = ("pagedlm", "serving", "hf_float32", "hf_bfloat16")
+# Seconds each leg may take, start-up included (a leg's process is killed past it).
+LEG_TIMEOUT = {"prepare": 90, "pagedlm": 110, "serving": 110, "hf_float32": 70,
+               "hf_bfloat16": 80}
+# Issue 35's targets.
+TARGETS = {"single_tok_s": 1000, "single_ratio": 20, "batch_ratio": 10, "ttft_p99_ms": 100}
+
+
+def sizes(dry_run: bool) -> dict:
+    if dry_run:  # CPU plumbing check: a 2-layer model and a handful of short requests
+        return dict(stream_tokens=16, num_requests=6, input_len=(8, 24), output_len=(4, 12),
+                    rate=4.0, serve_s=2.0, layers=2, kv_blocks=512, max_model_len=256)
+    return dict(stream_tokens=256, num_requests=128, input_len=(32, 512), output_len=(16, 256),
+                rate=20.0, serve_s=15.0, layers=None, kv_blocks=8192, max_model_len=1024)
+
+
+def workload(tokenizer, size: dict, seed: int):
+    """(the one stream's request, the batch's requests): the same ids in every leg."""
+    vocab = ordinary_token_ids(tokenizer)
+    rng = random.Random(seed)
+    stream = make_requests(vocab, 1, (32, 32), (size["stream_tokens"],) * 2, rng)[0]
+    batch = make_requests(vocab, size["num_requests"], size["input_len"], size["output_len"],
+                          rng)
+    return stream, batch
+
+
+def sync(device: str) -> None:
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- legs (each runs in its own process: `--leg NAME`) ----
+
+def leg_prepare(args, size) -> dict:
+    import torch
+    from tests.gpu.assets import write_random_smollm2
+    overrides = {"num_hidden_layers": size["layers"]} if size["layers"] else {}
+    write_random_smollm2(args.model_dir, torch.bfloat16, **overrides)
+    return {"model_dir": args.model_dir, "overrides": overrides}
+
+
+def leg_pagedlm(args, size) -> dict:
+    from pagedlm import LLM, SamplingParams
+    result: dict = {}
+    t0 = time.perf_counter()
+    llm = LLM(args.model_dir, device=args.device, dtype="bfloat16", seed=args.seed,
+              max_model_len=size["max_model_len"], max_num_seqs=size["num_requests"],
+              num_gpu_blocks_override=size["kv_blocks"])
+    result["load_s"] = round(time.perf_counter() - t0, 3)
+    config = llm.llm_engine.config
+    result["engine"] = {"device": str(getattr(config, "device", args.device)),
+                        "compute_dtype": str(config.model_config.compute_dtype),
+                        "enforce_eager": getattr(config.model_config, "enforce_eager", None)}
+    stream, batch = workload(llm.get_tokenizer(), size, args.seed)
+
+    def run(requests) -> float:
+        prompts = [{"prompt_token_ids": list(p)} for p, _ in requests]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                  for _, n in requests]
+        sync(args.device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(args.device)
+        elapsed = time.perf_counter() - start
+        for out, (_, n) in zip(outs, requests):
+            assert len(out.outputs[0].token_ids) == n, "a request did not get its tokens"
+        return elapsed
+
+    run([(stream.prompt, 16)])  # warm-up: the first steps, allocator, Triton autotuning
+    run([(p, 2) for p, _ in batch])
+    result["single"] = throughput([stream], run([stream]))
+    result["batch"] = throughput(batch, run(batch))
+    graphs = getattr(llm.llm_engine.executor.worker.runner, "cuda_graphs", None)
+    if graphs is not None:
+        result["cuda_graphs"] = {"sizes": getattr(graphs, "sizes", None),
+                                 "replays": getattr(graphs, "replays", None),
+                                 "capture_s": getattr(graphs, "capture_s", None)}
+    llm.shutdown()
+    return result
+
+
+def leg_hf(args, size, dtype_name: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    dtype = getattr(torch, dtype_name)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype)
+    model = model.to(args.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    result: dict = {"load_s": round(time.perf_counter() - t0, 3),
+                    "attn_implementation": model.config._attn_implementation}
+    stream, batch = workload(tokenizer, size, args.seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def run(requests) -> float:
+        """One left-padded batch, every row to the longest output asked for."""
+        width = max(len(p) for p, _ in requests)
+        ids = torch.full((len(requests), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (prompt, _) in enumerate(requests):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        new = max(n for _, n in requests)
+        sync(args.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids.to(args.device), attention_mask=mask.to(args.device),
+                                 max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 top_k=None, top_p=None, pad_token_id=pad)
+        sync(args.device)
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] == width + new, "transformers stopped early"
+        return elapsed
+
+    run([(stream.prompt, 16)])  # warm-up (the issue's 17 tok/s bfloat16 figure was cold)
+    run([(p, 2) for p, _ in batch])
+    result["single"] = throughput([stream], run([stream]))
+    result["batch"] = throughput(batch, run(batch))
+    return result
+
+
+def leg_serving(args, size) -> dict:
+    from lib import servers
+    from lib.client import Endpoint, check_streamed, first_model, http_client, run_streamed
+    from lib.stats import serving_summary
+    from lib.workload import arrival_times
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    vocab = ordinary_token_ids(tokenizer)
+    rng = random.Random(args.seed + 1)
+    arrivals = arrival_times(size["rate"], rng, duration=size["serve_s"])
+    requests = make_requests(vocab, len(arrivals), size["input_len"], size["output_len"], rng)
+    port = servers.free_port()
+    argv = [sys.executable, "-m", "pagedlm.entrypoints.cli", "serve", args.model_dir,
+            "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
+            "--dtype", "bfloat16", "--max-model-len", str(size["max_model_len"]),
+            "--max-num-seqs", "256", "--num-gpu-blocks-override", str(size["kv_blocks"]),
+            "--uvicorn-log-level", "warning"]
+    plan = servers.LaunchPlan(argv, {"PYTHONUNBUFFERED": "1"}, "pagedlm (this tree)")
+    log = Path(args.log_dir) / "gpu_bench_server.log"
+    result: dict = {"rate": size["rate"], "duration_s": size["serve_s"],
+                    "num_requests": len(requests), "server_log": str(log)}
+
+    async def client_side() -> None:
+        async with http_client(f"http://127.0.0.1:{port}", timeout=60) as client:
+            endpoint = Endpoint(model=await first_model(client))
+            # Warm-up: a few concurrent requests through every layer of the server.
+            warm = [r.prompt for r in requests[:4]]
+            await run_streamed(client, endpoint, warm, [8] * len(warm), [0.0] * len(warm))
+            results, elapsed = await run_streamed(client, endpoint,
+                                                  [r.prompt for r in requests],
+                                                  [r.max_tokens for r in requests], arrivals)
+            summary = serving_summary(results, elapsed)
+            result.update(summary)
+            result["ttft_ms"]["p50"] = result["ttft_ms"]["median"]
+            failed = [r.error for r in results if not r.ok][:3]
+            if failed:
+                result["first_errors"] = failed
+            try:  # every request answered with the token counts asked for
+                check_streamed("pagedlm", "serving", requests, results)
+            except Exception as e:  # noqa: BLE001 - recorded beside the figures
+                result["check_error"] = str(e)
+
+    with servers.Server("pagedlm", plan, port, log, startup_timeout=90) as server:
+        result["startup_s"] = round(server.startup_s, 3)
+        asyncio.run(client_side())
+    return result
+
+
+def run_leg(args) -> None:
+    # A time limit arrives as SIGTERM: unwind (the serving leg's server is stopped on the way).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"leg {args.leg}: terminated"))
+    size = sizes(args.dry_run)
+    if args.leg == "prepare":
+        result = leg_prepare(args, size)
+    elif args.leg == "pagedlm":
+        result = leg_pagedlm(args, size)
+    elif args.leg == "serving":
+        result = leg_serving(args, size)
+    else:
+        result = leg_hf(args, size, args.leg.removeprefix("hf_"))
+    Path(args.leg_out).write_text(json.dumps(result, indent=2, default=str))
+
+
+# ---- the parent: one process per leg ----
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the leg's process group (a leg unwinds: its server is stopped on the way),
+    SIGKILL 20 s later."""
+    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def spawn(args, leg: str, timeout: float) -> dict:
+    # Beside the model, not in the log folder: the device tool brings back only 8 files.
+    leg_out = Path(args.model_dir).parent / f"gpu_bench_{leg}.json"
+    leg_out.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--leg", leg, "--leg-out", str(leg_out),
+           "--model-dir", args.model_dir, "--device", args.device, "--seed", str(args.seed),
+           "--log-dir", args.log_dir] + (["--dry-run"] if args.dry_run else [])
+    print(f"[{time.strftime('%H:%M:%S')}] leg {leg} (limit {timeout:.0f} s)", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        rc = f"timed out after {timeout:.0f} s"
+    except BaseException:  # this process is stopped: so is the leg (and its server)
+        stop(proc)
+        raise
+    wall = round(time.perf_counter() - start, 1)
+    print(f"[{time.strftime('%H:%M:%S')}] leg {leg}: rc {rc}, {wall} s", flush=True)
+    if rc == 0 and leg_out.is_file():
+        return {"ok": True, "wall_s": wall, **json.loads(leg_out.read_text())}
+    return {"ok": False, "wall_s": wall, "error": f"rc {rc} (its output is in the log above)"}
+
+
+def ratios(report: dict) -> dict:
+    legs = report["legs"]
+    out: dict = {}
+    for workload in ("single", "batch"):
+        hf = [legs[k][workload]["output_tokens_per_s"] for k in ("hf_float32", "hf_bfloat16")
+              if legs.get(k, {}).get("ok")]
+        ours = legs.get("pagedlm", {})
+        if ours.get("ok"):
+            out[f"pagedlm_{workload}_tok_s"] = ours[workload]["output_tokens_per_s"]
+            if hf:
+                out[f"best_hf_{workload}_tok_s"] = max(hf)
+                out[f"{workload}_ratio_vs_best_hf"] = (ours[workload]["output_tokens_per_s"]
+                                                       / max(hf))
+    serving = legs.get("serving", {})
+    if serving.get("ok"):
+        out["ttft_p99_ms"] = serving["ttft_ms"]["p99"]
+    targets = {}
+    if "pagedlm_single_tok_s" in out:
+        targets["single_tok_s >= 1000"] = out["pagedlm_single_tok_s"] >= TARGETS["single_tok_s"]
+    if "single_ratio_vs_best_hf" in out:
+        targets["single >= 20x best hf"] = out["single_ratio_vs_best_hf"] >= TARGETS[
+            "single_ratio"]
+    if "batch_ratio_vs_best_hf" in out:
+        targets["batch >= 10x best hf"] = out["batch_ratio_vs_best_hf"] >= TARGETS["batch_ratio"]
+    if "ttft_p99_ms" in out:
+        targets["ttft p99 < 100 ms"] = out["ttft_p99_ms"] < TARGETS["ttft_p99_ms"]
+    out["targets_met"] = targets
+    return out
+
+
+def machine(device: str) -> dict:
+    import platform
+    import torch
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "device": device, "dry_run_note": None}
+    try:
+        import transformers
+        import triton
+        info["transformers"], info["triton"] = transformers.__version__, triton.__version__
+    except ImportError as e:
+        info["import_error"] = str(e)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="gpu_bench.json")
+    p.add_argument("--device", default=None, help="default: cuda, or cpu with --dry-run")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes (CPU plumbing check)")
+    p.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated of {LEGS}")
+    p.add_argument("--model-dir", default=None, help="default: a fresh one under /tmp")
+    p.add_argument("--log-dir", default=None, help="default: the --out file's folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--leg", choices=("prepare",) + LEGS, help=argparse.SUPPRESS)
+    p.add_argument("--leg-out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.device = args.device or ("cpu" if args.dry_run else "cuda")
+    args.log_dir = args.log_dir or str(Path(args.out).resolve().parent)
+    if args.leg:
+        run_leg(args)
+        return
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    args.model_dir = args.model_dir or str(Path(tempfile.mkdtemp(prefix="gpu_bench_")) / "model")
+    legs = [leg for leg in args.legs.split(",") if leg]
+    unknown = set(legs) - set(LEGS)
+    if unknown:
+        raise SystemExit(f"unknown legs {sorted(unknown)}; choose from {LEGS}")
+    report = {"command": sys.argv, "sizes": sizes(args.dry_run), "machine": machine(args.device),
+              "legs": {}}
+    if args.dry_run:
+        report["machine"]["dry_run_note"] = "tiny sizes: the plumbing, not a figure"
+    # The overall limit (gpu_check.sh's `timeout`) arrives as SIGTERM: the running leg is
+    # stopped and recorded as such.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("gpu_bench: terminated"))
+    if not (Path(args.model_dir) / "config.json").is_file():
+        report["legs"]["prepare"] = spawn(args, "prepare", LEG_TIMEOUT["prepare"])
+        write_json(args.out, report)
+    for leg in legs:
+        try:
+            report["legs"][leg] = spawn(args, leg, LEG_TIMEOUT[leg])
+        except SystemExit:
+            report["legs"][leg] = {"ok": False, "error": "stopped by the overall time limit"}
+            write_json(args.out, report)
+            raise
+        report["summary"] = ratios(report)
+        write_json(args.out, report)
+    print(json.dumps(report["summary"], indent=2))
+    failed = [leg for leg, r in report["legs"].items() if not r["ok"]]
+    if failed:
+        raise SystemExit(f"failed legs: {failed} (see {args.out})")
+
+
+if __name__ == "__main__":
+    main()
