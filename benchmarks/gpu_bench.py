@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from lib.stats import throughput, write_json  # noqa: E402
 from lib.workload import make_requests, ordinary_token_ids  # noqa: E402
 
+WARM_SEED = 1000  # warm-up requests: seed + this
 LEGS = ("pagedlm", "serving", "hf_float32", "hf_bfloat16")
 # Seconds each leg may take, start-up included (a leg's process is killed past it).
 LEG_TIMEOUT = {"prepare": 90, "pagedlm": 110, "serving": 110, "hf_float32": 70,
@@ -93,6 +94,9 @@ def leg_pagedlm(args, size) -> dict:
                         "compute_dtype": str(config.model_config.compute_dtype),
                         "enforce_eager": getattr(config.model_config, "enforce_eager", None)}
     stream, batch = workload(llm.get_tokenizer(), size, args.seed)
+    # Warm-up prompts of the same shapes, other ids: the timed prompts must not be in the
+    # prefix cache.
+    warm_stream, warm_batch = workload(llm.get_tokenizer(), size, args.seed + WARM_SEED)
 
     def run(requests) -> float:
         prompts = [{"prompt_token_ids": list(p)} for p, _ in requests]
@@ -107,11 +111,14 @@ def leg_pagedlm(args, size) -> dict:
             assert len(out.outputs[0].token_ids) == n, "a request did not get its tokens"
         return elapsed
 
-    run([(stream.prompt, 16)])  # warm-up: the first steps, allocator, Triton autotuning
-    run([(p, 2) for p, _ in batch])
+    run([(warm_stream.prompt, 16)])  # warm-up: the first steps, allocator, Triton compiles
+    run([(p, 2) for p, _ in warm_batch])
     result["single"] = throughput([stream], run([stream]))
     result["batch"] = throughput(batch, run(batch))
-    graphs = getattr(llm.llm_engine.executor.worker.runner, "cuda_graphs", None)
+    try:  # the one-worker executor's runner (CUDA graphs: helper C's CUDAGraphRunner)
+        graphs = llm.llm_engine.executor.worker.runner.cuda_graphs
+    except AttributeError as e:
+        graphs, result["cuda_graphs"] = None, f"not found: {e}"
     if graphs is not None:
         result["cuda_graphs"] = {"sizes": getattr(graphs, "sizes", None),
                                  "replays": getattr(graphs, "replays", None),
@@ -131,6 +138,7 @@ def leg_hf(args, size, dtype_name: str) -> dict:
     result: dict = {"load_s": round(time.perf_counter() - t0, 3),
                     "attn_implementation": model.config._attn_implementation}
     stream, batch = workload(tokenizer, size, args.seed)
+    warm_stream, warm_batch = workload(tokenizer, size, args.seed + WARM_SEED)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def run(requests) -> float:
@@ -153,8 +161,8 @@ def leg_hf(args, size, dtype_name: str) -> dict:
         assert out.shape[1] == width + new, "transformers stopped early"
         return elapsed
 
-    run([(stream.prompt, 16)])  # warm-up (the 17 tok/s bfloat16 figure was cold)
-    run([(p, 2) for p, _ in batch])
+    run([(warm_stream.prompt, 16)])  # warm-up (the 17 tok/s bfloat16 one was cold)
+    run([(p, 2) for p, _ in warm_batch])
     result["single"] = throughput([stream], run([stream]))
     result["batch"] = throughput(batch, run(batch))
     return result
@@ -175,7 +183,7 @@ def leg_serving(args, size) -> dict:
     argv = [sys.executable, "-m", "pagedlm.entrypoints.cli", "serve", args.model_dir,
             "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
             "--dtype", "bfloat16", "--max-model-len", str(size["max_model_len"]),
-            "--max-num-seqs", "256", "--num-gpu-blocks-override", str(size["kv_blocks"]),
+            "--max-num-seqs", "128", "--num-gpu-blocks-override", str(size["kv_blocks"]),
             "--uvicorn-log-level", "warning"]
     plan = servers.LaunchPlan(argv, {"PYTHONUNBUFFERED": "1"}, "pagedlm (this tree)")
     log = Path(args.log_dir) / "gpu_bench_server.log"
@@ -186,7 +194,8 @@ def leg_serving(args, size) -> dict:
         async with http_client(f"http://127.0.0.1:{port}", timeout=60) as client:
             endpoint = Endpoint(model=await first_model(client))
             # Warm-up: a few concurrent requests through every layer of the server.
-            warm = [r.prompt for r in requests[:4]]
+            warm = [r.prompt for r in make_requests(vocab, 4, size["input_len"], (8, 8),
+                                                    random.Random(args.seed + WARM_SEED))]
             await run_streamed(client, endpoint, warm, [8] * len(warm), [0.0] * len(warm))
             results, elapsed = await run_streamed(client, endpoint,
                                                   [r.prompt for r in requests],

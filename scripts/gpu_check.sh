@@ -136,7 +136,9 @@ export PY DRY_RUN
 # to run; several failures are shown before stopping (one run: as much as it can tell).
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfEs --maxfail=5 --durations=10)
 # Here schemathesis's pytest plugin would import the blocked jsonschema_rs; there it is absent.
-if [ "$DRY_RUN" = 0 ]; then PYTEST+=(-n 4); else PYTEST+=(-p no:schemathesis); fi
+if [ "$DRY_RUN" = 1 ]; then PYTEST+=(-p no:schemathesis)
+elif "$PY" -c "import xdist" 2>/dev/null; then PYTEST+=(-n 4)  # Triton compiles in parallel
+fi
 
 stage env 60 env_info
 stage wheels 60 install_wheels
