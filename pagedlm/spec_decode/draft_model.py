@@ -1,11 +1,24 @@
 """The draft-model proposer: a small model sharing the target's tokenizer drafts k tokens.
 
-It runs in the target's worker with its own small paged KV cache (a fixed pool of blocks, its
-own block tables) and keeps that cache in step with the target's committed tokens: each
-propose() keeps the longest common prefix of what it computed (rejected drafts are rolled
-back), computes the committed tokens it has not seen yet in one flat batch (decode rows first,
-then prefill chunks, as the model runner lays out a step), then decodes k-1 more steps with
-every sequence in one batch.
+It runs in the target's worker and keeps its K/V in the TARGET's block tables: K/V tensors of
+its own, with as many blocks as the target's pool, indexed by the same block ids. Why not a pool
+of its own (as first built), or draft blocks reserved at admission: the target shares blocks
+(prefix caching, n > 1 forks), so a separate pool of the same size ran short when the target's
+did not, and a sequence skipped drafting depending on what else was running (its seeded
+output then depended on load, which --deterministic rules out); reserving at admission would
+count again the blocks the target shares, and let fewer requests in. In the target's tables the
+draft never runs short: every position it writes (the committed tokens, then d1..d_{k-1}, up
+to L+k-2) has a slot the scheduler reserved (lookahead slots reach L-1+k).
+
+A block id holds different tokens over time (freed and reused; shared through prefix caching
+or a fork, written by one sequence's draft and read by another's), so the proposer records per
+block what its draft K/V holds: the chain hash of the tokens before the block and the tokens
+written in it. Each propose() keeps the longest prefix of a sequence's committed tokens that
+its blocks hold (a shared or reused block counts when its record matches: the draft gets
+prefix caching for free; a copy-on-write copy or a swapped-in block has no matching record and
+is computed again), computes the rest of the committed tokens in one flat batch (decode rows
+first, then prefill chunks, as the model runner lays out a step), then decodes k-1 more steps
+with every sequence in one batch.
 
 Drafts are greedy (argmax), so Proposal.probs is None: a one-hot q. Rejection sampling stays
 exact with any q (it accepts d with probability min(1, p(d)/q(d)) and resamples from
@@ -14,38 +27,66 @@ max(p - q, 0)); a one-hot q changes only how often drafts are accepted at temper
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedlm.config import CacheConfig, ModelConfig
 from pagedlm.model_executor.model_loader.loader import get_model
 from pagedlm.spec_decode.proposer import Proposal, ProposalRequest
-from pagedlm.utils import cdiv
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagedlm.worker.model_runner import ModelRunner, _FlatBatch
+
+_ROOT = 0  # the chain hash of no tokens
+
+
+def _chain(prefix: int, tokens: list[int]) -> int:
+    return hash((prefix, tuple(tokens)))
+
+
+@dataclass
+class _BlockKV:
+    """What the draft's K/V in one block holds: positions [0, len(tokens)) of the block, for a
+    sequence whose tokens before the block chain-hash to `prefix`."""
+    prefix: int
+    tokens: list[int]
+    full: int | None = None  # the chain hash through the block, once it is full
 
 
 @dataclass
 class _DraftSeq:
-    token_ids: list[int]  # the tokens whose K/V are in the draft's cache, in position order
-    block_ids: list[int]
-    num_committed: int = 0  # a prefix of token_ids the target committed (never rolled back)
+    hashes: list[int]  # the chain hash through each full block of its committed tokens
+    # Its own catch-up history, not the cache's state (which other sequences' drafts fill in):
+    # the committed tokens its catch-ups fed and the drafts fed after them. Whether it drafts
+    # in a step is decided from these, so under --deterministic it depends on nothing else.
+    fed: int = 0
+    fed_drafts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    """A sequence's part of one propose()."""
+    index: int  # in the requests
+    block_ids: list[int]  # the target's block table
+    keep: int  # committed tokens whose K/V its blocks hold
+    num_new: int  # committed tokens computed now (from keep)
+    k: int  # drafts wanted (0: catch-up only this step)
 
 
 class DraftModelProposer:
-    """Proposer (spec_decode/proposer.py) of a draft model with a pool of KV blocks.
+    """Proposer (spec_decode/proposer.py) of a draft model keeping its K/V in the target's
+    block ids.
 
-    The worker sizes the pool with the target's (the same block count, each block's bytes
-    counted in kv_bytes_per_block): every token the target can cache, the draft can too."""
+    The worker sizes its K/V tensors with the target's pool (the same block count, each
+    block's bytes counted in kv_bytes_per_block)."""
 
     def __init__(self, config: ModelConfig, cache_config: CacheConfig, num_blocks: int = 0,
                  device: torch.device | str = "cpu", model: torch.nn.Module | None = None,
                  max_catchup_tokens: int = 2048) -> None:
         """config: draft_config.draft_model_config's; cache_config: the target's (block size,
-        KV dtype); num_blocks: the pool (0: initialize_cache later); model: the loaded draft
-        (default: loaded now); max_catchup_tokens: a sequence's committed tokens computed per
-        propose() (the default is the engine's chunked-prefill budget)."""
+        KV dtype); num_blocks: the target's pool (0: initialize_cache later); model: the loaded
+        draft (default: loaded now); max_catchup_tokens: a sequence's committed tokens
+        computed per propose() (the default is the engine's chunked-prefill budget)."""
         self.config = config
         self.max_catchup_tokens = max_catchup_tokens
         self.cache_config = cache_config
@@ -58,114 +99,140 @@ class DraftModelProposer:
         self.initialize_cache(num_blocks)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """(Re)allocate the pool; every sequence's state is dropped."""
+        """(Re)allocate the K/V tensors for block ids 0..num_blocks-1; every record and every
+        sequence's state is dropped."""
         self.num_blocks = num_blocks
         self.kv_caches = CacheEngine(self.config, self.cache_config, num_blocks).kv_caches
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
+        self.written: list[_BlockKV | None] = [None] * num_blocks
         self.seqs.clear()
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
     def drop(self, seq_ids: list[int]) -> None:
+        # The blocks' records stay: they describe the K/V, whoever holds the block next.
         for seq_id in seq_ids:
-            seq = self.seqs.pop(seq_id, None)
-            if seq is not None:
-                self.free_blocks += reversed(seq.block_ids)
+            self.seqs.pop(seq_id, None)
 
-    def _sync(self, req: ProposalRequest, drafting: set[int]
-              ) -> tuple[_DraftSeq, int, int] | None:
-        """Roll the sequence's cache back to the longest prefix it shares with the committed
-        tokens and give it blocks for the step: (seq, tokens kept, k), or None when it drafts
-        nothing this step (k = 0, or the pool cannot hold it even after the sequences not
-        drafting this step gave theirs back: its own are then given back too, so a sequence
-        that does not fit never holds blocks the others could use)."""
-        tokens, length = req.token_ids, len(req.token_ids)
-        # Fed: the committed tokens not yet cached and d1..d_{k-1}, at positions up to L+k-2.
-        k = min(req.num_tokens, self.config.max_model_len - length + 1)
+    # -- the cache's content ------------------------------------------------------------------
+    def _extend_hashes(self, seq: _DraftSeq, tokens: list[int]) -> None:
+        """A sequence's committed tokens only grow: hash the blocks they filled since."""
+        bs, hashes = self.block_size, seq.hashes
+        while len(hashes) < len(tokens) // bs:
+            i = len(hashes)
+            hashes.append(_chain(hashes[-1] if i else _ROOT, tokens[i * bs:(i + 1) * bs]))
+
+    def _held(self, seq: _DraftSeq, tokens: list[int], table: list[int]) -> int:
+        """How many leading committed tokens the blocks' draft K/V holds (at most L-1: the
+        last one is always fed, its logits give d1)."""
+        bs, limit = self.block_size, len(tokens) - 1
+        prefix = _ROOT
+        for i, block in enumerate(table):
+            lo = i * bs
+            rec = self.written[block]
+            if lo >= limit or rec is None or rec.prefix != prefix:
+                return min(lo, limit)
+            if i < len(seq.hashes) and rec.full == seq.hashes[i]:
+                prefix = rec.full
+                continue
+            n = 0
+            for a, b in zip(rec.tokens, tokens[lo:lo + bs]):
+                if a != b:
+                    break
+                n += 1
+            return min(lo + n, limit)
+        return min(len(table) * bs, limit)
+
+    def _record(self, seq: _DraftSeq, table: list[int], content: list[int], base: int,
+                start: int, end: int) -> None:
+        """The draft wrote positions [start, end) of the sequence (its blocks held the ones
+        before). content[x - base] is the token at position x; base is a block boundary no
+        later than the end of its hashed committed blocks (a draft step passes the tail, not
+        a copy of the whole sequence)."""
+        bs = self.block_size
+        for i in range(start // bs, (end - 1) // bs + 1):
+            j = min(i, len(seq.hashes))
+            prefix = seq.hashes[j - 1] if j else _ROOT
+            for b in range(j, i):  # blocks holding drafts
+                prefix = _chain(prefix, content[b * bs - base:(b + 1) * bs - base])
+            lo = i * bs - base
+            tokens = content[lo:min(end - base, lo + bs)]
+            self.written[table[i]] = _BlockKV(prefix, tokens,
+                                              _chain(prefix, tokens) if len(tokens) == bs
+                                              else None)
+
+    # -- one step -----------------------------------------------------------------------------
+    def _plan(self, index: int, req: ProposalRequest) -> _Plan | None:
+        """What the sequence computes this step, or None (k = 0: nothing asked)."""
+        tokens, length, table = req.token_ids, len(req.token_ids), req.block_ids
+        # Fed: the committed tokens not yet cached and d1..d_{k-1}, at positions up to L+k-2,
+        # within the draft's context and the slots the target reserved.
+        k = min(req.num_tokens, self.config.max_model_len - length + 1,
+                len(table) * self.block_size - length + 1)
         if k <= 0 or length == 0:
             return None
-        seq = self.seqs.setdefault(req.seq_id, _DraftSeq([], []))
-        cached = seq.token_ids
-        # At least the last committed token is fed: its logits give d1.
-        limit = min(len(cached), length - 1)
-        # The committed prefix only grows (comparing it whole would cost O(length) a step).
-        keep = min(seq.num_committed, limit)
-        if keep and cached[keep - 1] != tokens[keep - 1]:  # not this sequence's history
-            keep = 0
-        while keep < limit and cached[keep] == tokens[keep]:
-            keep += 1
-        del cached[keep:]
-        need = cdiv(length + k - 1, self.block_size)
-        short = need - len(seq.block_ids) - len(self.free_blocks)
-        if short > 0:
-            # Sequences not drafting this step (preempted, or backed off to k = 0) give their
-            # blocks first, in the order they first drafted; they catch up when they draft again.
-            for idle in [i for i in self.seqs if i not in drafting]:
-                if short <= 0:
-                    break
-                short -= len(self.seqs[idle].block_ids)
-                self.drop([idle])
-        if short > 0:
-            self.drop([req.seq_id])
-            return None
-        while len(seq.block_ids) > need:
-            self.free_blocks.append(seq.block_ids.pop())
-        while len(seq.block_ids) < need:
-            seq.block_ids.append(self.free_blocks.pop())
-        return seq, keep, k
+        seq = self.seqs.setdefault(req.seq_id, _DraftSeq([]))
+        self._extend_hashes(seq, tokens)
+        # Its own history: the committed tokens it fed, then the drafts that were accepted.
+        own = min(seq.fed, length - 1)
+        for d in seq.fed_drafts:
+            if own >= length - 1 or tokens[own] != d:
+                break
+            own += 1
+        keep = self._held(seq, tokens, table)
+        # The catch-up is budgeted per sequence (a long prompt's first draft would stall the
+        # step as an unchunked prefill does) over its own history: one not caught up by its
+        # own catch-ups drafts nothing this step, however much of its prefix others computed.
+        if length - own <= self.max_catchup_tokens:
+            seq.fed, seq.fed_drafts = length, []
+            return _Plan(index, table, keep, length - keep, k)
+        seq.fed, seq.fed_drafts = own + self.max_catchup_tokens, []
+        return _Plan(index, table, keep,
+                     max(0, min(length - 1 - keep, self.max_catchup_tokens)), 0)
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
         drafts: list[list[int]] = [[] for _ in requests]
-        drafting = {r.seq_id for r in requests}
-        synced = [(i, self._sync(r, drafting)) for i, r in enumerate(requests)]
-        active = [(i, *s) for i, s in synced if s is not None]
-        if not active:
+        plans = [p for i, r in enumerate(requests)
+                 if (p := self._plan(i, r)) is not None and p.num_new]
+        if not plans:
             return [Proposal([]) for _ in requests]
-        # The catch-up: each sequence's uncached committed tokens, at most max_catchup_tokens
-        # of them (a long prompt's first draft would stall the step as an unchunked prefill
-        # does); one not caught up drafts nothing this step. Per sequence, not per step, so
-        # that whether it drafts depends on its own history only (--deterministic).
-        rows = [(i, seq, keep, k, min(len(requests[i].token_ids) - keep,
-                                      self.max_catchup_tokens))
-                for i, seq, keep, k in active]
-        # Decode rows first, then prefill chunks.
-        rows.sort(key=lambda r: not (r[4] == 1 and r[2] > 0))
+        # The catch-up, decode rows first, then prefill chunks.
+        plans.sort(key=lambda p: not (p.num_new == 1 and p.keep > 0))
         batch = self._new_batch()
-        for i, seq, keep, _, n in rows:
-            self._add_rows(batch, seq, requests[i].token_ids[keep:keep + n], keep,
-                           decode=n == 1 and keep > 0)
-        sampled = [j for j, (i, _, keep, _, n) in enumerate(rows)
-                   if keep + n == len(requests[i].token_ids)]
-        for i, seq, keep, _, n in rows:
-            seq.token_ids += requests[i].token_ids[keep:keep + n]
-            seq.num_committed = len(seq.token_ids)
+        for p in plans:
+            tokens = requests[p.index].token_ids
+            self._add_rows(batch, p, tokens[p.keep:p.keep + p.num_new], p.keep,
+                           decode=p.num_new == 1 and p.keep > 0)
+        sampled = [j for j, p in enumerate(plans) if p.k]
+        for p in plans:
+            req = requests[p.index]
+            self._record(self.seqs[req.seq_id], p.block_ids, req.token_ids, 0, p.keep,
+                         p.keep + p.num_new)
         for j, d in zip(sampled, self._greedy(batch, sampled)):
-            drafts[rows[j][0]].append(d)
-        rows = [rows[j] for j in sampled]
+            drafts[plans[j].index].append(d)
+        plans = [plans[j] for j in sampled]
         # k-1 more steps, one decode row per sequence still drafting.
         step = 1
-        while True:
-            drafting = [(i, seq) for i, seq, _, k, _ in rows if k > step]
-            if not drafting:
-                break
+        while drafting := [p for p in plans if p.k > step]:
             batch = self._new_batch()
-            for i, seq in drafting:
-                last = drafts[i][-1]
-                self._add_rows(batch, seq, [last], len(seq.token_ids), decode=True)
-                seq.token_ids.append(last)
-            for (i, _), d in zip(drafting, self._greedy(batch, range(len(drafting)))):
-                drafts[i].append(d)
+            for p in drafting:
+                req = requests[p.index]
+                position = len(req.token_ids) + step - 1
+                self._add_rows(batch, p, [drafts[p.index][-1]], position, decode=True)
+                seq = self.seqs[req.seq_id]
+                base = len(seq.hashes) * self.block_size
+                self._record(seq, p.block_ids, req.token_ids[base:] + drafts[p.index], base,
+                             position, position + 1)
+            for p, d in zip(drafting, self._greedy(batch, range(len(drafting)))):
+                drafts[p.index].append(d)
             step += 1
+        for p in plans:
+            self.seqs[requests[p.index].seq_id].fed_drafts = drafts[p.index][:-1]
         return [Proposal(d) for d in drafts]
 
     @staticmethod
     def _new_batch() -> _FlatBatch:
         return _FlatBatch([], [], [], [], [], {})
 
-    def _add_rows(self, batch: _FlatBatch, seq: _DraftSeq, tokens: list[int], start: int,
+    def _add_rows(self, batch: _FlatBatch, seq: _Plan, tokens: list[int], start: int,
                   decode: bool) -> None:
         """Lay out `tokens` at positions start.. as the model runner lays out a step."""
         bs, table = self.block_size, seq.block_ids

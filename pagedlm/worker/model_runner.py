@@ -175,7 +175,8 @@ class ModelRunner:
         """Drafts for the sequences the scheduler gave lookahead slots (at most that many)."""
         if self.proposer is None or not req.num_lookahead:
             return {}
-        asks = [ProposalRequest(seq_id, self.seqs[seq_id].token_ids, k)
+        asks = [ProposalRequest(seq_id, self.seqs[seq_id].token_ids, k,
+                                self.seqs[seq_id].block_ids)
                 for seq_id, k in zip(req.seq_ids, req.num_lookahead) if k]
         proposals = self.proposer.propose(asks) if asks else []
         return {a.seq_id: p for a, p in zip(asks, proposals)
