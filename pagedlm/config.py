@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pagedlm import envs
+from pagedlm.device_config import DeviceConfig
 from pagedlm.distributed.utils import get_pp_indices
 from pagedlm.model_executor.models.registry import resolve_architecture
 from pagedlm.pooling_params import PoolerConfig
@@ -69,6 +70,11 @@ class ModelConfig:
     # A directory whose tokenizer (and chat template) replaces the model's own (vLLM's
     # --tokenizer); None: the model's, from model_dir (for a GGUF file, from its metadata).
     tokenizer: str | None = None
+    # Where the model runs (DeviceConfig.device_type, set once by EngineArgs): it decides
+    # compute_dtype and which dtype "auto" means.
+    device_type: str = "cpu"
+    # Never capture CUDA graphs (vLLM's name): every step runs eagerly.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_config, dict):  # tests and tools may pass plain keys
@@ -97,6 +103,15 @@ class ModelConfig:
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}.")
         _check_bool("deterministic", self.deterministic)
+        _check_bool("enforce_eager", self.enforce_eager)
+        if self.device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device_type must be 'cpu' or 'cuda', got {self.device_type!r}.")
+        if self.device_type == "cuda" and self.deterministic:
+            raise ValueError("deterministic=True is CPU-only (its guarantees rest on the native "
+                             "CPU kernels): use device='cpu' or drop --deterministic.")
+        if self.device_type == "cuda" and self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} needs the native CPU matmul "
+                             f"kernels: use device='cpu', or float weights (a dtype) on cuda.")
         if (self.runner == "pooling") != (self.pooler_config is not None):
             raise ValueError(f"pooler_config is set exactly when runner is 'pooling' (runner "
                              f"{self.runner!r}, pooler_config {self.pooler_config!r}).")
@@ -110,10 +125,12 @@ class ModelConfig:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """What activations, norms, attention queries and matmul sums run in: float32 for every
-        `dtype` (2-byte weights widen as the kernels read them; the native kernels, the fused
-        decode stack and the deterministic mode all take float32 activations)."""
-        return torch.float32
+        """What activations, norms, attention queries and matmul sums run in. On the CPU
+        float32 for every `dtype` (2-byte weights widen as the kernels read them; the native
+        kernels, the fused decode stack and the deterministic mode all take float32
+        activations). On CUDA `dtype` itself: the GPU's matmuls and the Triton kernels take
+        bfloat16/float16 inputs (accumulating in float32), at half the bytes per step."""
+        return self.dtype if self.device_type == "cuda" else torch.float32
 
     @property
     def derived_max_model_len(self) -> int:
@@ -228,7 +245,7 @@ class ModelConfig:
                  seed: int, **settings: Any) -> "ModelConfig":
         """The config of the HF-format model in `model_dir`; `settings` are the remaining
         fields (quantization, runner, pooler_config, max_logprobs, deterministic,
-        tokenizer)."""
+        tokenizer, device_type, enforce_eager)."""
         from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
         try:
@@ -239,9 +256,11 @@ class ModelConfig:
         arch = resolve_architecture(getattr(hf, "architectures", None))
         if dtype not in _DTYPES and dtype != "auto":
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}.")
-        # float32 by default: the weights as the checkpoint has them; a 2-byte dtype rounds
-        # them (and the KV cache) to halve the bytes.
-        torch_dtype = torch.float32 if dtype == "auto" else _DTYPES[dtype]
+        # float32 by default on the CPU: the weights as the checkpoint has them; a 2-byte dtype
+        # rounds them (and the KV cache) to halve the bytes. bfloat16 by default on CUDA, as
+        # GPU engines serve (half the bytes each step streams, float32's range).
+        auto = torch.bfloat16 if settings.get("device_type") == "cuda" else torch.float32
+        torch_dtype = auto if dtype == "auto" else _DTYPES[dtype]
         if max_model_len is None:
             max_model_len = getattr(hf, "max_position_embeddings", None) or 2048
         return cls(model=model, model_dir=model_dir, dtype=torch_dtype,
@@ -419,7 +438,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    device: str = "cpu"
+    device_config: DeviceConfig = field(default_factory=lambda: DeviceConfig("cpu"))
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
     trace_file: str | None = None  # the step tracer's Chrome JSON (metrics/tracer.py); None: off
     structured_outputs_backend: str = "xgrammar"  # compiles requests' grammars
@@ -444,6 +463,9 @@ class EngineConfig:
         object.__setattr__(self, "structured_outputs_compile_timeout", float(t))
         # How the configs fit together.
         model, quantization = self.model_config, self.model_config.quantization
+        if model.device_type != self.device_config.device_type:
+            raise ValueError(f"model_config.device_type ({model.device_type!r}) differs from "
+                             f"device_config's ({self.device_config.device_type!r}).")
         if quantization is not None and self.lora_config is not None:
             raise ValueError(f"quantization={quantization!r} cannot be combined with "
                              f"enable_lora: LoRA adapters need the float base weights.")
@@ -466,3 +488,8 @@ class EngineConfig:
         if sc.max_loras != max_loras:
             raise ValueError(f"scheduler_config.max_loras ({sc.max_loras}) differs from the "
                              f"LoRA config's max_loras ({max_loras}; 0 without LoRA).")
+
+    @property
+    def device(self) -> str:
+        """The device type ("cpu" or "cuda"): device_config.device is the torch.device."""
+        return self.device_config.device_type

@@ -25,6 +25,10 @@ from typing import Any
 import torch
 
 
+# A slot_mapping entry that writes nothing: the rows that pad a batch to a CUDA graph's size.
+PAD_SLOT_ID = -1
+
+
 @dataclass
 class PrefillChunk:
     start: int  # row range in the flat batch
@@ -45,6 +49,14 @@ class AttentionMetadata:
     # [num_decodes] int32: keys each decode attends to (its position + 1, i.e. the sequence
     # length including the token being decoded). Optional: derived from decode_mask if None.
     decode_seq_lens: torch.Tensor | None = None
+    # The prefill chunks again as varlen arrays (what one kernel launch over every chunk
+    # takes), int32 on the step's device; None when the runner did not build them (a backend
+    # that wants them then builds them from `prefills`). Chunk i is flat-batch rows
+    # [query_start_loc[i], query_start_loc[i + 1]), after context_lens[i] cached tokens.
+    prefill_query_start_loc: torch.Tensor | None = None  # [P + 1]
+    prefill_context_lens: torch.Tensor | None = None  # [P]
+    prefill_block_tables: torch.Tensor | None = None  # [P, W], zero-padded
+    max_prefill_query_len: int = 0  # a host int: the kernels' grid size
     # Inputs a backend builds on first use and shares across the layers of the step (the native
     # backend's kernel plan). Not for callers.
     _kernel_plan: Any = field(default=None, init=False, repr=False, compare=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pagedlm.device_config import DeviceConfig
 from pagedlm.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig,
                             ModelConfig, ParallelConfig, RequestLimits, SchedulerConfig)
 from pagedlm.model_executor.layers.quantization import (get_quantization_config,
@@ -31,6 +32,8 @@ DEFAULT_CHUNKED_BUDGET = 2048
 @dataclass
 class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when torch sees a GPU)
+    enforce_eager: bool = False  # never capture CUDA graphs: every step runs eagerly
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
@@ -134,6 +137,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         # The configs that need no model first: a bad setting fails before the model is read.
+        device_config = DeviceConfig(self.device)
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                          self.distributed_executor_backend)
         lora_config = self._lora_config()
@@ -155,10 +159,15 @@ class EngineArgs:
                                             pooler_config=pooler_config,
                                             max_logprobs=self.max_logprobs,
                                             deterministic=self.deterministic,
-                                            tokenizer=self.tokenizer)
-        # Before any weight is converted or loaded: a model larger than memory fails here.
+                                            tokenizer=self.tokenizer,
+                                            device_type=device_config.device_type,
+                                            enforce_eager=self.enforce_eager)
+        # Before any weight is converted or loaded: a model larger than memory fails here. (The
+        # weights pass through host memory on their way to a GPU too; a GPU's KV cache does
+        # not, the worker checks it against the GPU's memory.)
+        host_kv = cache_config.kv_cache_memory_bytes if not device_config.is_cuda else None
         check_fits_memory(weight_memory(model_dir, quantization, model_config.dtype),
-                          available_memory_bytes(), cache_config.kv_cache_memory_bytes or 0)
+                          available_memory_bytes(), host_kv or 0)
         if quantization != "gguf":
             ensure_float_weights(model_dir)  # a GGUF file's float32 copy, written once
         if speculative_config is not None and speculative_config.method == "draft_model":
@@ -180,7 +189,8 @@ class EngineArgs:
                                            else 0)
         return EngineConfig(model_config=model_config, cache_config=cache_config,
                             scheduler_config=scheduler_config, parallel_config=parallel_config,
-                            lora_config=lora_config, trace_file=self.trace_file,
+                            device_config=device_config, lora_config=lora_config,
+                            trace_file=self.trace_file,
                             structured_outputs_backend=self._structured_outputs_backend(),
                             structured_outputs_compile_timeout=(
                                 self.structured_outputs_compile_timeout),

@@ -29,9 +29,14 @@ _HELP = {
     "model": "A GGUF file or a local HuggingFace model directory. Default: the embedded "
              f"{DEFAULT_MODEL_NAME}.",
     "dtype": "Element type the weights are stored in, and the KV cache's with "
-             "--kv-cache-dtype auto: auto (float32), float32, bfloat16, float16. Activations "
-             "and attention compute in float32 either way; bfloat16 halves the bytes a token "
-             "reads (native kernel on AVX2), float16 is widened at every matmul (slower).",
+             "--kv-cache-dtype auto: auto (float32 on the CPU, bfloat16 on CUDA), float32, "
+             "bfloat16, float16. On the CPU activations and attention compute in float32 "
+             "either way; bfloat16 halves the bytes a token reads (native kernel on AVX2), "
+             "float16 is widened at every matmul (slower). On CUDA they compute in this dtype.",
+    "device": "Where the model, KV cache and each step run: cpu, cuda, cuda:N, or auto (cuda "
+              "when torch sees a GPU, else cpu).",
+    "enforce_eager": "Never capture CUDA graphs: every decode step runs eagerly (CUDA only; "
+                     "the CPU always runs eagerly).",
     "max_model_len": "Context length (prompt + output) in tokens. Default: the model's.",
     "tokenizer": "A directory with the tokenizer (tokenizer.json, tokenizer_config.json) whose "
                  "vocabulary and chat template replace the model's own; for a GGUF file, "

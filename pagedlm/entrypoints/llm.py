@@ -24,14 +24,15 @@ class LLM:
     """Load a model and generate from it. `LLM()` runs the embedded SmolLM2-135M-Instruct.
 
     Engine settings (max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
-    kv_cache_memory_bytes, num_gpu_blocks_override, gpu_memory_utilization, ...) are keyword
-    arguments, as in vLLM.
+    kv_cache_memory_bytes, num_gpu_blocks_override, gpu_memory_utilization, enforce_eager,
+    ...) are keyword arguments, as in vLLM. device: "cpu" (default), "cuda", "cuda:N", "auto".
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", seed: int = 0,
-                 **engine_kwargs) -> None:
+                 device: str = "cpu", **engine_kwargs) -> None:
         try:
-            args = EngineArgs(model=model, dtype=dtype, seed=seed, **engine_kwargs)
+            args = EngineArgs(model=model, dtype=dtype, seed=seed, device=device,
+                              **engine_kwargs)
         except TypeError as e:
             raise TypeError(f"LLM(): {e}") from None
         self.llm_engine = LLMEngine.from_engine_args(args)

@@ -38,7 +38,8 @@ def draft_model_config(model: str | os.PathLike[str], target: ModelConfig) -> Mo
         get_quantization_config(quantization, model_dir)
         draft = ModelConfig.from_dir(path, model_dir, "auto", None, target.seed,
                                      quantization=quantization,
-                                     deterministic=target.deterministic)
+                                     deterministic=target.deterministic,
+                                     device_type=target.device_type)
     except ValueError as e:
         raise ValueError(f"{FIELD}: {e}") from None
     if draft.vocab_size != target.vocab_size:

@@ -51,31 +51,42 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.proposer = None  # speculative decoding's (load_model builds it)
         self.cache_engine: CacheEngine | None = None
+        # This worker's device: cuda:<local_rank> with several workers on CUDA, else the
+        # configured one (DeviceConfig.worker_device).
+        self.device = config.device_config.worker_device(
+            local_rank, config.parallel_config.world_size)
 
     # -- start-up -----------------------------------------------------------------------------
     def init_device(self) -> None:
         """Keep freed memory for the next step's tensors (malloc_tuning.py), pin this worker's
-        threads and join the process groups (only with several workers)."""
+        threads, make its GPU current (CUDA) and join the process groups (only with several
+        workers: NCCL for the device groups on CUDA, gloo on the CPU)."""
         pc = self.config.parallel_config
+        if self.device.type == "cuda":
+            # Before any CUDA call, so that every allocation and stream of this process is on
+            # its own GPU.
+            torch.cuda.set_device(self.device)
         keep_freed_memory()
         if pc.threads_per_worker:
             torch.set_num_threads(pc.threads_per_worker)
             os.environ["OMP_NUM_THREADS"] = str(pc.threads_per_worker)
         if pc.world_size > 1:
             init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method,
-                                         self.local_rank, default_backend(self.config.device))
+                                         self.local_rank, default_backend(self.device))
             ensure_model_parallel_initialized(pc.tensor_parallel_size,
                                               pc.pipeline_parallel_size)
 
     def load_model(self) -> None:
         t = time.perf_counter()
-        self.model = get_model(self.model_config, self.config.device)
+        self.model = get_model(self.model_config, self.device)
         release_freed_memory()  # before the KV cache is sized from the memory available
         logger.info("rank %d: model weights loaded in %.2fs", self.rank,
                     time.perf_counter() - t)
         # Build (first run only) and load the native attention kernel now rather than in the
-        # middle of the first request; without a compiler this warns and falls back.
-        kernels.available()
+        # middle of the first request; without a compiler this warns and falls back. A CUDA
+        # model runs none of them.
+        if self.device.type == "cpu":
+            kernels.available()
         self.lora_manager = None
         lc = self.config.lora_config
         if lc is not None:
@@ -97,7 +108,7 @@ class Worker:
         # A draft model (one worker only: EngineConfig refuses it with TP/PP). Its KV pool is
         # sized with the target's in initialize_cache.
         draft_config = draft_model_config(sc.model, self.model_config)
-        return DraftModelProposer(draft_config, self.cache_config, 0, self.config.device)
+        return DraftModelProposer(draft_config, self.cache_config, 0, self.device)
 
     def _kv_shape(self) -> tuple[int, int]:
         """This rank's KV heads and layers."""
@@ -113,6 +124,8 @@ class Worker:
         # A draft model's pool has as many blocks as the target's.
         per_block += getattr(self.proposer, "kv_bytes_per_block", 0)
         num_cpu_blocks = cc.swap_space_bytes // per_block
+        if self.device.type == "cuda":
+            return self._num_cuda_blocks(per_block), num_cpu_blocks
         if cc.reserves_memory:
             # An explicit size is committed at start-up: past the free RAM it would meet the
             # OOM killer there instead of this message.
@@ -132,9 +145,39 @@ class Worker:
         max_tokens = sc.max_num_seqs * sc.max_model_len
         return min(budget // per_block, cdiv(max_tokens, cc.block_size)), num_cpu_blocks
 
+    def _num_cuda_blocks(self, per_block: int) -> int:
+        """Blocks of this GPU's KV pool: the explicit size, or gpu_memory_utilization of the
+        GPU memory free after the model is loaded, less a headroom for a step's activations
+        (the widest step's logits in float32, and its hidden and MLP rows a few times over;
+        CUDA graphs and the allocator's fragmentation take the rest of 1 - utilization)."""
+        cc, sc, mc = self.cache_config, self.config.scheduler_config, self.model_config
+        torch.cuda.synchronize(self.device)
+        free, _total = torch.cuda.mem_get_info(self.device)
+        if cc.reserves_memory:
+            if cc.num_gpu_blocks_override is not None:
+                field, blocks = "num_gpu_blocks_override", cc.num_gpu_blocks_override
+            else:
+                field, blocks = "kv_cache_memory_bytes", cc.kv_cache_memory_bytes // per_block
+            if blocks * per_block > free:
+                raise ValueError(f"{field}: {blocks} KV blocks take {blocks * per_block} bytes, "
+                                 f"more than the {free} bytes free on {self.device}")
+            return blocks
+        tokens = sc.max_num_batched_tokens
+        width = max(mc.hidden_size, mc.get_hf("intermediate_size", mc.hidden_size))
+        elem = torch.empty((), dtype=mc.compute_dtype).element_size()
+        headroom = tokens * (4 * mc.vocab_size + 8 * width * elem)
+        budget = int(free * cc.gpu_memory_utilization) - headroom
+        if budget < per_block:
+            raise ValueError(f"gpu_memory_utilization={cc.gpu_memory_utilization}: {free} bytes "
+                             f"free on {self.device} leave no room for a KV block after "
+                             f"{headroom} bytes of activations (max_num_batched_tokens="
+                             f"{tokens}); raise it or lower max_num_batched_tokens")
+        max_tokens = sc.max_num_seqs * sc.max_model_len
+        return min(budget // per_block, cdiv(max_tokens, cc.block_size))
+
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.model_config, self.cache_config, num_gpu_blocks,
-                                        num_cpu_blocks, *self._kv_shape())
+                                        num_cpu_blocks, *self._kv_shape(), device=self.device)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.initialize_cache(num_gpu_blocks)
         # The graphs write into this cache, so they are captured once it exists.

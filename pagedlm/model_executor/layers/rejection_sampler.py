@@ -56,12 +56,13 @@ class _Padded:
     offsets: torch.Tensor  # [S] int64: each span's first row among the spans' rows
 
 
-def _pad(spans: list[DraftSpan]) -> _Padded:
+def _pad(spans: list[DraftSpan], device: torch.device) -> _Padded:
+    """On `device`, the logits' (a CUDA step never mixes host and device tensors)."""
     longest = max(len(s.token_ids) for s in spans)
     drafts = torch.tensor([s.token_ids + [0] * (longest - len(s.token_ids)) for s in spans],
-                          dtype=torch.long)
-    lengths = torch.tensor([len(s.token_ids) for s in spans], dtype=torch.long)
-    valid = torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
+                          dtype=torch.long, device=device)
+    lengths = torch.tensor([len(s.token_ids) for s in spans], dtype=torch.long, device=device)
+    valid = torch.arange(longest, device=device).unsqueeze(0) < lengths.unsqueeze(1)
     offsets = torch.cumsum(lengths + 1, 0) - (lengths + 1)
     return _Padded(drafts, lengths, valid, offsets)
 
@@ -75,8 +76,9 @@ def accept_greedy(argmax: torch.Tensor, spans: list[DraftSpan]) -> torch.Tensor:
     """argmax: [sum(m+1)] the argmax of each span row, spans concatenated in order. Returns the
     number of tokens each span emits (accepted drafts + 1); its emitted tokens are its first
     rows' argmax (equal to the accepted drafts, then the correction or bonus token)."""
-    pad = _pad(spans)
-    idx = pad.offsets.unsqueeze(1) + torch.arange(pad.drafts.shape[1]).unsqueeze(0)
+    pad = _pad(spans, argmax.device)
+    idx = (pad.offsets.unsqueeze(1)
+           + torch.arange(pad.drafts.shape[1], device=argmax.device).unsqueeze(0))
     # A padded position's index may run into the next span; `valid` masks it.
     idx = idx.clamp_(max=argmax.shape[0] - 1)
     accept = (argmax[idx] == pad.drafts) & pad.valid
@@ -89,18 +91,21 @@ def accept_random(probs: torch.Tensor, spans: list[DraftSpan], uniforms: torch.T
     uniforms: [S, M+1] each span's draws (columns 0..m-1 test its drafts, column M draws its
     last token). Returns (tokens [sum(m+1)], emitted [S]): a span's first `emitted` rows of
     tokens are what it emits, the rest are its drafts (meaningless)."""
-    pad = _pad(spans)
+    dev = probs.device
+    pad = _pad(spans, dev)
     num_spans, longest = pad.drafts.shape
-    idx = pad.offsets.unsqueeze(1) + torch.arange(longest).unsqueeze(0)
+    idx = pad.offsets.unsqueeze(1) + torch.arange(longest, device=dev).unsqueeze(0)
     idx = idx.clamp_(max=probs.shape[0] - 1)
     p_draft = probs[idx, pad.drafts]  # [S, M]: p_j(d_{j+1})
     q_draft = torch.ones_like(p_draft)
-    general = torch.tensor([s.probs is not None for s in spans])
+    has_probs = [s.probs is not None for s in spans]
+    general = torch.tensor(has_probs, device=dev)
     q = None
-    if general.any():
+    if any(has_probs):  # known on the host: no device sync
         # [G, M, V] the proposals' distributions, zero past a span's drafts.
         q = torch.nn.utils.rnn.pad_sequence(
-            [s.probs.to(probs.dtype) for s in spans if s.probs is not None], batch_first=True)
+            [s.probs.to(dev, probs.dtype) for s in spans if s.probs is not None],
+            batch_first=True)
         q_draft[general] = q.gather(2, pad.drafts[general].unsqueeze(2)).squeeze(2)
     accept = (uniforms[:, :longest] * q_draft <= p_draft) & pad.valid
     accepted = _num_accepted(accept)  # [S]
@@ -124,7 +129,7 @@ def accept_random(probs: torch.Tensor, spans: list[DraftSpan], uniforms: torch.T
     if empty.any():
         weights[empty] = probs[last_rows[empty]]
     last = inverse_cdf(weights, uniforms[:, longest])
-    tokens = torch.zeros(probs.shape[0], dtype=torch.long)
+    tokens = torch.zeros(probs.shape[0], dtype=torch.long, device=dev)
     tokens[idx[pad.valid]] = pad.drafts[pad.valid]
     tokens[last_rows] = last
     return tokens, accepted + 1

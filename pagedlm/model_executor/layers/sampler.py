@@ -49,6 +49,9 @@ class Sampler(torch.nn.Module):
         self.generator = generator  # for unseeded random rows
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # bfloat16/float16 logits (a GPU model's) would round probabilities and cumulative
+        # sums to 8-11 bits: every stage below runs in float32.
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
         logits = _process(logits, meta)
         if meta.draft is not None:
@@ -71,27 +74,30 @@ class Sampler(torch.nn.Module):
         probs = _target_probs(logits, params)
         # Inverse-CDF sampling: one uniform draw per row. Seeded rows draw from their own
         # generator, so their result does not depend on what else is in the batch.
-        u = torch.empty(len(params), dtype=probs.dtype)
+        # The generators live on the logits' device (ModelRunner makes them there).
+        dev = probs.device
+        u = torch.empty(len(params), dtype=probs.dtype, device=dev)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), generator=self.generator, dtype=probs.dtype)
+            u[unseeded] = torch.rand(len(unseeded), generator=self.generator, dtype=probs.dtype,
+                                     device=dev)
         for i, g in enumerate(generators):
             if g is not None:
-                u[i] = torch.rand(1, generator=g, dtype=probs.dtype)[0]
+                u[i] = torch.rand(1, generator=g, dtype=probs.dtype, device=dev)[0]
         random_tokens = inverse_cdf(probs, u)
         if greedy_tokens is None:
             return random_tokens
-        return torch.where(torch.tensor(greedy), greedy_tokens, random_tokens)
+        return torch.where(torch.tensor(greedy, device=dev), greedy_tokens, random_tokens)
 
     def _verify(self, logits: torch.Tensor, meta: SamplingMetadata, spans: list[DraftSpan]
                 ) -> tuple[torch.Tensor, list[int]]:
         """Sampled tokens of every row (a span's emitted tokens in its first rows) and the
         number each span emits."""
-        sampled = torch.zeros(logits.shape[0], dtype=torch.long)
-        in_span = torch.zeros(logits.shape[0], dtype=torch.bool)
+        sampled = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        in_span = [False] * logits.shape[0]  # on the host: no device sync to find the rest
         for s in spans:
-            in_span[s.first_row:s.rows.stop] = True
-        other = (~in_span).nonzero().squeeze(1).tolist()
+            in_span[s.first_row:s.rows.stop] = [True] * (s.rows.stop - s.first_row)
+        other = [i for i, x in enumerate(in_span) if not x]
         if other:
             params = [meta.params[i] for i in other]
             sub = logits[other]
@@ -124,21 +130,23 @@ class Sampler(torch.nn.Module):
         """[S, M+1]: span i's m+1 draws from its request's generator (self.generator when
         unseeded), its first m in columns 0..m-1 (one per draft), its last in column M."""
         longest = max(len(s.token_ids) for s in spans)
-        u = torch.ones(len(spans), longest + 1, dtype=dtype)
+        dev = self.generator.device  # the model's (ModelRunner makes every generator there)
+        u = torch.ones(len(spans), longest + 1, dtype=dtype, device=dev)
         gens = [generators[s.first_row] for s in spans]
         unseeded = [i for i, g in enumerate(gens) if g is None]
         if unseeded:
             # One call for all of them, scattered: draw k of span i to column k, or M if last.
-            m = torch.tensor([len(spans[i].token_ids) for i in unseeded])
-            span = torch.repeat_interleave(torch.arange(len(unseeded)), m + 1)
-            k = torch.arange(len(span)) - (torch.cumsum(m + 1, 0) - (m + 1))[span]
-            col = torch.where(k < m[span], k, longest)
-            u[torch.tensor(unseeded)[span], col] = torch.rand(len(span), generator=self.generator,
-                                                              dtype=dtype)
+            # The column of each draw is worked out on the host (a few ints), then moved once.
+            m = [len(spans[i].token_ids) for i in unseeded]
+            span_of = [j for j, mj in enumerate(m) for _ in range(mj + 1)]
+            col = [k if k < mj else longest for mj in m for k in range(mj + 1)]
+            rows = torch.tensor([unseeded[j] for j in span_of], device=dev)
+            u[rows, torch.tensor(col, device=dev)] = torch.rand(
+                len(col), generator=self.generator, dtype=dtype, device=dev)
         for i, (s, g) in enumerate(zip(spans, gens)):
             if g is not None:
                 m = len(s.token_ids)
-                draws = torch.rand(m + 1, generator=g, dtype=dtype)
+                draws = torch.rand(m + 1, generator=g, dtype=dtype, device=dev)
                 u[i, :m] = draws[:m]
                 u[i, longest] = draws[m]
         return u
@@ -166,12 +174,13 @@ def _target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     # vocabulary): only when some row needs it.
     temps = [1.0 if p.greedy else p.temperature for p in params]
     if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1)
+        logits = logits / torch.tensor(temps, dtype=logits.dtype,
+                                       device=logits.device).unsqueeze(1)
     if any(p.top_k or p.top_p < 1.0 for p in params):
         logits = _apply_top_k_top_p(logits, params)
     if any(p.min_p > 0 for p in params):
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits.softmax(dim=-1)
@@ -180,10 +189,11 @@ def _target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1)  # ascending
-    top_k = torch.tensor([p.top_k if p.top_k else vocab for p in params]).clamp(max=vocab)
+    dev = logits.device
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=dev)
     kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cum <= (1 - top_p).unsqueeze(1)
     drop[:, -1] = False  # always keep the most likely token
@@ -193,23 +203,28 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     rows, vocab = logits.shape
+    dev = logits.device
     logits = logits.clone()
-    counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype)
+    counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=dev)
     width = max((len(o) for o in meta.output_token_ids), default=0)
     if width:
-        ids = torch.tensor([o + [vocab] * (width - len(o)) for o in meta.output_token_ids])
+        ids = torch.tensor([o + [vocab] * (width - len(o)) for o in meta.output_token_ids],
+                           device=dev)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
     counts = counts[:, :vocab]
     seen = counts > 0
     for i, prompt in enumerate(meta.prompt_token_ids):
         if meta.params[i].repetition_penalty != 1.0:
             seen[i, prompt] = True
-    rep = torch.tensor([p.repetition_penalty for p in meta.params], dtype=logits.dtype)
+    rep = torch.tensor([p.repetition_penalty for p in meta.params], dtype=logits.dtype,
+                       device=dev)
     rep = rep.unsqueeze(1).expand_as(logits)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
-    freq = torch.tensor([p.frequency_penalty for p in meta.params], dtype=logits.dtype)
-    pres = torch.tensor([p.presence_penalty for p in meta.params], dtype=logits.dtype)
+    freq = torch.tensor([p.frequency_penalty for p in meta.params], dtype=logits.dtype,
+                        device=dev)
+    pres = torch.tensor([p.presence_penalty for p in meta.params], dtype=logits.dtype,
+                        device=dev)
     return logits - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0)
 
 

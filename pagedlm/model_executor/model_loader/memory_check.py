@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedlm.model_executor.model_loader.gguf_file import gguf_element_count
 from pagedlm.model_executor.model_loader.model_path import FLOAT_WEIGHTS_FILE, gguf_source
 
 # Bytes a weight takes once loaded, for the weight-only quantization methods (scales aside).
@@ -79,6 +78,9 @@ def _gguf_memory(model_dir: str, source: str, quantization: str | None, dtype: t
         elements = _safetensors_elements([converted])
         return WeightMemory(source, elements * dtype.itemsize,
                             f"its weights in {_name(dtype)}", hint)
+    # Here, not at the top: the gguf package is only needed for GGUF files (a safetensors
+    # model runs without it installed).
+    from pagedlm.model_executor.model_loader.gguf_file import gguf_element_count
     elements = gguf_element_count(source)
     return WeightMemory(source, elements * 4, "its weights dequantized to float32, the float "
                         "path's one-time conversion", hint)
