@@ -27,6 +27,8 @@ exec > >(tee -a "$OUT/check.log") 2>&1
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+# No network there: pip must not try to look for a newer pip.
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 START=$(date +%s)
 # The whole run's budget (the device call's timeout_s is 590: 20 s to spare).
 TOTAL_S="${GPU_CHECK_TOTAL_S:-570}"
