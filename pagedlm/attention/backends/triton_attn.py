@@ -62,8 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
                                               scale, out[:nd], sliding_window, logits_soft_cap)
         if meta.prefills:
             _ensure_prefill_inputs(meta, query.device)
-            max_len = (getattr(meta, "max_prefill_query_len", 0)
-                       or max(p.end - p.start for p in meta.prefills))
+            max_len = meta.max_prefill_query_len or max(p.end - p.start for p in meta.prefills)
             triton_attention.prefill_attention(
                 query, key, value, k_cache, v_cache, meta.prefill_query_start_loc,
                 meta.prefill_context_lens, meta.prefill_block_tables, max_len, scale, out,
@@ -84,7 +83,7 @@ def _ensure_prefill_inputs(meta: AttentionMetadata, device: torch.device) -> Non
     """The varlen prefill metadata, built from meta.prefills when the runner did not: chunk
     start rows [P + 1], context lengths [P] and block tables [P, W] (zero rows for chunks
     without context, which never read them), int32, on `device`."""
-    if getattr(meta, "prefill_query_start_loc", None) is not None:
+    if meta.prefill_query_start_loc is not None:
         return
     chunks = meta.prefills
     for a, b in zip(chunks, chunks[1:]):
