@@ -80,8 +80,7 @@ def graphs_off_reason(config: EngineConfig, model: torch.nn.Module, device: torc
                       has_lora: bool) -> str | None:
     """Why this worker's decode steps run eagerly, or None: capture graphs. Checked once."""
     mc, pc = config.model_config, config.parallel_config
-    # TODO(issue 35): read model_config.enforce_eager directly once helper A's field lands.
-    if getattr(mc, "enforce_eager", False):
+    if mc.enforce_eager:
         return "enforce_eager=True"
     if has_lora:
         return "LoRA adapters choose their weights per step"

@@ -108,11 +108,9 @@ def test_an_engine_decides_once_whether_its_worker_captures(tiny_llm):
     reason = graphs_off_reason(config, model, cuda, has_lora=False)
     assert "attention backend" in reason and "triton" in reason
     assert "LoRA" in graphs_off_reason(config, model, cuda, has_lora=True)
-    mc = config.model_config
-    if any(f.name == "enforce_eager" for f in dataclasses.fields(mc)):
-        eager = dataclasses.replace(config, model_config=dataclasses.replace(
-            mc, enforce_eager=True))
-        assert graphs_off_reason(eager, model, cuda, has_lora=False) == "enforce_eager=True"
+    eager = dataclasses.replace(config, model_config=dataclasses.replace(
+        config.model_config, enforce_eager=True))
+    assert graphs_off_reason(eager, model, cuda, has_lora=False) == "enforce_eager=True"
     tp = dataclasses.replace(config, parallel_config=dataclasses.replace(
         config.parallel_config, tensor_parallel_size=2, distributed_executor_backend="mp"))
     assert "more than one rank" in graphs_off_reason(tp, model, cuda, has_lora=False)
