@@ -35,7 +35,8 @@ from pagedlm.config import CacheConfig, ModelConfig
 from pagedlm.model_executor.model_loader.loader import get_model
 from pagedlm.spec_decode.proposer import Proposal, ProposalRequest
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
-from pagedlm.worker.model_runner import ModelRunner, _FlatBatch
+from pagedlm.worker.model_runner import _FlatBatch
+from pagedlm.worker.step_inputs import build_step_tensors
 
 _ROOT = 0  # the chain hash of no tokens
 
@@ -102,7 +103,8 @@ class DraftModelProposer:
         """(Re)allocate the K/V tensors for block ids 0..num_blocks-1; every record and every
         sequence's state is dropped."""
         self.num_blocks = num_blocks
-        self.kv_caches = CacheEngine(self.config, self.cache_config, num_blocks).kv_caches
+        self.kv_caches = CacheEngine(self.config, self.cache_config, num_blocks,
+                                     device=self.device).kv_caches
         self.written: list[_BlockKV | None] = [None] * num_blocks
         self.seqs.clear()
 
@@ -249,11 +251,8 @@ class DraftModelProposer:
     def _greedy(self, batch: _FlatBatch, sampled) -> list[int]:
         """Run the batch; the argmax token after the last row of each of the sampled
         sequences (indices in the batch's order)."""
-        dev = self.device
-        meta = ModelRunner._build_attn_metadata(batch, dev)
-        hidden = self.model(torch.tensor(batch.input_ids, device=dev),
-                            torch.tensor(batch.positions, device=dev), self.kv_caches, meta)
+        step = build_step_tensors(batch, [batch.last_row[j] for j in sampled], self.device)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.attn_metadata)
         if not sampled:  # catch-up chunks only: their K/V is what was wanted
             return []
-        last = torch.tensor([batch.last_row[j] for j in sampled], device=dev)
-        return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        return self.model.compute_logits(hidden[step.sample_rows]).argmax(dim=-1).tolist()

@@ -8,11 +8,11 @@ maps sequence ids to rows of the sampler's output.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
+from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.config import ModelConfig
 from pagedlm.distributed import IntermediateTensors
 from pagedlm.lora.request import LoRARequest
@@ -25,6 +25,7 @@ from pagedlm.sampling_params import SamplingParams
 from pagedlm.spec_decode.proposer import Proposal, ProposalRequest, Proposer
 from pagedlm.structured_output.bitmask import GrammarBitmask
 from pagedlm.worker.cuda_graph import CUDAGraphRunner
+from pagedlm.worker.step_inputs import _FlatBatch, build_step_tensors
 
 
 @dataclass
@@ -72,22 +73,6 @@ def _num_logprobs(sp: SamplingParams) -> int:
     return max(k, 0) if sp.best_of > sp.n else k
 
 
-@dataclass
-class _FlatBatch:
-    """The step's tokens, decodes first (so attention can batch them), then prefill chunks."""
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    decodes: list[tuple[CachedSequenceState, int]]  # (seq, computed tokens)
-    prefills: list[tuple[CachedSequenceState, int, int, int]]  # (seq, computed, row0, end)
-    last_row: dict[int, int]  # seq id -> its last row
-    # Speculating sequences' drafts (seq id -> proposal): each is m+1 decode rows, not one.
-    drafts: dict[int, Proposal] = field(default_factory=dict)
-    # With LoRA: each sequence's adapter and token count, in row order.
-    loras: list[LoRARequest | None] | None = None
-    lora_counts: list[int] | None = None
-
-
 def _move_bitmask_rows(mask: GrammarBitmask, engine_rows: list[int], num_rows: int
                        ) -> GrammarBitmask:
     """The engine's grammar bitmask (one row per sample as it counts them) on this step's
@@ -107,10 +92,11 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed))
         # The step's tensors are made where the model runs (not on the meta device of a
         # parameter that stands in for a weight held in another form, e.g. packed panels).
         self.device = next(p.device for p in model.parameters() if not p.is_meta)
+        # Generators live on the model's device: the sampler draws where the logits are.
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
         self.requests: dict[str, CachedRequestState] = {}
         self.seqs: dict[int, CachedSequenceState] = {}
         self.lora_manager = lora_manager  # a WorkerLoRAManager, or None without LoRA
@@ -140,7 +126,8 @@ class ModelRunner:
             self.proposer.drop(dropped)
         for new in req.new_requests:
             sp = new.sampling_params
-            gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+            gen = (torch.Generator(self.device).manual_seed(sp.seed) if sp.seed is not None
+                   else None)
             self.requests[new.req_id] = CachedRequestState(new.prompt_token_ids, sp, gen, set(),
                                                            new.lora_request)
         for new in req.new_seqs:
@@ -165,11 +152,10 @@ class ModelRunner:
         dev = self.device
         if self.lora_manager is not None:
             self.lora_manager.set_active_loras(batch.loras, batch.lora_counts, dev)
-        return ModelInput(torch.tensor(batch.input_ids, device=dev),
-                          torch.tensor(batch.positions, device=dev),
-                          self._build_attn_metadata(batch, dev), sample_rows.to(dev), sampling,
-                          self._prompt_logprobs_requests(req, batch), first_row, batch.last_row,
-                          spec_ids)
+        step = build_step_tensors(batch, sample_rows, dev)
+        return ModelInput(step.input_ids, step.positions, step.attn_metadata, step.sample_rows,
+                          sampling, self._prompt_logprobs_requests(req, batch), first_row,
+                          batch.last_row, spec_ids)
 
     def _propose(self, req: ExecuteModelRequest) -> dict[int, Proposal]:
         """Drafts for the sequences the scheduler gave lookahead slots (at most that many)."""
@@ -217,27 +203,8 @@ class ModelRunner:
                 batch.prefills.append((seq, start, row0, len(batch.input_ids)))
         return batch
 
-    @staticmethod
-    def _build_attn_metadata(batch: _FlatBatch, dev: torch.device) -> AttentionMetadata:
-        chunks = [PrefillChunk(row0, end, start,
-                               torch.tensor(seq.block_ids, device=dev) if start else None)
-                  for seq, start, row0, end in batch.prefills]
-        nd = len(batch.decodes)
-        block_tables = seq_lens = None
-        if nd:
-            width = max(len(seq.block_ids) for seq, _ in batch.decodes)
-            block_tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids))
-                                         for seq, _ in batch.decodes], dtype=torch.int32,
-                                        device=dev)
-            seq_lens = torch.tensor([start + 1 for _, start in batch.decodes], dtype=torch.int32,
-                                    device=dev)
-        return AttentionMetadata(slot_mapping=torch.tensor(batch.slots, device=dev),
-                                 num_decode_tokens=nd,
-                                 decode_block_tables=block_tables, decode_mask=None,
-                                 prefills=chunks, decode_seq_lens=seq_lens)
-
     def _build_sampling_metadata(self, req: ExecuteModelRequest, batch: _FlatBatch
-                                 ) -> tuple[SamplingMetadata, torch.Tensor, dict[int, int],
+                                 ) -> tuple[SamplingMetadata, list[int], dict[int, int],
                                             list[int] | None]:
         rows, params, gens, outs, prompts, stops = [], [], [], [], [], []
         first_row: dict[int, int] = {}
@@ -290,8 +257,7 @@ class ModelRunner:
                                     any_token_constraints=constrained,
                                     grammar_bitmask=bitmask,
                                     draft=DraftMetadata(spans) if spans else None)
-        return (sampling, torch.tensor(rows, dtype=torch.long), first_row,
-                spec_ids if spans else None)
+        return sampling, rows, first_row, spec_ids if spans else None
 
     def _prompt_logprobs_requests(self, req: ExecuteModelRequest, batch: _FlatBatch
                                   ) -> list[PromptLogprobsRequest]:
@@ -368,7 +334,9 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, req: PromptLogprobsRequest
                          ) -> PromptLogprobs:
         k = self.requests[req.req_id].sampling_params.prompt_logprobs
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[req.rows]), dim=-1)
+        # float32, as the sampler's: a GPU model's bfloat16 logits would round the logprobs.
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[req.rows]).float(),
+                                     dim=-1)
         targets = torch.tensor(req.target_ids, device=logprobs.device).unsqueeze(1)
         chosen = logprobs.gather(1, targets)
         ranks = (logprobs > chosen).sum(dim=-1) + 1
