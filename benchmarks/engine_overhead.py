@@ -63,7 +63,7 @@ class Leg:
         self.output_kind = RequestOutputKind[output_kind]
         self.engine = LLMEngine.from_engine_args(EngineArgs(
             model=model_dir, max_model_len=512, num_gpu_blocks_override=2048,
-            max_num_seqs=128, enable_prefix_caching=False))
+            max_num_seqs=128))
         self.calls = 0
         for name in WORKLOADS:  # warm-up: first-use costs (kernel builds, page faults) here
             self.run(name)

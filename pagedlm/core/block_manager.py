@@ -126,7 +126,9 @@ class BlockManager:
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full blocks among seq's first num_tokens tokens (computed this step)."""
-        if not self.enable_prefix_caching:
+        # Nothing newly full (most steps of a decode): every block hash up to here exists, since
+        # num_cached_blocks <= len(block_hashes) always.
+        if not self.enable_prefix_caching or num_tokens // self.block_size <= seq.num_cached_blocks:
             return
         self._extend_hashes(seq, num_tokens)
         full = min(num_tokens // self.block_size, len(seq.block_table))
@@ -179,6 +181,17 @@ class BlockManager:
         allocation evicts one of them. The full blocks computed this step are registered now,
         so a prompt admitted later in the same step already shares them (every layer writes the
         step's K/V before it reads any)."""
+        if not prefixes and not admission and len(seqs) == 1:
+            # A running sequence whose own blocks have room for its tokens (a decode, mostly):
+            # nothing to take or copy, and no room to check (the rule below counts 0 blocks).
+            seq, n = seqs[0], num_new_tokens[0]
+            table, bs = seq.block_table, self.block_size
+            end = seq.num_computed_tokens + n
+            idx = seq.num_computed_tokens // bs
+            if end <= len(table) * bs and (idx >= len(table)
+                                           or self.device.ref_counts[table[idx]] <= 1):
+                self._cache_full_blocks(seq, min(end, len(seq.token_ids)))
+                return []
         prefixes = prefixes or {}
         if not self._room_for(self._num_blocks_needed(seqs, num_new_tokens, prefixes),
                               admission):

@@ -60,17 +60,23 @@ class ExecuteModelRequestBuilder:
                 if synced is None:
                     req.new_seqs.append(NewSequenceData(seq.seq_id, rid, list(seq.token_ids),
                                                         list(table)))
+                    seq.synced_block_ids = list(table)
                 else:
+                    # synced is brought up to date in place, not copied: most steps of a
+                    # decode leave the table as it was, and then compare it without a slice.
                     keep = len(synced)
-                    if table[:keep] != synced:  # its tail was rewritten: resend from there
+                    if (table != synced if len(table) == keep else table[:keep] != synced):
+                        # Its tail was rewritten: resend from there.
                         keep = next((i for i, (a, b) in enumerate(zip(table, synced))
                                      if a != b), min(len(table), keep))
                         cached.num_kept_blocks[seq.seq_id] = keep
+                        del synced[keep:]
+                    tail = table[keep:]
+                    synced += tail
                     cached.seq_ids.append(seq.seq_id)
                     cached.new_token_ids.append(seq.token_ids[seq.synced_num_tokens:])
-                    cached.new_block_ids.append(table[keep:])
+                    cached.new_block_ids.append(tail)
                 seq.synced_num_tokens = len(seq.token_ids)
-                seq.synced_block_ids = list(table)
                 req.seq_ids.append(seq.seq_id)
                 req.num_computed_tokens.append(seq.num_computed_tokens)
                 req.num_scheduled_tokens.append(n)

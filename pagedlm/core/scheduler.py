@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.block_manager import BlockManager, PoolFactory, plain_pool
@@ -30,6 +31,9 @@ from pagedlm.core.spec_policy import SpecPolicy
 from pagedlm.model_io import is_decode
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdates
 from pagedlm.speculative_config import SpeculativeConfig
+
+
+_arrival_order = attrgetter("arrival_order")
 
 
 @dataclass
@@ -129,8 +133,7 @@ class Scheduler:
         self._budget = self.config.max_num_batched_tokens
         if self.config.policy == "priority":
             self._preempt_for_priority(sched_out)
-        any_preempted = self._schedule_running(sched_out)
-        num_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
+        any_preempted, num_seqs = self._schedule_running(sched_out)
         if not any_preempted:  # no room to spare this step otherwise
             num_seqs = self._schedule_swapped(sched_out, num_seqs)
             if not self.swapped:
@@ -145,24 +148,34 @@ class Scheduler:
         return sched_out
 
     # -- the three queues ---------------------------------------------------------------------
-    def _schedule_running(self, sched_out: SchedulerOutput) -> bool:
-        """Schedule running groups; returns whether any had to be preempted for lack of blocks."""
+    def _schedule_running(self, sched_out: SchedulerOutput) -> tuple[bool, int]:
+        """Schedule running groups; returns whether any had to be preempted for lack of blocks,
+        and the unfinished sequences of the groups still running."""
         bm = self.block_manager
-        order = sorted(self.running, key=self._key)
-        decoding = [all(is_decode(s.num_computed_tokens, s.num_uncomputed_tokens)
-                        for s in g.unfinished_seqs())
-                    for g in order]
-        pending = deque([g for g, d in zip(order, decoding) if d]
-                        + [g for g, d in zip(order, decoding) if not d])
+        # Under fcfs every key's priority is 0: the arrival order alone sorts them the same.
+        order = sorted(self.running, key=self._key if self.config.policy == "priority"
+                       else _arrival_order)
+        # Each group's unfinished sequences, once: nothing finishes while a step is scheduled.
+        unfinished: dict[int, list[Sequence]] = {}
+        decoding: list[SequenceGroup] = []
+        prefilling: list[SequenceGroup] = []
+        for g in order:
+            unfinished[id(g)] = seqs = g.unfinished_seqs()
+            for s in seqs:
+                if not is_decode(s.num_computed_tokens, len(s.token_ids) - s.num_computed_tokens):
+                    prefilling.append(g)
+                    break
+            else:
+                decoding.append(g)
+        pending = deque(decoding + prefilling)
         policy = self.spec_policy
-        decoding_ids = ({id(g) for g, d in zip(order, decoding) if d}
-                        if policy is not None else set())
+        decoding_ids = {id(g) for g in decoding} if policy is not None else set()
         speculate = policy is not None and policy.batch_allows(
-            sum(len(g.unfinished_seqs()) for g, d in zip(order, decoding) if d))
+            sum(len(unfinished[id(g)]) for g in decoding))
         preempted: set[int] = set()
         while pending:
             group = pending.popleft()
-            seqs, tokens = self._plan(group, group.unfinished_seqs())
+            seqs, tokens = self._plan(group, unfinished[id(group)])
             if not seqs:
                 continue  # no token budget left this step; it keeps its place
             lookahead = None
@@ -194,7 +207,7 @@ class Scheduler:
                     policy.scheduled(seqs)
                 self._add_scheduled(group, seqs, tokens, copies, sched_out, lookahead)
         self.running = [g for g in order if id(g) not in preempted]
-        return bool(preempted)
+        return bool(preempted), sum(len(unfinished[id(g)]) for g in self.running)
 
     def _curr_loras(self) -> set[int]:
         return {g.lora_int_id for g in self.running} - {0}
@@ -302,7 +315,7 @@ class Scheduler:
         """The sequences that run this step and their token counts, within the token budget.
         With chunked prefill a prompt takes what budget is left; without, all or nothing."""
         if remaining is None:
-            remaining = [s.num_uncomputed_tokens for s in seqs]
+            remaining = [len(s.token_ids) - s.num_computed_tokens for s in seqs]
         if sum(remaining) <= self._budget:
             return seqs, remaining
         if not self.config.enable_chunked_prefill:
