@@ -41,6 +41,9 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
         self.org_vocab_size = num_embeddings
         self.embedding_dim = embedding_dim
+        # What the model computes in: models are built under it as the default dtype
+        # (ModelConfig.compute_dtype, model_loader.get_model).
+        self.compute_dtype = torch.get_default_dtype()
         self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * self.tp_size)
         self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
@@ -64,8 +67,9 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Float32 rows [num_tokens, dim]: a 2-byte table (ModelConfig.dtype) is widened row by
-        row as it is read, since activations compute in float32 (a no-op for a float32 one)."""
+        """Rows [num_tokens, dim] in the compute dtype: on the CPU a 2-byte table
+        (ModelConfig.dtype) is widened row by row as it is read, since activations compute in
+        float32 there; on a GPU activations compute in the table's own dtype (a no-op)."""
         if self.tp_size == 1:
             return self._rows(input_ids)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
@@ -79,7 +83,7 @@ class VocabParallelEmbedding(nn.Module):
         lookup = getattr(self, "row_lookup", None)
         if lookup is not None:
             return lookup(local_ids)
-        return F.embedding(local_ids, self.weight).float()
+        return F.embedding(local_ids, self.weight).to(self.compute_dtype)
 
     def extra_repr(self) -> str:
         return (f"vocab={self.org_vocab_size} (padded {self.num_embeddings_padded}), "
