@@ -115,6 +115,10 @@ def leg_pagedlm(args, size) -> dict:
     run([(p, 2) for p, _ in warm_batch])
     result["single"] = throughput([stream], run([stream]))
     result["batch"] = throughput(batch, run(batch))
+    try:  # where the time goes, for the next round of work (after the timed runs)
+        result["profile"] = profile(run, stream, batch, args.device)
+    except Exception as e:  # noqa: BLE001 - a profile must not cost the figures
+        result["profile"] = f"failed: {e.__class__.__name__}: {e}"
     try:  # the one-worker executor's runner (CUDA graphs: helper C's CUDAGraphRunner)
         graphs = llm.llm_engine.executor.worker.runner.cuda_graphs
     except AttributeError as e:
@@ -125,6 +129,45 @@ def leg_pagedlm(args, size) -> dict:
                                  "capture_s": getattr(graphs, "capture_s", None)}
     llm.shutdown()
     return result
+
+
+def profile(run, stream, batch, device: str) -> dict:
+    """The one-stream run under torch.profiler (GPU kernel time against wall time, the top
+    kernels) and under cProfile (the host's top functions), and the 128-request run under
+    cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    out: dict = {}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        wall = run([stream])
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", None)
+                     or getattr(e, "self_cuda_time_total", 0.0) or 0.0)
+    kernels = sorted((e for e in events if device_us(e) > 0), key=device_us, reverse=True)
+    out["single_wall_s"] = round(wall, 4)
+    out["single_device_busy_s"] = round(sum(device_us(e) for e in kernels) / 1e6, 4)
+    out["single_top_kernels"] = [[e.key[:90], e.count, round(device_us(e) / 1e3, 3)]
+                                 for e in kernels[:15]]
+    out["single_top_host_ops"] = [[e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 3)]
+                                  for e in sorted(events, key=lambda e: e.self_cpu_time_total,
+                                                  reverse=True)[:15]]
+    for name, requests in (("single", [stream]), ("batch", batch)):
+        prof_py = cProfile.Profile()
+        prof_py.enable()
+        run(requests)
+        prof_py.disable()
+        text = io.StringIO()
+        pstats.Stats(prof_py, stream=text).sort_stats("tottime").print_stats(25)
+        out[f"{name}_cprofile_tottime"] = text.getvalue().splitlines()[:45]
+    return out
 
 
 def leg_hf(args, size, dtype_name: str) -> dict:
@@ -192,11 +235,17 @@ def leg_serving(args, size) -> dict:
 
     async def client_side() -> None:
         async with http_client(f"http://127.0.0.1:{port}", timeout=60) as client:
-            endpoint = Endpoint(model=await first_model(client))
-            # Warm-up: a few concurrent requests through every layer of the server.
-            warm = [r.prompt for r in make_requests(vocab, 4, size["input_len"], (8, 8),
+            # Special tokens as text: a random-weight model may pick nothing but special
+            # tokens for a short output (3 of 305 requests did on an H200), and a request with
+            # no text has no time to first token.
+            endpoint = Endpoint(model=await first_model(client),
+                                sampling={"temperature": 0.0, "skip_special_tokens": False})
+            # Warm-up: staggered requests through every layer of the server and every kind
+            # of step (prefill alone, mixed with decodes, decodes of many batch sizes).
+            warm = [r.prompt for r in make_requests(vocab, 24, size["input_len"], (8, 8),
                                                     random.Random(args.seed + WARM_SEED))]
-            await run_streamed(client, endpoint, warm, [8] * len(warm), [0.0] * len(warm))
+            await run_streamed(client, endpoint, warm, [16] * len(warm),
+                               [0.02 * i for i in range(len(warm))])
             results, elapsed = await run_streamed(client, endpoint,
                                                   [r.prompt for r in requests],
                                                   [r.max_tokens for r in requests], arrivals)

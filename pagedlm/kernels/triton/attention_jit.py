@@ -22,7 +22,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The step's index arrays (slots, lengths, block tables, chunk starts) are views into one buffer
+# at offsets that change with the batch: not specialised on 16-byte alignment, or each change of
+# parity compiles another variant in the middle of serving (the likely cause of an 865 ms stall
+# between two tokens in an H200 serving run).
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                     c_stride_b, c_stride_s, c_stride_h,
@@ -85,7 +89,8 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
 
 # The block tables' width changes from step to step when run eagerly: not specialised on (a value
 # of 1 or a multiple of 16 would otherwise compile another variant mid-run).
-@triton.jit(do_not_specialize=["bt_stride"])
+@triton.jit(do_not_specialize=["bt_stride"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
                         scale, soft_cap, window,
                         q_stride_t, q_stride_h, o_stride_t, o_stride_h,
@@ -135,7 +140,9 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["bt_stride"])
+@triton.jit(do_not_specialize=["bt_stride"],
+            do_not_specialize_on_alignment=["query_start_loc_ptr", "context_lens_ptr",
+                                            "block_tables_ptr"])
 def prefill_attention_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                              query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
                              scale, soft_cap, window,

@@ -26,7 +26,9 @@ def rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, x_stride, res_s
     y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
-@triton.jit
+# positions is a view into the step's index buffer at an offset that changes with the batch:
+# not specialised on its alignment (see attention_jit.py).
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_stride_t, q_stride_h,
                   k_stride_t, k_stride_h, num_q_heads, num_k_heads,
                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
