@@ -190,10 +190,14 @@ class Scheduler:
                     seqs, tokens if not lookahead else
                     [n + k for n, k in zip(tokens, lookahead)])) is None:
                 victim = max([*pending, group], key=self._key)
-                if lookahead and any(lookahead) and (not policy.deterministic
-                                                     or victim is group):
-                    # Plain decoding before anyone is preempted (deterministic: before the
-                    # group itself is; a cache too small for its slots would never fit them).
+                if lookahead and any(lookahead) and (
+                        not policy.deterministic
+                        or (victim is group and not bm.can_ever_fit(
+                            [len(s.token_ids) + k for s, k in zip(seqs, lookahead)]))):
+                    # Plain decoding before anyone is preempted. Deterministic: k is the
+                    # request's own, so the group is preempted with it (and comes back with
+                    # it) rather than decoding plainly because of what else runs; only slots
+                    # the whole cache could never hold are given up.
                     lookahead = None
                     continue
                 if victim is not group:

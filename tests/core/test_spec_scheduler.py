@@ -181,6 +181,31 @@ def test_budget_and_block_shortage_fall_back_to_plain_decoding():
     assert out.scheduled_groups[0].num_lookahead == [4] and len(sched.running) == 2
 
 
+def test_deterministic_keeps_k_when_short_of_blocks():
+    # 3 blocks of 4: r0's decode with k = 4 takes its second block, and r1 (last in fcfs
+    # order, so the victim is itself) has no block left for its lookahead. By default it
+    # decodes plainly; under deterministic its k is its own, so it is preempted instead, and
+    # whenever it decodes later it has its 4 slots.
+    for deterministic in (False, True):
+        sched = make_scheduler(k=4, num_blocks=3, block_size=4, deterministic=deterministic)
+        for i in range(2):
+            sched.add_seq_group(make_group(f"r{i}", 3, i))
+        step(sched)
+        out = step(sched)
+        got = {sg.group.request_id: sg.num_lookahead[0] for sg in out.scheduled_groups}
+        if not deterministic:
+            assert got == {"r0": 4, "r1": 0} and sched.stats.num_preemptions == 0
+            continue
+        assert got == {"r0": 4} and sched.stats.num_preemptions == 1
+        r1_lookahead = []
+        for _ in range(6):
+            out = step(sched)
+            r1_lookahead += [sg.num_lookahead[0] for sg in out.scheduled_groups
+                             if sg.group.request_id == "r1"
+                             and sg.seqs[0].num_computed_tokens >= 3]
+        assert set(r1_lookahead) <= {4}
+
+
 def test_lookahead_beside_a_chunked_prefill():
     # A decode with k = 4 takes 5 of the 16-token budget; a long prompt's chunk takes the
     # rest, and gets no lookahead until its prompt is done.
