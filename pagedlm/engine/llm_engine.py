@@ -31,7 +31,7 @@ from pagedlm.model_executor.layers.token_constraints import TokenConstraints
 from pagedlm.model_io import LoRAStats, is_decode
 from pagedlm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedlm.pooling_params import PoolingParams
-from pagedlm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from pagedlm.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
@@ -302,17 +302,21 @@ class LLMEngine:
                 # Only requests waiting for their grammars: wait for one, do not spin.
                 self.structured_output.wait_for_pending(timeout=0.05)
             return aborted
-        reported = list(sched.ignored_groups)  # finished without running: still reported
+        # (group, finished) pairs; finished without running: still reported.
+        reported = [(g, True) for g in sched.ignored_groups]
         if sched.scheduled_groups:
             self._execute(sched)
-            reported += [sg.group for sg in sched.scheduled_groups
-                         if any(sg.num_samples) or sg.group.is_finished()]
+            for sg in sched.scheduled_groups:
+                finished = sg.group.is_finished()
+                if finished or any(sg.num_samples):
+                    reported.append((sg.group, finished))
         elif sched.has_cache_ops:  # everything was swapped out: the copies must still happen
             self.executor.execute_model(self.request_builder.build(sched))
         now = time.time()
         outputs = aborted
-        for group in reported:
-            if group.is_finished():
+        final_only = RequestOutputKind.FINAL_ONLY
+        for group, finished in reported:
+            if finished:
                 group.metrics.finished_time = group.metrics.finished_time or now
                 self.requests.pop(group.request_id, None)
                 self._structured_ids.discard(group.request_id)
@@ -321,7 +325,9 @@ class LLMEngine:
                 if (embedded := make_embedding_output(group)) is not None:
                     outputs.append(embedded)
                 continue
-            report = make_request_output(group)
+            if not finished and group.sampling_params.output_kind is final_only:
+                continue  # what make_request_output would say (LLM.generate's every step)
+            report = make_request_output(group, finished)
             if report is None:
                 continue
             out, group.cursor = report
@@ -358,9 +364,12 @@ class LLMEngine:
         st.sample_time += result.timings.sample_s
         st.comm_time += result.timings.comm_s
         st.num_steps += 1
-        st.num_prompt_tokens += sum(n for sg in sched.scheduled_groups
-                                    for s, n in zip(sg.seqs, sg.num_new_tokens)
-                                    if not is_decode(s.num_computed_tokens, n))
+        prompt_tokens = 0
+        for sg in sched.scheduled_groups:  # (a plain loop: a generator cost twice as much)
+            for s, n in zip(sg.seqs, sg.num_new_tokens):
+                if not is_decode(s.num_computed_tokens, n):
+                    prompt_tokens += n
+        st.num_prompt_tokens += prompt_tokens
         st.num_generation_tokens += len(result.sampler_output.sampled_token_ids)
         if result.num_emitted:  # a verifying sequence's rows are its drafts + 1, not emitted
             st.num_generation_tokens += sum(result.num_emitted.values()) - sum(

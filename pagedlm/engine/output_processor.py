@@ -35,6 +35,10 @@ class OutputProcessor:
     def process(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> SequenceUpdates:
         now = time.time()
         s = result.sampler_output
+        sampled = s.sampled_token_ids
+        # Rows carry logprobs only where some request asked: otherwise no per-token lookups.
+        lp_rows = s.sampled_logprobs is not None
+        row_lp = self._row_logprobs
         updates = SequenceUpdates()
         for sg in sched_out.scheduled_groups:
             group = sg.group
@@ -57,15 +61,15 @@ class OutputProcessor:
                     num_drafts = result.num_drafts[seq.seq_id]
                     updates.spec.append((seq, num_drafts, num_emitted - 1))
                     for r in range(row, row + num_emitted):
-                        status = self._append_token(group, seq, s.sampled_token_ids[r],
-                                                    self._row_logprobs(s, r))
+                        status = self._append_token(group, seq, sampled[r],
+                                                    row_lp(s, r) if lp_rows else None)
                         if status is not None:
                             updates.finished.append((seq, status))
                             break
                     continue
                 for target in targets:
-                    status = self._append_token(group, target, s.sampled_token_ids[row],
-                                                self._row_logprobs(s, row))
+                    status = self._append_token(group, target, sampled[row],
+                                                row_lp(s, row) if lp_rows else None)
                     if status is not None:
                         updates.finished.append((target, status))
                     row += 1
@@ -121,9 +125,19 @@ class OutputProcessor:
                     token_id, logprob, rank, top_ids[:params.logprobs],
                     top_vals[:params.logprobs]))
         delta = self.detokenizer.step(seq.detok, token_id, params.skip_special_tokens)
-        seq.output_text += delta
-        stop = check_stop(params, self.eos_token_ids, self.max_model_len, len(seq.token_ids),
-                          seq.num_output_tokens, token_id, seq.output_text, len(delta))
+        if delta:
+            seq.output_text += delta
+        seq_len = len(seq.token_ids)
+        if (not params.stop_strings and token_id not in params.all_stop_token_ids
+                and (params.ignore_eos or token_id not in self.eos_token_ids)
+                and seq_len - seq.num_prompt_tokens < params.max_tokens
+                and seq_len < self.max_model_len):
+            # What check_stop would decide (no stop token or string, under both lengths),
+            # without its call: this is every token of most requests.
+            stop = None
+        else:
+            stop = check_stop(params, self.eos_token_ids, self.max_model_len, seq_len,
+                              seq.num_output_tokens, token_id, seq.output_text, len(delta))
         if stop is None and grammar_done:  # the grammar allows nothing more (ignore_eos too)
             stop = StopDecision(SequenceStatus.FINISHED_STOPPED)
         if stop is None:
@@ -154,12 +168,15 @@ class OutputProcessor:
             group.prompt_logprobs = acc
 
 
-def make_request_output(group: SequenceGroup) -> tuple[RequestOutput, OutputCursor] | None:
+def make_request_output(group: SequenceGroup, finished: bool | None = None
+                        ) -> tuple[RequestOutput, OutputCursor] | None:
     """The RequestOutput this step owes the user, by the request's output kind, and the cursor
-    to keep for the next one (what has now been sent). None: nothing to report yet."""
+    to keep for the next one (what has now been sent). None: nothing to report yet. finished:
+    group.is_finished(), where the caller already knows it."""
     params = group.sampling_params
     kind = params.output_kind
-    finished = group.is_finished()
+    if finished is None:
+        finished = group.is_finished()
     ranked = params.ranked_at_end
     if (kind is RequestOutputKind.FINAL_ONLY or ranked) and not finished:
         return None
