@@ -47,10 +47,14 @@ class ScheduledGroup:
     num_lookahead: list[int] | None = None
 
     def __post_init__(self) -> None:
-        self.num_samples = [self.group.num_samples(s, n)
-                            for s, n in zip(self.seqs, self.num_new_tokens)]
+        seqs = self.seqs
+        if len(seqs) == 1:  # most groups: no comprehension (its frame costs as much as this)
+            self.num_samples = [self.group.num_samples(seqs[0], self.num_new_tokens[0])]
+        else:
+            self.num_samples = [self.group.num_samples(s, n)
+                                for s, n in zip(seqs, self.num_new_tokens)]
         if self.num_lookahead is None:
-            self.num_lookahead = [0] * len(self.seqs)
+            self.num_lookahead = [0] * len(seqs)
 
 
 @dataclass

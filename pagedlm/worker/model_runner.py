@@ -182,8 +182,19 @@ class ModelRunner:
         batch = _FlatBatch([], [], [], [], [], {}, drafts)
         if self.lora_manager is not None:
             batch.loras, batch.lora_counts = [], []
+        num_decodes = len(decodes)
         for i, (seq_id, start, n) in enumerate(decodes + prefills):
             seq = self.seqs[seq_id]
+            if n == 1 and i < num_decodes and batch.loras is None and seq_id not in drafts:
+                # A plain decode row (most rows of a step): what the general path below does
+                # for it, without its slices and ranges.
+                table = seq.block_ids
+                batch.input_ids.append(seq.token_ids[start])
+                batch.positions.append(start)
+                batch.slots.append(table[start // bs] * bs + start % bs)
+                batch.last_row[seq_id] = len(batch.input_ids) - 1
+                batch.decodes.append((seq, start))
+                continue
             tokens = seq.token_ids[start:start + n]
             if seq_id in drafts:
                 tokens = tokens + drafts[seq_id].token_ids
@@ -197,7 +208,7 @@ class ModelRunner:
             batch.positions += range(start, start + n)
             batch.slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             batch.last_row[seq_id] = len(batch.input_ids) - 1
-            if i < len(decodes):
+            if i < num_decodes:
                 batch.decodes += [(seq, start + j) for j in range(n)]
             else:
                 batch.prefills.append((seq, start, row0, len(batch.input_ids)))
@@ -211,7 +222,13 @@ class ModelRunner:
         spans, spec_ids = [], []
         # Our row of each of the engine's sample rows (drafted sequences take more rows).
         engine_rows: list[int] = []
-        constrained = False
+        # Flags over every row, gathered here per sequence (not by scans over the rows later):
+        # the sampler's all-greedy path then costs no per-row Python work.
+        constrained = penalties = min_tokens = False
+        all_greedy = True
+        max_lp = -1
+        no_stops: frozenset[int] = frozenset()
+        drafts, bitmask = batch.drafts, req.grammar_bitmask
         for seq_id, k in zip(req.seq_ids, req.num_samples):
             if not k:
                 continue
@@ -220,14 +237,27 @@ class ModelRunner:
             sp = state.sampling_params
             # History and stop ids only where used (penalties, min_tokens): copying every
             # sequence's output each step would grow with its length.
-            stop_ids = sp.stop_token_ids_with(self.eos_token_ids) if sp.min_tokens else frozenset()
-            wants_history = sp.has_penalties or sp.min_tokens or sp.bad_words
+            stop_ids = sp.stop_token_ids_with(self.eos_token_ids) if sp.min_tokens else no_stops
+            has_penalties = sp.has_penalties
+            wants_history = has_penalties or sp.min_tokens or sp.bad_words
             history = seq.token_ids[seq.num_prompt_tokens:] if wants_history else []
             constrained = constrained or sp.has_token_constraints
-            if req.grammar_bitmask is not None:
+            penalties = penalties or has_penalties
+            min_tokens = min_tokens or bool(sp.min_tokens)
+            all_greedy = all_greedy and sp.greedy
+            max_lp = max(max_lp, _num_logprobs(sp))
+            if bitmask is not None:
                 engine_rows += range(len(rows), len(rows) + k)
             first_row[seq_id] = len(rows)
-            proposal = batch.drafts.get(seq_id)
+            proposal = drafts.get(seq_id) if drafts else None
+            if proposal is None and k == 1:  # a decoding sequence: one row
+                rows.append(batch.last_row[seq_id])
+                outs.append(history)
+                params.append(sp)
+                gens.append(state.generator)
+                prompts.append(state.prompt_token_ids)
+                stops.append(stop_ids)
+                continue
             if proposal is not None:
                 # Row j verifies the j-th draft: the drafts before it count as generated
                 # (penalties, min_tokens, bad_words see them).
@@ -246,15 +276,13 @@ class ModelRunner:
             gens += [state.generator] * k
             prompts += [state.prompt_token_ids] * k
             stops += [stop_ids] * k
-        want_lp = [_num_logprobs(p) for p in params]
-        bitmask = req.grammar_bitmask
         if spans and bitmask is not None:
             bitmask = _move_bitmask_rows(bitmask, engine_rows, len(rows))
         sampling = SamplingMetadata(params=params, generators=gens, output_token_ids=outs,
                                     prompt_token_ids=prompts, stop_ids=stops,
-                                    all_greedy=all(p.greedy for p in params),
-                                    max_num_logprobs=max(want_lp, default=-1),
+                                    all_greedy=all_greedy, max_num_logprobs=max_lp,
                                     any_token_constraints=constrained,
+                                    any_penalties=penalties, any_min_tokens=min_tokens,
                                     grammar_bitmask=bitmask,
                                     draft=DraftMetadata(spans) if spans else None)
         return sampling, rows, first_row, spec_ids if spans else None

@@ -40,6 +40,9 @@ class SamplingMetadata:
     grammar_bitmask: GrammarBitmask | None = None  # rows with a grammar: their allowed tokens
     # Speculating sequences' rows: verify their drafts (rejection sampling) instead.
     draft: DraftMetadata | None = None
+    # Some row has penalties / a min_tokens, where the builder knows (None: scan the rows).
+    any_penalties: bool | None = None
+    any_min_tokens: bool | None = None
 
 
 class Sampler(torch.nn.Module):
@@ -155,10 +158,12 @@ class Sampler(torch.nn.Module):
 def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Penalties, min_tokens, token constraints and the grammar: the logits each row samples
     from (before temperature)."""
-    if any(p.has_penalties for p in meta.params):
+    if (meta.any_penalties if meta.any_penalties is not None
+            else any(p.has_penalties for p in meta.params)):
         logits = _apply_penalties(logits, meta)
-    if any(p.min_tokens and len(o) < p.min_tokens
-           for p, o in zip(meta.params, meta.output_token_ids)):
+    if meta.any_min_tokens is not False and any(
+            p.min_tokens and len(o) < p.min_tokens
+            for p, o in zip(meta.params, meta.output_token_ids)):
         logits = _mask_stop_tokens(logits, meta)
     if meta.any_token_constraints:
         logits = apply_token_constraints(logits, meta.params, meta.output_token_ids)
