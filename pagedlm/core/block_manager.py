@@ -185,11 +185,9 @@ class BlockManager:
             # A running sequence whose own blocks have room for its tokens (a decode, mostly):
             # nothing to take or copy, and no room to check (the rule below counts 0 blocks).
             seq, n = seqs[0], num_new_tokens[0]
-            table, bs = seq.block_table, self.block_size
             end = seq.num_computed_tokens + n
-            idx = seq.num_computed_tokens // bs
-            if end <= len(table) * bs and (idx >= len(table)
-                                           or self.device.ref_counts[table[idx]] <= 1):
+            if (end <= len(seq.block_table) * self.block_size
+                    and self._shared_write_block(seq, self.device) is None):
                 self._cache_full_blocks(seq, min(end, len(seq.token_ids)))
                 return []
         prefixes = prefixes or {}

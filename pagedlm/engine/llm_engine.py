@@ -31,7 +31,7 @@ from pagedlm.model_executor.layers.token_constraints import TokenConstraints
 from pagedlm.model_io import LoRAStats, is_decode
 from pagedlm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedlm.pooling_params import PoolingParams
-from pagedlm.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
+from pagedlm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
@@ -314,7 +314,6 @@ class LLMEngine:
             self.executor.execute_model(self.request_builder.build(sched))
         now = time.time()
         outputs = aborted
-        final_only = RequestOutputKind.FINAL_ONLY
         for group, finished in reported:
             if finished:
                 group.metrics.finished_time = group.metrics.finished_time or now
@@ -325,8 +324,6 @@ class LLMEngine:
                 if (embedded := make_embedding_output(group)) is not None:
                     outputs.append(embedded)
                 continue
-            if not finished and group.sampling_params.output_kind is final_only:
-                continue  # what make_request_output would say (LLM.generate's every step)
             report = make_request_output(group, finished)
             if report is None:
                 continue

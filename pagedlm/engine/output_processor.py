@@ -127,17 +127,8 @@ class OutputProcessor:
         delta = self.detokenizer.step(seq.detok, token_id, params.skip_special_tokens)
         if delta:
             seq.output_text += delta
-        seq_len = len(seq.token_ids)
-        if (not params.stop_strings and token_id not in params.all_stop_token_ids
-                and (params.ignore_eos or token_id not in self.eos_token_ids)
-                and seq_len - seq.num_prompt_tokens < params.max_tokens
-                and seq_len < self.max_model_len):
-            # What check_stop would decide (no stop token or string, under both lengths),
-            # without its call: this is every token of most requests.
-            stop = None
-        else:
-            stop = check_stop(params, self.eos_token_ids, self.max_model_len, seq_len,
-                              seq.num_output_tokens, token_id, seq.output_text, len(delta))
+        stop = check_stop(params, self.eos_token_ids, self.max_model_len, len(seq.token_ids),
+                          seq.num_output_tokens, token_id, seq.output_text, len(delta))
         if stop is None and grammar_done:  # the grammar allows nothing more (ignore_eos too)
             stop = StopDecision(SequenceStatus.FINISHED_STOPPED)
         if stop is None:

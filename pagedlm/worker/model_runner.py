@@ -250,14 +250,6 @@ class ModelRunner:
                 engine_rows += range(len(rows), len(rows) + k)
             first_row[seq_id] = len(rows)
             proposal = drafts.get(seq_id) if drafts else None
-            if proposal is None and k == 1:  # a decoding sequence: one row
-                rows.append(batch.last_row[seq_id])
-                outs.append(history)
-                params.append(sp)
-                gens.append(state.generator)
-                prompts.append(state.prompt_token_ids)
-                stops.append(stop_ids)
-                continue
             if proposal is not None:
                 # Row j verifies the j-th draft: the drafts before it count as generated
                 # (penalties, min_tokens, bad_words see them).

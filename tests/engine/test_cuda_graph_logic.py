@@ -154,6 +154,9 @@ def test_a_padded_static_step_computes_the_eager_rows(monkeypatch, tmp_path_fact
             static = runner.forward_static(padded_size(3, runner.sizes))
         assert static.shape[0] == 4 and torch.isfinite(static).all()
         torch.testing.assert_close(static[:3], eager, rtol=1e-5, atol=1e-5)
+        # The padded step's projections run at another row count than the eager step's: the
+        # written K/V agree to rounding (and a write from the padding row would differ by far).
         for (k, v), (ke, ve) in zip(kv, eager_kv):
-            assert torch.equal(k, ke) and torch.equal(v, ve)
+            torch.testing.assert_close(k, ke, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, ve, rtol=1e-5, atol=1e-5)
         assert model.fused_decode.stack is None  # the layers ran, not the native stack

@@ -52,9 +52,7 @@ class Sampler(torch.nn.Module):
         self.generator = generator  # for unseeded random rows
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        # bfloat16/float16 logits (a GPU model's) would round probabilities and cumulative
-        # sums to 8-11 bits: every stage below runs in float32.
-        logits = logits.float()
+        """logits: float32 [rows, vocab], as compute_logits returns them on every device."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
         logits = _process(logits, meta)
         if meta.draft is not None:
