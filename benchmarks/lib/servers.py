@@ -253,7 +253,8 @@ def find_tcmalloc() -> str | None:
 
 def find_iomp(venv_python: str) -> str | None:
     """Intel OpenMP (libiomp5.so), which vLLM's CPU wheels install into their environment."""
-    venv = Path(venv_python).resolve().parent.parent
+    # Not resolved: a venv's python is a link to the system's, whose prefix has no libiomp5.
+    venv = Path(venv_python).absolute().parent.parent
     found = sorted(glob.glob(str(venv / "lib" / "**" / "libiomp5.so"), recursive=True))
     return found[0] if found else None
 
