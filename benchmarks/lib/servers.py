@@ -146,6 +146,7 @@ class Server:
 # ---- what to run ----
 
 VLLM_DTYPES = {"bf16": "bfloat16", "f32": "float32"}
+VLLM_SWITCHES = ("notcmalloc", "noreserve")
 
 
 @dataclass(frozen=True)
@@ -157,12 +158,15 @@ class SystemSpec:
     gguf_type: str | None = None  # llama.cpp's weight type (F32, Q4_1, Q4_K_M, ...)
     dtype: str | None = None  # vLLM's --dtype; None: its own default (bfloat16 on CPU)
     tcmalloc: bool = True  # vLLM: preload tcmalloc (and Intel OpenMP), as its CPU docs say
+    # vLLM: keep the core its auto binding reserves for the scheduler process. On 2 vCPUs that
+    # leaves its model one core, so -noreserve (VLLM_CPU_NUM_OF_RESERVED_CPU=0) is measured too.
+    reserve_cpu: bool = True
     extra_args: tuple[str, ...] = ()
 
 
 def parse_system(text: str) -> SystemSpec:
-    """pagedlm | vllm[-bf16|-f32][-notcmalloc] | llamacpp-TYPE, each optionally followed by
-    :LABEL=EXTRA_SERVER_ARGS."""
+    """pagedlm | vllm[-bf16|-f32][-notcmalloc][-noreserve] | llamacpp-TYPE, each optionally
+    followed by :LABEL=EXTRA_SERVER_ARGS."""
     head, _, extra = text.partition("=")
     base, _, label = head.partition(":")
     if ":" in head and not label:
@@ -180,18 +184,20 @@ def parse_system(text: str) -> SystemSpec:
     if base == "vllm" or base.startswith("vllm-"):
         parts = base.split("-")[1:]
         dtypes = [VLLM_DTYPES[p] for p in parts if p in VLLM_DTYPES]
-        unknown = [p for p in parts if p not in VLLM_DTYPES and p != "notcmalloc"]
+        unknown = [p for p in parts if p not in VLLM_DTYPES and p not in VLLM_SWITCHES]
         if unknown or len(dtypes) > 1 or len(set(parts)) != len(parts):
             raise ValueError(f"--systems entry {text!r}: expected vllm, vllm-bf16 or vllm-f32, "
-                             f"optionally with -notcmalloc")
+                             f"optionally with -notcmalloc and/or -noreserve")
         return SystemSpec(name, "vllm", dtype=dtypes[0] if dtypes else None,
-                          tcmalloc="notcmalloc" not in parts, extra_args=extra_args)
+                          tcmalloc="notcmalloc" not in parts,
+                          reserve_cpu="noreserve" not in parts, extra_args=extra_args)
     if base.startswith("llamacpp-") and len(base) > len("llamacpp-"):
         return SystemSpec(name, "llamacpp", gguf_type=base[len("llamacpp-"):].upper(),
                           extra_args=extra_args)
     raise ValueError(f"--systems entry {text!r}: unknown system {base!r}; expected pagedlm, "
-                     f"vllm[-bf16|-f32][-notcmalloc] or llamacpp-TYPE (f32, q4_1 = the shipped "
-                     f"file, q4_0, q4_k_m, q8_0 or another llama-quantize type), optionally as "
+                     f"vllm[-bf16|-f32][-notcmalloc][-noreserve] or llamacpp-TYPE (f32, q4_1 = "
+                     f"the shipped file, q4_0, q4_k_m, q8_0 or another llama-quantize type), "
+                     f"optionally as "
                      f"NAME:LABEL=EXTRA_SERVER_ARGS")
 
 
@@ -286,6 +292,8 @@ def plan_vllm(spec: SystemSpec, settings: ServerSettings, port: int, install: pe
     # pinned); only a thread count below the machine's is given, as the core list to bind.
     if settings.threads < cpu_count:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{settings.threads - 1}"
+    if not spec.reserve_cpu:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     if spec.tcmalloc:
         preload = [p for p in (tcmalloc, iomp) if p]
         if preload:

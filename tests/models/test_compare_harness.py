@@ -63,8 +63,11 @@ def test_system_specs(servers, compare):
     s = servers.parse_system("vllm-f32-notcmalloc:long=--max-num-batched-tokens 4096")
     assert (s.name, s.dtype, s.tcmalloc, s.extra_args) == (
         "vllm-f32-notcmalloc:long", "float32", False, ("--max-num-batched-tokens", "4096"))
+    s = servers.parse_system("vllm-f32-noreserve")
+    assert (s.dtype, s.tcmalloc, s.reserve_cpu) == ("float32", True, False)
+    assert servers.parse_system("vllm-bf16").reserve_cpu
     for bad in ("tgi", "pagedlm=--x", "pagedlm:=--x", "llamacpp-", "vllm-f16", "vllm-bf16-f32",
-                "vllm-notcmalloc-notcmalloc"):
+                "vllm-notcmalloc-notcmalloc", "vllm-noreserve-noreserve"):
         with pytest.raises(ValueError, match="--systems entry"):
             servers.parse_system(bad)
     with pytest.raises(SystemExit):
@@ -324,6 +327,10 @@ def test_server_command_lines_per_workload(compare, servers, tmp_path):
     plain = servers.plan_vllm(servers.parse_system("vllm-bf16-notcmalloc"), single, 8000, vllm,
                               str(tmp_path), "/usr/lib/libtcmalloc_minimal.so.4", None, 2)
     assert "LD_PRELOAD" not in plain.env
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in plain.env  # its default reservation
+    unreserved = servers.plan_vllm(servers.parse_system("vllm-f32-noreserve"), single, 8000,
+                                   vllm, str(tmp_path), None, None, 2)
+    assert unreserved.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert int(value(plain.argv, "--kv-cache-memory-bytes")) == 64 * 2**20  # its floor
     missing = servers.plan_vllm(servers.parse_system("vllm-bf16"), single, 8000, vllm,
                                 str(tmp_path), None, None, 2)
