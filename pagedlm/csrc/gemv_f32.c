@@ -138,6 +138,9 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
  * AVX512-BF16 (vdpbf16ps) or AMX path: both round x to bfloat16 and add pairs of products
  * before accumulating, so the sums (and bits) would differ from this chain and from every CPU
  * without them, and none of this project's test machines has them to check them on.
+ * gemm_panels_f16 does the same over float16 panels (a GGUF file's F16 matrices, or
+ * dtype=float16): vcvtph2ps widens a float16 exactly (subnormals included, whatever MXCSR's
+ * DAZ says), so its outputs are gemm_panels_f32's bits on the widened weight too.
  */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #define MBLOCK 192
@@ -147,6 +150,10 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
  * panels on the AVX2 EPYC, 4, 16 and 32 KiB ahead measured the same as 8 within the noise. */
 #define PREFETCH_BYTES 8192
 
+/* The panels' element type; 2-byte ones are widened exactly to float32 as they are read. */
+enum { PANEL_F32 = 0, PANEL_BF16 = 1, PANEL_F16 = 2 };
+#define ELT_BYTES(elt) ((elt) == PANEL_F32 ? 4 : 2)
+
 #ifdef __AVX512F__
 #define PANEL 32
 #define MR 12 /* rows of a tile: 24 sums + 2 panel vectors + 1 broadcast of the 32 registers */
@@ -155,15 +162,19 @@ typedef __m512 pvec;
 #define PFMA _mm512_fmadd_ps
 #define PBROADCAST(p) _mm512_set1_ps(*(p))
 
-/* Panel row k as two vectors of 16 floats; bf16: the weights are bfloat16, widened exactly. */
+/* Panel row k as two vectors of 16 floats, widened exactly from elt's type. */
 static inline __attribute__((always_inline)) void panel_row(
-        const void *wp, const int bf16, const int k, pvec *w0, pvec *w1) {
-    if (bf16) {
+        const void *wp, const int elt, const int k, pvec *w0, pvec *w1) {
+    if (elt == PANEL_BF16) {
         const uint16_t *r = (const uint16_t *)wp + (size_t)k * PANEL;
         *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)r)), 16));
         *w1 = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + 16))), 16));
+    } else if (elt == PANEL_F16) {
+        const uint16_t *r = (const uint16_t *)wp + (size_t)k * PANEL;
+        *w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+        *w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 16)));
     } else {
         const float *r = (const float *)wp + (size_t)k * PANEL;
         *w0 = _mm512_loadu_ps(r);
@@ -189,15 +200,31 @@ typedef __m256 pvec;
 #define PFMA _mm256_fmadd_ps
 #define PBROADCAST(p) _mm256_broadcast_ss(p)
 
-/* Panel row k as two vectors of 8 floats; bf16: the weights are bfloat16, widened exactly. */
+/* 8 float16s as float32s: vcvtph2ps (F16C, which every AVX2 CPU has had so far), else the
+ * compiler's _Float16 conversion; both exact. */
+static inline __attribute__((always_inline)) __m256 f16x8(const uint16_t *r) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)r));
+#else
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = (float)((const _Float16 *)r)[i];
+    return _mm256_loadu_ps(f);
+#endif
+}
+
+/* Panel row k as two vectors of 8 floats, widened exactly from elt's type. */
 static inline __attribute__((always_inline)) void panel_row(
-        const void *wp, const int bf16, const int k, pvec *w0, pvec *w1) {
-    if (bf16) {
+        const void *wp, const int elt, const int k, pvec *w0, pvec *w1) {
+    if (elt == PANEL_BF16) {
         const uint16_t *r = (const uint16_t *)wp + (size_t)k * PANEL;
         *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)r)), 16));
         *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + 8))), 16));
+    } else if (elt == PANEL_F16) {
+        const uint16_t *r = (const uint16_t *)wp + (size_t)k * PANEL;
+        *w0 = f16x8(r);
+        *w1 = f16x8(r + 8);
     } else {
         const float *r = (const float *)wp + (size_t)k * PANEL;
         *w0 = _mm256_loadu_ps(r);
@@ -225,14 +252,14 @@ static inline __attribute__((always_inline)) void tile_store(
 }
 #endif
 
-/* mr rows of x against one panel (float32, or bfloat16 when bf16: a constant after inlining,
- * so each element type gets its own loop). */
+/* mr rows of x against one panel of elt's type (a constant after inlining, so each element
+ * type gets its own loop). */
 static inline __attribute__((always_inline)) void panel_tile(
-        float *y, const float *x, const void *wp, const int bf16, const int mr, int N, int K,
+        float *y, const float *x, const void *wp, const int elt, const int mr, int N, int K,
         int cols) {
     /* A panel row is 128 bytes (AVX-512 float32), 64 or 32 (AVX2 bfloat16: each line is
      * prefetched twice, which measured 5-15% faster at 1 and 8 rows than skipping odd k). */
-    const int row_bytes = PANEL * (bf16 ? 2 : 4);
+    const int row_bytes = PANEL * ELT_BYTES(elt);
     pvec c0[MR], c1[MR];
     for (int m = 0; m < mr; m++) c0[m] = PZERO(), c1[m] = PZERO();
     for (int k = 0; k < K; k++) {
@@ -240,7 +267,7 @@ static inline __attribute__((always_inline)) void panel_tile(
         _mm_prefetch(ahead, _MM_HINT_T1);
         if (row_bytes == 128) _mm_prefetch(ahead + 64, _MM_HINT_T1);
         pvec w0, w1;
-        panel_row(wp, bf16, k, &w0, &w1);
+        panel_row(wp, elt, k, &w0, &w1);
         for (int m = 0; m < mr; m++) {
             const pvec xv = PBROADCAST(x + (size_t)m * K + k);
             c0[m] = PFMA(xv, w0, c0[m]);
@@ -252,53 +279,55 @@ static inline __attribute__((always_inline)) void panel_tile(
 
 /* Rows 0..M-1 (at most MBLOCK) of panels lo..hi-1. */
 static inline __attribute__((always_inline)) void panels_range(
-        float *y, const float *x, const void *wp, const int bf16, int M, int N, int K, int lo,
+        float *y, const float *x, const void *wp, const int elt, int M, int N, int K, int lo,
         int hi) {
     for (int p = lo; p < hi; p++) {
-        const char *w = (const char *)wp + (size_t)p * K * PANEL * (bf16 ? 2 : 4);
+        const char *w = (const char *)wp + (size_t)p * K * PANEL * ELT_BYTES(elt);
         const int n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
         for (int m0 = 0; m0 < M; m0 += MR) {
             float *ym = y + (size_t)m0 * N + n0;
             const float *xm = x + (size_t)m0 * K;
             /* Constant tile heights let the compiler keep every sum in a register. */
             switch (M - m0 >= MR ? MR : M - m0) {
-#define TILE_CASE(r) case r: panel_tile(ym, xm, w, bf16, r, N, K, cols); break;
+#define TILE_CASE(r) case r: panel_tile(ym, xm, w, elt, r, N, K, cols); break;
                 TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
 #if MR > 6
                 TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
 #endif
-                default: panel_tile(ym, xm, w, bf16, MR, N, K, cols);
+                default: panel_tile(ym, xm, w, elt, MR, N, K, cols);
 #undef TILE_CASE
             }
         }
     }
 }
 
-static void panels_rows(float *y, const float *x, const void *wp, int bf16, int M, int N, int K,
+static void panels_rows(float *y, const float *x, const void *wp, int elt, int M, int N, int K,
                         int lo, int hi) {
     for (int m0 = 0; m0 < M; m0 += MBLOCK) {
         float *ym = y + (size_t)m0 * N;
         const float *xm = x + (size_t)m0 * K;
         const int mb = M - m0 < MBLOCK ? M - m0 : MBLOCK;
-        if (bf16)
-            panels_range(ym, xm, wp, 1, mb, N, K, lo, hi);
+        if (elt == PANEL_BF16)
+            panels_range(ym, xm, wp, PANEL_BF16, mb, N, K, lo, hi);
+        else if (elt == PANEL_F16)
+            panels_range(ym, xm, wp, PANEL_F16, mb, N, K, lo, hi);
         else
-            panels_range(ym, xm, wp, 0, mb, N, K, lo, hi);
+            panels_range(ym, xm, wp, PANEL_F32, mb, N, K, lo, hi);
     }
 }
 
-static void gemm_panels(float *y, const float *x, const void *wp, int bf16, int M, int N, int K,
+static void gemm_panels(float *y, const float *x, const void *wp, int elt, int M, int N, int K,
                         int nthreads) {
     const int P = (N + PANEL - 1) / PANEL;
     if ((long)M * N * K < PAR_MIN_WEIGHTS || nthreads < 2 || P < 2) {
-        panels_rows(y, x, wp, bf16, M, N, K, 0, P);
+        panels_rows(y, x, wp, elt, M, N, K, 0, P);
         return;
     }
 #pragma omp parallel num_threads(nthreads < P ? nthreads : P)
     {
         int t, nt;
         omp_team(&t, &nt);
-        panels_rows(y, x, wp, bf16, M, N, K, (int)((long)P * t / nt),
+        panels_rows(y, x, wp, elt, M, N, K, (int)((long)P * t / nt),
                     (int)((long)P * (t + 1) / nt));
     }
 }
@@ -308,12 +337,17 @@ int gemm_panel_width(void) { return PANEL; }
 
 void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
                      int nthreads) {
-    gemm_panels(y, x, wp, 0, M, N, K, nthreads);
+    gemm_panels(y, x, wp, PANEL_F32, M, N, K, nthreads);
 }
 
 void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                       int nthreads) {
-    gemm_panels(y, x, wp, 1, M, N, K, nthreads);
+    gemm_panels(y, x, wp, PANEL_BF16, M, N, K, nthreads);
+}
+
+void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                     int nthreads) {
+    gemm_panels(y, x, wp, PANEL_F16, M, N, K, nthreads);
 }
 #else
 int gemm_panel_width(void) { return 0; }
@@ -325,6 +359,11 @@ void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, in
 
 void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                       int nthreads) {
+    (void)y, (void)x, (void)wp, (void)M, (void)N, (void)K, (void)nthreads;
+}
+
+void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                     int nthreads) {
     (void)y, (void)x, (void)wp, (void)M, (void)N, (void)K, (void)nthreads;
 }
 #endif

@@ -25,6 +25,7 @@ static void segment(const segment_t *l, float *y, const float *x, int M, int N, 
     case W_F32: gemv_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
     case W_F32_PANELS: gemm_panels_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
     case W_BF16_PANELS: gemm_panels_bf16(y, x, (const uint16_t *)l->weight, M, N, K, nt); break;
+    case W_F16_PANELS: gemm_panels_f16(y, x, (const uint16_t *)l->weight, M, N, K, nt); break;
     case W_Q4_1: qmm_q4_1(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     case W_Q8_0: qmm_q8_0(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
     case W_Q4_K: qmm_q4_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;

@@ -31,8 +31,8 @@ _HELP = {
     "dtype": "Element type the weights are stored in, and the KV cache's with "
              "--kv-cache-dtype auto: auto (float32 on the CPU, bfloat16 on CUDA), float32, "
              "bfloat16, float16. On the CPU activations and attention compute in float32 "
-             "either way; bfloat16 halves the bytes a token reads (native kernel on AVX2), "
-             "float16 is widened at every matmul (slower). On CUDA they compute in this dtype.",
+             "either way; bfloat16 and float16 halve the bytes a token reads (native kernel "
+             "on AVX2, else widened at every matmul). On CUDA they compute in this dtype.",
     "device": "Where the model, KV cache and each step run: cpu, cuda, cuda:N, or auto (cuda "
               "when torch sees a GPU, else cpu).",
     "enforce_eager": "Never capture CUDA graphs: every decode step runs eagerly (CUDA only; "
@@ -87,7 +87,7 @@ _HELP = {
                      "cache, preemption, threads), for a fixed block size and KV-cache dtype on "
                      "one machine and build, one worker (not tensor/pipeline parallel). Every "
                      "kernel then sums in an order set by the row alone; costs prefill time. "
-                     "Needs the native kernels: float32 weights, bfloat16 ones on the panel "
+                     "Needs the native kernels: float32 weights, 2-byte ones on the panel "
                      "kernel (AVX2), or int8/int4/gguf.",
     "speculative_config": "Speculative decoding, as JSON: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4}' (prompt lookup; "

@@ -1,5 +1,5 @@
 """Linear layers with float32 activations and sums through the native kernels of
-csrc/gemv_f32.c: float32 weights, and bfloat16 weights on the panel kernel.
+csrc/gemv_f32.c: float32 weights, and bfloat16 and float16 weights on the panel kernel.
 
 A decode step multiplies one row per running sequence by every weight matrix, so with few
 sequences the step's time is how fast the weights stream from memory. Where the build has the
@@ -22,6 +22,8 @@ read, so a layer gives the float32 kernel's bits on weight.float() and reads hal
 Same matrices, AVX2 EPYC, 1 thread, float32 / bfloat16 panels (medians of interleaved repeats,
 machine loaded to about 2 runnable threads a core): 122 / 63 ms at 1 row, 142 / 84 at 8, 995 /
 961 at 128 (the widening costs nothing measurable once the tiles are compute-bound).
+float16 panels (a GGUF file's F16 matrices, dtype="float16") are widened exactly too
+(vcvtph2ps), with the same result: the float32 kernel's bits on weight.float().
 Without the panel kernel the layers run on the GEMV kernel up to GEMV_MAX_ROWS rows (it streams
 the row-major weight as fast as oneDNN or faster there, see the C file) and on oneDNN's packed
 GEMM past them.
@@ -42,6 +44,7 @@ library = typed_library({
     "gemv_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_bf16": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "gemm_panels_f16": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panel_width": ([], _i),
 })
 
@@ -89,10 +92,11 @@ def panel_width() -> int:
     return library().gemm_panel_width() if available() else 0
 
 
-# The panel kernel's weight element types, each with its C entry point. bfloat16 panels are
-# widened exactly to float32 as they are read and meet the same FMA chain, so their outputs
-# are bit for bit the float32 kernel's on weight.float(), at half the bytes read.
-_PANEL_KERNELS = {torch.float32: "gemm_panels_f32", torch.bfloat16: "gemm_panels_bf16"}
+# The panel kernel's weight element types, each with its C entry point. bfloat16 and float16
+# panels are widened exactly to float32 as they are read and meet the same FMA chain, so their
+# outputs are bit for bit the float32 kernel's on weight.float(), at half the bytes read.
+_PANEL_KERNELS = {torch.float32: "gemm_panels_f32", torch.bfloat16: "gemm_panels_bf16",
+                  torch.float16: "gemm_panels_f16"}
 
 
 def panel_dtypes() -> tuple[torch.dtype, ...]:
@@ -102,9 +106,9 @@ def panel_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] (float32 or bfloat16, contiguous, on the CPU) as [ceil(N / W), K, W]
-    panels of the same dtype (W = panel_width(), zero columns past N) for `gemm_panels`, or
-    None where the panel kernel does not run it."""
+    """weight [N, K] (float32, bfloat16 or float16, contiguous, on the CPU) as
+    [ceil(N / W), K, W] panels of the same dtype (W = panel_width(), zero columns past N) for
+    `gemm_panels`, or None where the panel kernel does not run it."""
     if (weight.dtype not in panel_dtypes() or weight.dim() != 2
             or not weight.is_contiguous() or weight.device.type != "cpu"):
         return None
@@ -119,14 +123,15 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
 def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> float32 [M, n] for the W that `pack_panels` turned into
-    `panels` (float32 or bfloat16: the products and sums are float32 either way); x must be
-    float32 [M, K] (copied to a contiguous tensor if it is not), bias float32 [n]."""
+    `panels` (float32, bfloat16 or float16: the products and sums are float32 in each); x
+    must be float32 [M, K] (copied to a contiguous tensor if it is not), bias float32 [n]."""
     num_panels, k, width = panels.shape
     if not (num_panels - 1) * width < n <= num_panels * width:
         raise ValueError(f"gemm_panels: {n} output columns do not fit {num_panels} panels of "
                          f"{width}")
     name = _PANEL_KERNELS.get(panels.dtype)
     if name is None or not panels.is_contiguous():
-        raise ValueError(f"gemm_panels: panels must be contiguous float32 or bfloat16, got "
-                         f"{panels.dtype}{'' if panels.is_contiguous() else ' (strided)'}")
+        raise ValueError(f"gemm_panels: panels must be contiguous float32, bfloat16 or "
+                         f"float16, got {panels.dtype}"
+                         f"{'' if panels.is_contiguous() else ' (strided)'}")
     return _call("gemm_panels", getattr(library(), name), x, panels, n, k, bias)

@@ -326,12 +326,14 @@ def _run(model: str, fused: bool, monkeypatch, **engine_args):
     ("mistral", {}),
     # bfloat16 weights (their own panels) and cache in one run: the suite's time is tight.
     ("llama", {"dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}),
+    # float16 weights on their own panels, which deterministic=True takes (exact widening).
+    ("llama", {"dtype": "float16", "deterministic": True}),
     ("qwen2", {"quantization": "int8"}),
     ("llama", {"quantization": "int4"}),
 ])
 def test_fused_stack_equals_layer_by_layer(tiny, monkeypatch, arch, engine_args):
-    if engine_args.get("dtype") == "bfloat16" and not _has_panels():
-        pytest.skip("bfloat16 weights run on a native kernel (the panel kernel) only with AVX2")
+    if engine_args.get("dtype") in ("bfloat16", "float16") and not _has_panels():
+        pytest.skip("2-byte weights run on a native kernel (the panel kernel) only with AVX2")
     ref, off = _run(tiny[arch], False, monkeypatch, **engine_args)
     got, on = _run(tiny[arch], True, monkeypatch, **engine_args)
     assert off.stack is None and off.off_reason == "PAGEDLM_DISABLE_FUSED_DECODE is set"
@@ -342,8 +344,10 @@ def test_fused_stack_equals_layer_by_layer(tiny, monkeypatch, arch, engine_args)
     # too); on other kernels only those the layers run on the same kernel.
     panels = _has_panels() and "quantization" not in engine_args
     assert stack.max_rows == (sys.maxsize if panels else gemv.GEMV_MAX_ROWS)
-    if engine_args.get("dtype") == "bfloat16":  # bfloat16 weights: on their own panels
-        assert {layer.qkv.seg[0].fmt for layer in stack.layers} == {WeightFormat.BF16_PANELS}
+    two_byte = {"bfloat16": WeightFormat.BF16_PANELS, "float16": WeightFormat.F16_PANELS}
+    if engine_args.get("dtype") in two_byte:  # 2-byte weights: on their own panels
+        assert {layer.qkv.seg[0].fmt for layer in stack.layers} == {
+            two_byte[engine_args["dtype"]]}
 
 
 @needs_kernels

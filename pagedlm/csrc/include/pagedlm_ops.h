@@ -50,6 +50,8 @@ void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, in
                      int nthreads);
 void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                       int nthreads);
+void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                     int nthreads);
 
 /* ---------------------------------------------------------------- quant_matmul.c */
 
@@ -89,7 +91,7 @@ void dequant_iq4_nl(float *out, const uint8_t *w, int N, int K, int nthreads);
  * this enum. */
 enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3, W_F32_PANELS = 4, W_BF16_PANELS = 5,
        W_Q4_K = 6, W_Q5_K = 7, W_Q6_K = 8, W_Q3_K = 9, W_Q2_K = 10, W_Q5_0 = 11, W_Q5_1 = 12,
-       W_IQ4_NL = 13 };
+       W_IQ4_NL = 13, W_F16_PANELS = 14 };
 
 typedef struct {
     int64_t fmt;

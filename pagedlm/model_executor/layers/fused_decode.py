@@ -4,10 +4,10 @@
 A decoder layer takes part by declaring the standard structure (StandardDecoderLayer: a
 pre-norm attention block with rotary positions, then a pre-norm SiLU-gated MLP); the stack
 checks the parts it is handed (float32 RMSNorms, rotary paged attention on the native kernels,
-linear layers whose LinearMethod has a native form: float32 or bfloat16 weights on the panel
-kernel, float32 on the GEMV kernel, or quantized, a fused layer's shards possibly each in its
-own format), not the model class. When every layer qualifies, pure decode steps run fused
-(at any batch size on the panel kernel or under deterministic=True, else up to
+linear layers whose LinearMethod has a native form: float32, bfloat16 or float16 weights on
+the panel kernel, float32 on the GEMV kernel, or quantized, a fused layer's shards possibly
+each in its own format), not the model class. When every layer qualifies, pure decode steps run
+fused (at any batch size on the panel kernel or under deterministic=True, else up to
 gemv.GEMV_MAX_ROWS sequences); anything else (LoRA, tensor parallelism, other dtypes,
 prefills) goes layer by layer. Both give the same values.
 """
@@ -108,7 +108,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 # sums are float32 in all of them); the quantized formats' bytes are the kernels' own.
 _FLOAT_FORMAT_DTYPES = {WeightFormat.FLOAT: torch.float32,
                         WeightFormat.FLOAT_PANELS: torch.float32,
-                        WeightFormat.BF16_PANELS: torch.bfloat16}
+                        WeightFormat.BF16_PANELS: torch.bfloat16,
+                        WeightFormat.F16_PANELS: torch.float16}
 
 
 def _linear_struct(linear: nn.Module, out_features: int, in_features: int) -> _Linear | str:

@@ -108,6 +108,13 @@ class WeightFormat(enum.IntEnum):
     Q5_0 = 11
     Q5_1 = 12
     IQ4_NL = 13
+    F16_PANELS = 14  # float16 panels of gemv.pack_panels, gemm_panels_f16 (float32 math)
+
+
+# The panel format of each element type gemv.pack_panels packs.
+PANEL_FORMATS = {torch.float32: WeightFormat.FLOAT_PANELS,
+                 torch.bfloat16: WeightFormat.BF16_PANELS,
+                 torch.float16: WeightFormat.F16_PANELS}
 
 
 @dataclass(frozen=True)
@@ -125,8 +132,7 @@ class NativeLinear:
     def batch_invariant(self) -> bool:
         """Whether `apply` runs this kernel whatever the row count: a caller may then run it
         on any number of rows and still compute what `apply` does."""
-        return self.every_row_count or self.fmt in (WeightFormat.FLOAT_PANELS,
-                                                    WeightFormat.BF16_PANELS)
+        return self.every_row_count or self.fmt in PANEL_FORMATS.values()
 
 
 @dataclass(frozen=True)
@@ -184,12 +190,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
     fixed K order, whatever the x tile the row sits in or the thread that owns the W row
     (gemv_f32.c, wrow).
 
-    A 2-byte weight (ModelConfig.dtype bfloat16 or float16) stays in that dtype and x stays
-    float32: bfloat16 runs on bfloat16 panels, which the kernel widens exactly as it reads them
-    (the float32 kernel's bits on weight.float(), half the bytes read). Where no kernel takes
-    the weight (float16; bfloat16 without AVX2 or with PAGEDLM_DISABLE_KERNELS), each call
-    widens it to a transient float32 copy for F.linear: no float32 copy stays resident, at the
-    cost of reading the matrix and writing the copy again per call."""
+    A 2-byte weight (ModelConfig.dtype bfloat16 or float16, a GGUF file's BF16 or F16
+    matrices) stays in that dtype and x stays float32: it runs on panels of its dtype, which
+    the kernel widens exactly as it reads them (the float32 kernel's bits on weight.float(),
+    half the bytes read). Where no kernel takes the weight (without AVX2 or with
+    PAGEDLM_DISABLE_KERNELS), each call widens it to a transient float32 copy for F.linear: no
+    float32 copy stays resident, at the cost of reading the matrix and writing the copy again
+    per call."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader) -> None:
@@ -211,8 +218,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
             raise ValueError(f"deterministic=True needs pagedlm's native kernels for every "
                              f"linear layer; a {layer.weight.dtype} weight of shape "
                              f"{tuple(layer.weight.shape)} cannot run on them here (they take "
-                             f"float32 weights, and bfloat16 ones on the panel kernel, which "
-                             f"needs AVX2; not with PAGEDLM_DISABLE_KERNELS).")
+                             f"float32 weights, and bfloat16 or float16 ones on the panel "
+                             f"kernel, which needs AVX2; not with PAGEDLM_DISABLE_KERNELS).")
         # Deterministic, oneDNN never runs: no packed copy. Nor for a 2-byte weight: oneDNN
         # would multiply float32 activations rounded to the weight's dtype.
         layer.packed_weight = (pack_weight(layer.weight)
@@ -249,8 +256,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return None  # a subclass that multiplies another way describes its own form
         panels = getattr(layer, "panel_weight", None)
         if panels is not None:
-            return NativeLinear(WeightFormat.BF16_PANELS if panels.dtype == torch.bfloat16
-                                else WeightFormat.FLOAT_PANELS, panels)
+            return NativeLinear(PANEL_FORMATS[panels.dtype], panels)
         if getattr(layer, "use_gemv", False):
             return NativeLinear(WeightFormat.FLOAT, layer.weight,
                                 every_row_count=self.deterministic)

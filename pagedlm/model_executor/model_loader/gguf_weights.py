@@ -2,9 +2,10 @@
 
 Tensors of the block types the kernels run are handed over as :class:`GGUFBlocks`, whose blocks
 are views of the file's pages wherever llama.cpp's layout needs no undoing (only Llama's q/k
-rows are permuted, and those are copied in HF order). Every other tensor (norms, biases, F16 /
-BF16 / F32 matrices, anything whose layout is more than a row reordering) is dequantized to
-float32 under its HF name, as the float path has it.
+rows are permuted, and those are copied in HF order). F16 and BF16 matrices, where asked for,
+come the same way as float16 / bfloat16 tensors. Every other tensor (norms, biases, F32
+matrices, anything whose layout is more than a row reordering) is dequantized to float32 under
+its HF name, as the float path has it.
 
 The map (the header reader's, gguf_header.py) is copy-on-write (np.memmap mode "c"): its views
 are writable numpy arrays, which torch.from_numpy takes without a copy or a warning, while the
@@ -31,6 +32,8 @@ from pagedlm.model_executor.model_loader.gguf_loader import (HF_NAMES_FILE, _ggu
                                                              open_model_tensors)
 
 EMBEDDING = "token_embd.weight"
+# The 2-byte float types `weights` hands over in their own dtype when asked to.
+TWO_BYTE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class GGUFWeights:
 
     def weights(self, block_types: set[str]) -> Iterator[tuple[str, GGUFBlocks | torch.Tensor]]:
         """(HF name, GGUFBlocks) for each 2-D tensor of a type in ``block_types`` whose layout
-        is at most a reordering of rows, (HF name, float32 tensor) for all the others."""
+        is at most a reordering of rows (a float16 / bfloat16 tensor [rows, cols] for F16 and
+        BF16), (HF name, float32 tensor) for all the others."""
         floats, rows = [], {}
         for name, tensor in self.tensors.items():
             hf_name = self.gguf_to_hf.get(name)
@@ -99,8 +103,11 @@ class GGUFWeights:
                 floats.append(tensor)
                 continue
             rows[hf_name] = len(order)
-            yield hf_name, GGUFBlocks(tensor.tensor_type.name, self._blocks(tensor, order),
-                                      _gguf_shape(tensor)[1])
+            qtype, blocks = tensor.tensor_type.name, self._blocks(tensor, order)
+            if qtype in TWO_BYTE_DTYPES:  # [rows, cols, 2] bytes: one element a "block"
+                yield hf_name, blocks.view(len(order), -1).view(TWO_BYTE_DTYPES[qtype])
+            else:
+                yield hf_name, GGUFBlocks(qtype, blocks, _gguf_shape(tensor)[1])
         state = float_state_dict(floats, self.processor, self.gguf_to_hf, self.spec)
         add_zero_biases(state, self.hf_names, {**rows, **{n: t.shape[0] for n, t in state.items()}})
         yield from state.items()
@@ -111,6 +118,17 @@ class GGUFWeights:
         use as they are come back from the page cache on their next read."""
         if hasattr(mmap, "MADV_DONTNEED"):  # Linux; elsewhere the pages simply stay
             self._mmap.madvise(mmap.MADV_DONTNEED)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Drop the map's pages under `tensor`, if it is a view of the map, once it has been
+        copied (2-byte matrices packed into panels): without this every packed matrix's pages
+        stayed in the process until release_pages, so loading an F16 file peaked at twice its
+        size. Pages shared with a neighbour come back from the page cache on its next read."""
+        start = tensor.data_ptr() - self._map.ctypes.data
+        end = start + tensor.numel() * tensor.element_size()
+        if hasattr(mmap, "MADV_DONTNEED") and 0 <= start < end <= len(self._map):
+            first = start - start % mmap.PAGESIZE
+            self._mmap.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def _row_order(self, name: str, tensor) -> np.ndarray | None:
         """The HF row order of a tensor whose llama.cpp layout is only a row permutation
