@@ -23,7 +23,7 @@
  * do (qmm_quantize_activations: d_x, q_x, s_x = d_x sum q_x; q6_k also the sums of q_x over
  * each 16, bs). For each 32-block b of a row it sums exactly in integers, in 8 lanes l of 4
  * weights each (lane l: weights 4l..4l+3), and adds one float FMA per lane:
- *     I_l = sum_j c_g u_j q_x_j                 (vpmaddubsw, then vpmaddwd by c_g)
+ *     I_l = sum_j c_g u_j q_x_j         (quant_common.h: c = 1 dot_u8s8, else dot_u8s8_scaled)
  *     acc_l = fma(S_b, I_l, acc_l)
  *   q4_k, q5_k: u = q (unsigned), c = 1, S_b = (d * sc_b) * d_x (one scale per 32)
  *   q6_k:       u = q + 32 (0..63), c = sc_g, S_b = d * d_x
@@ -33,8 +33,8 @@
  *   q4_k, q5_k, q5_1:  summ_(b mod 8) = fma(dmin * mn_b, s_x, summ_(b mod 8))  (q5_1: -m)
  *   q6_k:              summ_(b mod 8) = fma(S_b, 32 (sc_2b bs_2b + sc_2b+1 bs_2b+1), ...)
  *   q2_k:              summ_l = fma(dmin * d_x, sum_j mn_g q_x_j, summ_l)
- * Then y = hsum256(acc) - hsum256(summ). No int16 pair can saturate (the largest: iq4_nl's
- * 2 * 127 * 127, q6_k's 2 * 63 * 127), and every integer converted to float is below 2^24.
+ * Then y = hsum256(acc) - hsum256(summ). No int16 pair can saturate (no u exceeds 128: see
+ * dot_u8s8), and every integer converted to float is below 2^24.
  * Each weight row has its own chain of FMAs, so 4 rows go together (kq_group) to keep 4 chains
  * in flight.
  *
@@ -45,7 +45,8 @@
  * (tests/kernels/test_kquant_kernels.py). q4_k, q5_k, q6_k and the 32-weight types unpack in
  * AVX2 registers; q3_k and q2_k unpack through the scalar iblock_t, then dot in AVX2, about
  * 5x slower per weight than q4_k (2.1-2.5 against 12 GB/s from cache on the AVX2 EPYC). As in
- * quant_matmul.c, the kernel is AVX2 code in AVX-512 builds too; no VNNI variant yet.
+ * quant_matmul.c, the kernel is 256-bit code in AVX-512 builds too; with VNNI the c = 1 dots
+ * take vpdpbusd, the same integers, so the same bits (tests/kernels/test_quant_vnni.py).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -212,18 +213,19 @@ static inline __m256 bcast(const float *p) {
 }
 
 /* 32 weights w (int8; signed: -128..127 meeting x by vpsignb, else 0..127) with int16
- * multipliers sc16 (the low 128 bits for weights 0..15, the high for 16..31) against x block
- * gb of mt rows: acc[m] += S[8 m] * lanes. */
+ * multipliers *sc16 (the low 128 bits for weights 0..15, the high for 16..31; NULL: all 1,
+ * which VNNI sums in one instruction) against x block gb of mt rows: acc[m] += S[8 m] * lanes.
+ */
 static inline __attribute__((always_inline)) void dot32(__m256 *acc, const int mt,
                                                         const qx_t *X, int xr, int gb,
-                                                        const float *S, __m256i w, __m256i sc16,
-                                                        const int sgn) {
+                                                        const float *S, __m256i w,
+                                                        const __m256i *sc16, const int sgn) {
     const __m256i wu = sgn ? _mm256_sign_epi8(w, w) : w;
     for (int m = 0; m < mt; m++) {
         __m256i x = _mm256_loadu_si256(
             (const __m256i *)(X->q + (size_t)(xr + m) * X->K + (size_t)gb * QK));
         if (sgn) x = _mm256_sign_epi8(x, w);
-        const __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), sc16);
+        const __m256i i = sc16 ? dot_u8s8_scaled(wu, x, *sc16) : dot_u8s8(wu, x);
         acc[m] = _mm256_fmadd_ps(bcast(S + 8 * m), _mm256_cvtepi32_ps(i), acc[m]);
     }
 }
@@ -242,7 +244,7 @@ static inline __attribute__((always_inline)) void kq_block(
         __m256 *acc, __m256 *summ, float (*sm1)[8], float *S, const qx_t *X, int xr,
         const int mt, const uint8_t *b, int gb0, const int fmt) {
     const int K = X->K, nbx = K / QK, bw = BLOCK_W[fmt];
-    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
     {
         const float d = fp16_to_f32(load_u16(b + (fmt == F_Q6_K ? 208 : fmt == F_Q3_K ? 108
                                                  : fmt == F_Q2_K ? 80 : 0)));
@@ -282,8 +284,8 @@ static inline __attribute__((always_inline)) void kq_block(
                     q1 = _mm256_or_si256(q1, _mm256_slli_epi16(
                         _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one8), 4));
                 }
-                dot32(acc, mt, X, xr, gb0 + 2 * i, S + 2 * i, q0, ones, 0);
-                dot32(acc, mt, X, xr, gb0 + 2 * i + 1, S + 2 * i + 1, q1, ones, 0);
+                dot32(acc, mt, X, xr, gb0 + 2 * i, S + 2 * i, q0, NULL, 0);
+                dot32(acc, mt, X, xr, gb0 + 2 * i + 1, S + 2 * i + 1, q1, NULL, 0);
             }
         } else if (fmt == F_Q6_K) {
             const __m256i scv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
@@ -305,8 +307,8 @@ static inline __attribute__((always_inline)) void kq_block(
                                               : _mm256_and_si256(_mm256_srli_epi16(lo, 4), low4);
                     const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), three);
                     const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(hb, 4));
-                    dot32(acc, mt, X, xr, gb0 + 4 * h + s, S + 4 * h + s, q,
-                          pick16(sch, 2 * s, 2 * s + 1), 0);
+                    const __m256i sc16 = pick16(sch, 2 * s, 2 * s + 1);
+                    dot32(acc, mt, X, xr, gb0 + 4 * h + s, S + 4 * h + s, q, &sc16, 0);
                 }
             }
         } else if (fmt == F_Q3_K || fmt == F_Q2_K) {
@@ -322,11 +324,11 @@ static inline __attribute__((always_inline)) void kq_block(
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(u.q + 32 * s));
                 const __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(u.sc[2 * s + 1]),
                                                       _mm_set1_epi16(u.sc[2 * s]));
-                dot32(acc, mt, X, xr, gb0 + s, S + s, q, sc16, fmt == F_Q3_K);
+                dot32(acc, mt, X, xr, gb0 + s, S + s, q, &sc16, fmt == F_Q3_K);
                 if (fmt == F_Q2_K) {
                     const __m256i mn = _mm256_set_m128i(_mm_set1_epi8(u.mn[2 * s + 1]),
                                                         _mm_set1_epi8(u.mn[2 * s]));
-                    dot32(summ, mt, X, xr, gb0 + s, Sm + s, mn, ones, 0);
+                    dot32(summ, mt, X, xr, gb0 + s, Sm + s, mn, NULL, 0);
                 }
             }
         } else { /* the 32-weight types */
@@ -347,7 +349,7 @@ static inline __attribute__((always_inline)) void kq_block(
                 q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
                 if (fmt == F_Q5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
             }
-            dot32(acc, mt, X, xr, gb0, S, q, ones, fmt != F_Q5_1);
+            dot32(acc, mt, X, xr, gb0, S, q, NULL, fmt != F_Q5_1);
             if (fmt == F_Q5_1) {
                 const float mterm = fp16_to_f32(load_u16(b + 2)) * -1.0f;
                 for (int m = 0; m < mt; m++)

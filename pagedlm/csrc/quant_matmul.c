@@ -86,11 +86,12 @@ void dequant_q8_0(float *out, const uint8_t *w, int N, int K, int nthreads) {
  * and a weight block meets an x block as exact integer sums:
  *     q4_1: sum_j (d_w q_j + m_w) d_x q_x_j = (d_w d_x) sum_j q_j q_x_j + m_w s_x
  *     q8_0: (d_w d_x) sum_j q_j q_x_j
- * On AVX2 the 32 weight bytes meet the 32 x bytes in vpmaddubsw (unsigned x signed, pairs to
- * int16: at most 2 * 128 * 127, so it never saturates) and vpmaddwd by ones (quads to int32):
- * q4_1's nibbles are unsigned already, q8_0 moves the weights' signs onto x (vpsignb). Lane l
- * of the 8 int32 sums covers weights 4l..4l+3; one FMA per block adds (d_w d_x) * lane into 8
- * float lanes, q4_1's m_w s_x goes into one scalar by FMA, and y = hsum256(lanes) + scalar.
+ * The 32 weight bytes meet the 32 x bytes in dot_u8s8 (quant_common.h: unsigned x signed,
+ * quads to int32 exactly; vpdpbusd with VNNI, else vpmaddubsw and vpmaddwd, which never
+ * saturate here): q4_1's nibbles are unsigned already, q8_0 moves the weights' signs onto x
+ * (vpsignb). Lane l of the 8 int32 sums covers weights 4l..4l+3; one FMA per block adds
+ * (d_w d_x) * lane into 8 float lanes, q4_1's m_w s_x goes into one scalar by FMA, and
+ * y = hsum256(lanes) + scalar.
  *
  * Why: the float kernel this replaces decoded every weight block to 32 floats (4 conversions
  * and 4 FMAs with AVX2) for each tile of x rows; those instructions, not memory, bounded one
@@ -103,9 +104,10 @@ void dequant_q8_0(float *out, const uint8_t *w, int N, int K, int nthreads) {
  * exact and every output's float operations are the fixed sequence above over its blocks in
  * order, by one thread: the same bits at any M, tile position and thread count. The scalar
  * build (no AVX2) emulates the 8 lanes and hsum256's tree with fmaf, so it gives the very bits
- * of the AVX2 build (tests/kernels/test_quant_dot.py builds both). The kernel is AVX2 only, on
- * purpose: AVX-512 builds (the Xeons of the fleet) run this same code. A VNNI (vpdpbusd)
- * variant would give the same exact integer sums, but no machine where this is tested has it.
+ * of the AVX2 build (tests/kernels/test_quant_dot.py builds both); a VNNI build sums the very
+ * integers of the AVX2 one, so it gives those bits too (tests/kernels/test_quant_vnni.py).
+ * The kernel is 256-bit code on purpose: AVX-512 builds (the Xeons of the fleet) run it too,
+ * with VNNI's vpdpbusd on 256 bits where they have it.
  */
 #define QROWS 4
 #define QXTILE 2
@@ -207,7 +209,7 @@ static inline __attribute__((always_inline)) void qgroup(
 #if defined(__AVX2__) && defined(__F16C__)
     /* A q4_1 block's 16 nibble bytes, loaded into both halves, shifted by 4 in the high half
      * only (32-bit shifts: what crosses from the next byte lands in the masked-off nibble). */
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const __m256i low = _mm256_set1_epi8(0x0f);
     const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     __m256 acc[QXTILE][QROWS], summ8[QXTILE];
     for (int m = 0; m < mt; m++) {
@@ -252,7 +254,7 @@ static inline __attribute__((always_inline)) void qgroup(
             }
             for (int m = 0; m < mt; m++) {
                 const __m256i xs = fmt == FMT_Q4_1 ? xq[m] : _mm256_sign_epi8(xq[m], wq);
-                const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs), ones);
+                const __m256i isum = dot_u8s8(wu, xs);
                 acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sc[m][2 * r]),
                                             _mm256_cvtepi32_ps(isum), acc[m][r]);
             }

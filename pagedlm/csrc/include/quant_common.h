@@ -1,6 +1,7 @@
 /* What the quantized-weight kernels (quant_matmul.c, quant_kquants.c) share: reading ggml's
- * fp16 fields, the 8-lane horizontal sum their scalar builds emulate bit for bit, and the
- * split of W's rows across threads. */
+ * fp16 fields, their u8 x s8 integer dot product (where VNNI is chosen), the 8-lane
+ * horizontal sum their scalar builds emulate bit for bit, and the split of W's rows across
+ * threads. */
 #ifndef PAGEDLM_QUANT_COMMON_H
 #define PAGEDLM_QUANT_COMMON_H
 
@@ -40,6 +41,43 @@ static inline float fp16_to_f32(uint16_t h) {
 
 static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline int load_u32(const uint8_t *p) { int v; memcpy(&v, p, 4); return v; }
+
+#ifdef __AVX2__
+/* The 8-bit-activation kernels' integer dot product, and the one place its instructions are
+ * chosen (at compile time, by the -march=native macros): 32 unsigned bytes u against 32 signed
+ * bytes s, lane l of the 8 int32 lanes = u_4l s_4l + ... + u_4l+3 s_4l+3.
+ *   AVX-VNNI (Sapphire Rapids and later Xeons):   one VEX vpdpbusd
+ *   AVX512-VNNI with AVX512VL (Ice Lake, Zen 4):  one EVEX vpdpbusd on 256 bits
+ *   AVX2:  vpmaddubsw (pairs to int16, saturating), then vpmaddwd by ones (pairs to int32)
+ * All give the same integers, so the kernels give the same bits in every build, and the
+ * deterministic mode's promise (one sum order, whatever the row count) holds unchanged:
+ * vpdpbusd sums the 4 products exactly (at most 4 * 128 * 128 = 2^16 in magnitude), and
+ * vpmaddubsw never saturates in these kernels because no u byte exceeds 128:
+ *     q4_1, q4_k 15; q5_k, q5_1 31; q6_k 63 (q + 32); q2_k 3, its mins 15;
+ *     q3_k 4, q5_0 16, q8_0 128, iq4_nl 127 (|q|, the signs moved onto x by vpsignb;
+ *     q8_0's q = -128 gives the byte 0x80, read as 128)
+ * so a pair is within 2 * 128 * [-128, 127] = [-32768, 32512], inside int16, whatever the s
+ * bytes hold (the activations' |q_x| <= 127 is not even needed). */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* dot_u8s8 with the pair sums of bytes 0..15 times the int16 sc16 lanes of the low half, of
+ * 16..31 those of the high half (a K-quant's sub-block scales; each int32 lane's two pairs
+ * share one). AVX2's form in every build: VNNI would take vpdpbusd and then vpmulld by the
+ * scales, the same integers (|sc| <= 128, so every product stays far inside int32), but
+ * vpmulld is 2 uops of 10 cycles' latency on Intel: 3 uops against 2, and no fewer on Zen 4.
+ * The saturation bound is dot_u8s8's. */
+static inline __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i sc16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc16);
+}
+#endif
 
 /* hsum256's order on 8 lanes held in memory: the halves, then pairs, then the last two. */
 static inline float hsum8_scalar(const float *lane) {
