@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import os
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # Classes that are nothing but tokenizer.json: loading them directly skips AutoTokenizer's
-# first-call imports (~1.5 s of a ~4 s cached start-up, measured here).
+# first-call imports (~1.5 s of a ~4 s cached start-up, measured here). AutoTokenizer is
+# imported only for other classes: importing it imports the transformers.models package,
+# 0.7-1 s of a start-up here.
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
@@ -15,6 +17,7 @@ def get_tokenizer(path: str) -> PreTrainedTokenizerBase:
     try:
         if _tokenizer_class(path) in _GENERIC_CLASSES:
             return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer: could not load a tokenizer from {path}: {e}") from e

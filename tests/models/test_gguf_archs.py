@@ -10,6 +10,7 @@ directory.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +240,68 @@ def test_pagedlm_greedy_tokens_equal_transformers(case, tmp_path, monkeypatch):
                               min_new_tokens=NUM_TOKENS, do_sample=False, top_k=None, top_p=None,
                               pad_token_id=VOCAB - 1)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+def test_resolved_config_reads_as_transformers_config(case):
+    """The record a metadata directory keeps (resolved_config.py) builds a plain config that
+    reads as AutoConfig's class does: every field, defaults and attribute_map aliases."""
+    from pagedlm.config import ModelConfig
+    from pagedlm.resolved_config import read_resolved_config, record_resolved_config
+
+    _, _, _, out = case
+    assert read_resolved_config(out) is None  # convert_gguf alone writes no record
+    record_resolved_config(out)
+    plain, ref = read_resolved_config(out), transformers.AutoConfig.from_pretrained(out)
+    assert type(plain) is transformers.PretrainedConfig
+    names = set(ref.to_dict()) | set(type(ref).attribute_map)
+    assert {n: getattr(plain, n) for n in names} == {n: getattr(ref, n) for n in names}
+    if type(ref).__name__ in ("Gemma3TextConfig", "Qwen3Config", "Qwen3MoeConfig"):
+        return  # not in the registry on this branch: ModelConfig refuses them
+    ours = ModelConfig.from_dir(None, str(out), "auto", None, 0)
+    assert ours.hf_config is not ref and type(ours.hf_config) is transformers.PretrainedConfig
+    theirs = dataclasses.replace(ours, hf_config=ref)
+    for prop in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
+                 "rope_scaling", "hidden_size", "vocab_size", "max_model_len", "architecture",
+                 "derived_max_model_len"):
+        assert getattr(ours, prop) == getattr(theirs, prop), prop
+    assert ([ours.get_sliding_window(i) for i in range(ours.num_layers)]
+            == [theirs.get_sliding_window(i) for i in range(ours.num_layers)])
+    # A changed config.json makes the record stale: AutoConfig reads the directory again.
+    config_file = Path(out) / "config.json"
+    text = config_file.read_text()
+    try:
+        config_file.write_text(text.replace("{", '{"pagedlm_probe": 1,', 1))
+        assert read_resolved_config(out) is None
+        assert ModelConfig.from_dir(None, str(out), "auto", None, 0).hf_config.pagedlm_probe == 1
+    finally:
+        config_file.write_text(text)
+    assert read_resolved_config(out) is not None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gpt2"])
+def test_tensor_processors_do_what_transformers_do(arch):
+    """gguf_processors' stand-ins give transformers' processors' results, tensor by tensor
+    (and the other architectures get transformers' own)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from pagedlm.model_executor.model_loader.gguf_processors import tensor_processor
+
+    config = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64}
+    ours = tensor_processor(arch, config)
+    theirs = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+    if arch in ("gemma2", "gpt2"):
+        assert type(ours) is type(theirs)
+        return
+    rng = np.random.default_rng(0)
+    for name, rows in (("blk.0.attn_q.weight", 64), ("blk.1.attn_k.weight", 16),
+                       ("blk.0.attn_v.weight", 16), ("blk.0.ffn_up.weight", 96),
+                       ("output_norm.weight", 64)):
+        for weights in (rng.standard_normal((rows, 64)).astype(np.float32),
+                        np.arange(rows, dtype=np.float32).reshape(rows, 1)):
+            a = ours.process(weights=weights, name=name, tensor_key_mapping={},
+                             parsed_parameters={"tensors": {}})
+            b = theirs.process(weights=weights, name=name, tensor_key_mapping={},
+                               parsed_parameters={"tensors": {}})
+            assert a.name == b.name and np.array_equal(a.weights, b.weights), (arch, name)
+    assert ours.preprocess_name("model.layers.0.mlp.up_proj.weight") == (
+        theirs.preprocess_name("model.layers.0.mlp.up_proj.weight"))

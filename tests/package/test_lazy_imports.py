@@ -47,3 +47,45 @@ def test_offline_generation_without_optional_packages(tmp_path, default_model_di
     proc = subprocess.run([sys.executable, "-c", _CHILD, model, ",".join(ABSENT)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+
+# What loading a GGUF file whose metadata directory is cached (every start but the first) never
+# imports, `pagedlm serve` included: the transformers.models package (its import scans every
+# model directory, about 1 s here), which AutoConfig, AutoTokenizer and transformers' GGUF
+# tensor processors pull in; AutoConfig's chain through transformers' activations to
+# torch.distributed.tensor and sympy (about 2 s more); the grammar library; Ray.
+CACHED_GGUF_UNUSED = ("transformers.models", "transformers.activations", "sympy",
+                      "torch.distributed.tensor", "xgrammar", "ray")
+
+_GGUF_CHILD = textwrap.dedent("""
+    import sys
+    from pagedlm import LLM
+    llm = LLM(sys.argv[1], quantization="gguf", kv_cache_memory_bytes=8 << 20,
+              max_model_len=64, max_num_seqs=2)
+    loaded = sorted(m for m in sys.argv[2].split(",") if m in sys.modules)
+    assert not loaded, loaded
+    print("OK")
+""")
+
+
+def test_loading_a_cached_gguf_file_skips_transformers_models(tmp_path, monkeypatch):
+    from pagedlm.model_executor.model_loader.model_path import resolve_model
+    from pagedlm.utils import cache_root
+    from tests.models.test_model_loading import _tiny_hf_state, write_tiny_gguf
+
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf_state(False, False))
+    # A private cache for the model's directory, sharing the built kernels (and their locks):
+    # building them again would take most of this test's time.
+    shared, cache = cache_root(), tmp_path / "cache"
+    for part in ("kernels", "locks/kernels"):
+        (shared / part).mkdir(parents=True, exist_ok=True)
+        (cache / part).parent.mkdir(parents=True, exist_ok=True)
+        (cache / part).symlink_to(shared / part, target_is_directory=True)
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(cache))
+    resolve_model(str(gguf_file))  # the first start's conversion, here
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.run([sys.executable, "-c", _GGUF_CHILD, str(gguf_file),
+                           ",".join(CACHED_GGUF_UNUSED)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

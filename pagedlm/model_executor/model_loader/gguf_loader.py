@@ -16,19 +16,21 @@ import math
 import os
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, GenerationConfig, PretrainedConfig,
-                          PreTrainedTokenizerFast)
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
-from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pagedlm.model_executor.model_loader.gguf_header import GGUFHeader, read_gguf_header
+from pagedlm.model_executor.model_loader.gguf_processors import tensor_processor
+
+if TYPE_CHECKING:
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class _ArchSpec:
     Tensor names come from gguf's own TensorNameMap applied to the transformers model's
     parameter names (as transformers' GGUF loader does); the config keys from transformers'
     GGUF_CONFIG_MAPPING; the per-tensor undoing of llama.cpp's converter from transformers'
-    GGUF tensor processors. Only what those leave open is spelled out here.
+    GGUF tensor processors (gguf_processors.py). Only what those leave open is spelled out here.
     """
 
     architecture: str  # the HF `architectures` entry, i.e. pagedlm's registry key
@@ -207,15 +209,17 @@ def convert_gguf_metadata(gguf_path: str, out_dir: str) -> None:
 
 
 def open_model_tensors(reader: GGUFHeader, arch: str, spec: _ArchSpec,
-                       hf_names: set[str] | None = None):
+                       hf_names: set[str] | None = None, config: PretrainedConfig | None = None):
     """(tensors by name, HF config, HF parameter names, tensor processor, GGUF -> HF names).
     hf_names: the parameter names if known (HF_NAMES_FILE), else found from transformers'
-    model class."""
+    model class; config: the file's HF config if known (its metadata directory's resolved
+    config), else built from the header."""
     tensors = {t.name: t for t in reader.tensors}
-    config = _hf_config(reader, arch, spec, tensors)
+    if config is None:
+        config = _hf_config(reader, arch, spec, tensors)
     if hf_names is None:
         hf_names = _hf_parameter_names(config)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    processor = tensor_processor(arch, config.to_dict())
     gguf_to_hf = _gguf_to_hf_names(arch, config.num_hidden_layers, hf_names, processor)
     return tensors, config, hf_names, processor, gguf_to_hf
 
@@ -232,6 +236,9 @@ def _hf_config(reader: GGUFHeader, arch: str, spec: _ArchSpec, tensors: dict) ->
         if field is not None and value is not None:
             kwargs[field] = value
     kwargs.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(spec.model_type or arch, {}))
+    # Imported here: it imports the transformers.models package (about 1 s), which a load
+    # whose metadata directory has the resolved config never needs.
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     config_class = CONFIG_MAPPING[spec.model_type or arch]
     probe = config_class()
 
@@ -297,6 +304,9 @@ def _block_kind(gguf_name: str) -> str | None:
 
 def _hf_parameter_names(config: PretrainedConfig) -> set[str]:
     """The state-dict names transformers' model for ``config`` has, built without memory."""
+    # Imported here, at conversion: it imports the transformers.models package (about 1 s),
+    # which a quantized load reading the names from HF_NAMES_FILE never needs.
+    from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return set(model.state_dict())

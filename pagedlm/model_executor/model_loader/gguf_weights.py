@@ -30,6 +30,7 @@ from pagedlm.model_executor.model_loader.gguf_loader import (HF_NAMES_FILE, _ggu
                                                              add_zero_biases, float_state_dict,
                                                              open_architecture,
                                                              open_model_tensors)
+from pagedlm.resolved_config import read_resolved_config
 
 EMBEDDING = "token_embd.weight"
 # The 2-byte float types `weights` hands over in their own dtype when asked to.
@@ -84,8 +85,12 @@ class GGUFWeights:
         if names_file and os.path.isfile(names_file):
             with open(names_file) as f:
                 hf_names = set(json.load(f))
+        # The directory's resolved config spares building the model type's config class,
+        # whose imports cost seconds (resolved_config.py); finding the parameter names needs
+        # that class itself.
+        config = read_resolved_config(metadata_dir) if hf_names is not None else None
         (self.tensors, self.config, self.hf_names, self.processor,
-         self.gguf_to_hf) = open_model_tensors(reader, arch, self.spec, hf_names)
+         self.gguf_to_hf) = open_model_tensors(reader, arch, self.spec, hf_names, config)
         if names_file and hf_names is None:
             _save_names(names_file, self.hf_names)
         self._mmap, self._map = reader.mmap, reader.map

@@ -2,9 +2,10 @@
 
 pagedlm never downloads anything: a model is either a local HF directory or a GGUF
 file. A GGUF file gets a small cache directory (config, generation config, tokenizer: what the
-rest of pagedlm reads from an HF directory), written once and reused afterwards; its weights
-dequantized to float32 are added there only when the float path runs (float_model_dir), since
-quantization="gguf" reads them from the file itself.
+rest of pagedlm reads from an HF directory; the config also resolved, see resolved_config.py),
+written once and reused afterwards; its weights dequantized to float32 are added there only
+when the float path runs (float_model_dir), since quantization="gguf" reads them from the file
+itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pagedlm.resolved_config import record_resolved_config
 from pagedlm.staging import build_lock, remove_leftovers, staging_prefix
 from pagedlm.utils import cache_root
 
@@ -104,7 +106,9 @@ def _converted_gguf_dir(gguf_path: str) -> str:
     # removes those whose converting process is gone, whichever model they were for.
     remove_leftovers(target.parent, lock_dir)
     if _is_complete(target):
-        _record_added_tokens(target)  # a directory cached before it was written there
+        # For a directory cached before these were written there.
+        _record_added_tokens(target)
+        record_resolved_config(target)
         return str(target)
 
     # Imported lazily: a cache hit should not pay for importing transformers.
@@ -121,6 +125,7 @@ def _converted_gguf_dir(gguf_path: str) -> str:
         try:
             gguf_loader.convert_gguf_metadata(gguf_path, str(staging))
             _record_added_tokens(staging)
+            record_resolved_config(staging)
             stat = os.stat(gguf_path)
             marker = {"source": gguf_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
             (staging / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
