@@ -30,7 +30,8 @@ from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram import NgramProposer
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagedlm.worker.cuda_graph import capture_cuda_graphs
-from pagedlm.worker.malloc_tuning import keep_freed_memory, release_freed_memory
+from pagedlm.worker.malloc_tuning import (keep_freed_memory, map_each_weight,
+                                          release_freed_memory)
 from pagedlm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -58,15 +59,15 @@ class Worker:
 
     # -- start-up -----------------------------------------------------------------------------
     def init_device(self) -> None:
-        """Keep freed memory for the next step's tensors (malloc_tuning.py), pin this worker's
-        threads, make its GPU current (CUDA) and join the process groups (only with several
-        workers: NCCL for the device groups on CUDA, gloo on the CPU)."""
+        """Map each weight on its own while the model loads (malloc_tuning.py), pin this
+        worker's threads, make its GPU current (CUDA) and join the process groups (only with
+        several workers: NCCL for the device groups on CUDA, gloo on the CPU)."""
         pc = self.config.parallel_config
         if self.device.type == "cuda":
             # Before any CUDA call, so that every allocation and stream of this process is on
             # its own GPU.
             torch.cuda.set_device(self.device)
-        keep_freed_memory()
+        map_each_weight()
         if pc.threads_per_worker:
             torch.set_num_threads(pc.threads_per_worker)
             os.environ["OMP_NUM_THREADS"] = str(pc.threads_per_worker)
@@ -79,7 +80,10 @@ class Worker:
     def load_model(self) -> None:
         t = time.perf_counter()
         self.model = get_model(self.model_config, self.device)
-        release_freed_memory()  # before the KV cache is sized from the memory available
+        # What loading freed goes back before the KV cache is sized from the memory available,
+        # and the settings for steps replace those for loading (malloc_tuning.py).
+        release_freed_memory()
+        keep_freed_memory()
         logger.info("rank %d: model weights loaded in %.2fs", self.rank,
                     time.perf_counter() - t)
         # Build (first run only) and load the native attention kernel now rather than in the

@@ -175,6 +175,13 @@ class LinearMethodBase(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Convert the loaded weights into the format `apply` runs on (once, after loading)."""
 
+    def process_when_loaded(self, layer: nn.Module) -> bool:
+        """Whether process_weights_after_loading may run as soon as the checkpoint has filled
+        the layer's weight, while the rest of the model loads (model_loader.loader.
+        process_as_loaded): worth it where processing frees the plain weight, which would
+        otherwise sit beside the processed form of every layer loaded before it."""
+        return False
+
     def native_form(self, layer: nn.Module) -> NativeLinear | NativeSegments | None:
         """The weight as a native kernel that computes what `apply` does reads it (for callers
         such as the fused decode stack that run the kernel themselves), or None where `apply`
@@ -233,6 +240,15 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 and not getattr(layer, "weight_shared", False)):
             layer.weight = nn.Parameter(torch.empty_like(layer.weight, device="meta"),
                                         requires_grad=False)
+
+    def process_when_loaded(self, layer) -> bool:
+        # A 2-byte weight bound for panels, whose plain copy processing drops (above); a
+        # subclass that processes its own way says for itself.
+        weight = getattr(layer, "weight", None)
+        return (type(self).process_weights_after_loading
+                is UnquantizedLinearMethod.process_weights_after_loading
+                and weight is not None and not weight.is_meta and weight.element_size() == 2
+                and weight.dtype in gemv.panel_dtypes())
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         panels = getattr(layer, "panel_weight", None)

@@ -2,13 +2,18 @@
 
 Every parameter of a model carries a `weight_loader(param, loaded_weight, shard_id=None)`
 attribute: the parallel layers' loaders take the FULL checkpoint tensor and copy the slice this
-rank owns; `default_weight_loader` copies a whole tensor. Our GGUF files are converted to an HF
-safetensors directory first, so this one path serves both formats.
+rank owns; `default_weight_loader` copies a whole tensor. A parameter may also carry
+`when_loaded()`, called once the checkpoint has wholly filled it (loader.process_as_loaded).
+Our GGUF files are converted to an HF safetensors directory first, so this one path serves
+both formats.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
+import mmap
 import os
+import sys
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -42,16 +47,43 @@ def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor
 # its handle's map, which keeps every page it touched resident until the handle and all its
 # tensors are gone: read through one handle, a 2.1 GB bf16 checkpoint stayed resident beside
 # the weights copied out of it (1B Llama, dtype=bfloat16: peak RSS 4.34 GiB, 3.0-3.5 with
-# this; 2.39 after loading either way).
+# this; 2.39 after loading either way). Where madvise is at hand (Linux), a tensor's pages
+# also leave as soon as its consumer is done with it, so one tensor's are resident at a time,
+# not up to a map's worth beside it: the load peak is the weights' (see loader.get_model).
 _BYTES_PER_MAP = 64 * 2**20
+_MADV_DONTNEED = 4  # Linux's
+
+
+def _page_dropper() -> Callable[[torch.Tensor], None] | None:
+    """A function that hands a (file-mapped) tensor's pages back to the kernel, glibc's
+    madvise(MADV_DONTNEED) over the pages wholly inside it; None where that is unavailable.
+    A private file map's page that was not written is read from the file again if touched."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL("libc.so.6").madvise
+    except (OSError, AttributeError):  # not glibc
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    page = mmap.PAGESIZE
+
+    def drop(tensor: torch.Tensor) -> None:
+        start = -(-tensor.data_ptr() // page) * page
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+        if end > start:
+            madvise(start, end - start, _MADV_DONTNEED)
+    return drop
 
 
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in the directory's *.safetensors files. The tensors are
-    views of the file: a consumer copies what it keeps before asking for the next."""
+    views of the file: a consumer copies what it keeps before asking for the next, when the
+    tensor's pages are dropped."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise ValueError(f"model: no *.safetensors files in {model_dir}.")
+    drop = _page_dropper()
     for path in files:
         handle, mapped = None, 0
         with safe_open(path, framework="pt") as f:
@@ -62,6 +94,8 @@ def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
             tensor = handle.get_tensor(name)
             mapped += tensor.numel() * tensor.element_size()
             yield name, tensor
+            if drop is not None:
+                drop(tensor)
             del tensor  # the last view of an old map: its pages leave with it
 
 
@@ -89,9 +123,24 @@ def load_weights_into(module: torch.nn.Module, weights: Iterable[tuple[str, torc
     Errors are ValueErrors naming the checkpoint weight: a wrong shape, a weight with no
     parameter, and every parameter of this rank the checkpoint did not (wholly) fill.
     """
-    params = dict(module.named_parameters())  # tied parameters are listed once
-    loaded: dict[str, set] = {}
+    params: dict[str, torch.nn.Parameter | None] = dict(module.named_parameters())  # tied: once
+    loaded: dict[str, set] = {}  # parameter name -> the shards loaded into it
+    shards_of: dict[str, set] = {}  # fused module name -> the shards that fill it
+    for stacked, shard in stacked_params.values():
+        shards_of.setdefault(stacked, set()).add(shard)
+
+    def complete(name: str, param: torch.nn.Parameter) -> bool:
+        return loaded.get(name, set()) == getattr(
+            param, "expected_shards", shards_of.get(name.rsplit(".", 2)[-2], {None}))
+
+    # A complete parameter's when_loaded, run once the next tensor has been asked for: by then
+    # the reader has dropped the pages of the tensor that completed it (iterate_safetensors),
+    # which would otherwise sit beside the plain weight and its processed form.
+    pending: Callable[[], None] | None = None
     for ckpt_name, tensor in weights:
+        if pending is not None:
+            pending, run = None, pending
+            run()
         name = rename(ckpt_name)
         if name is None:
             continue
@@ -109,6 +158,9 @@ def load_weights_into(module: torch.nn.Module, weights: Iterable[tuple[str, torc
         if name not in params:
             raise ValueError(f"unexpected weight {ckpt_name!r} in the checkpoint.")
         param = params[name]
+        if param is None:
+            raise ValueError(f"weight {ckpt_name!r} fills {name!r}, which the checkpoint had "
+                             f"already filled.")
         if hasattr(tensor, "dequantized") and not getattr(param, "takes_blocks", False):
             # Quantized blocks (GGUFBlocks) for a parameter that holds floats, e.g. a position
             # table: it gets them dequantized.
@@ -118,14 +170,19 @@ def load_weights_into(module: torch.nn.Module, weights: Iterable[tuple[str, torc
         except WeightShapeError as e:
             raise ValueError(f"weight {ckpt_name!r} {e}.") from None
         loaded.setdefault(name, set()).add(shard)
-    shards_of: dict[str, set] = {}  # fused module name -> the shards that fill it
-    for stacked, shard in stacked_params.values():
-        shards_of.setdefault(stacked, set()).add(shard)
+        when_loaded = getattr(param, "when_loaded", None)
+        if when_loaded is not None and complete(name, param):
+            # Its layer is processed next (loader.process_as_loaded), which may free the
+            # parameter for another form: nothing here may keep it alive.
+            params[name] = param = None
+            pending = when_loaded
+    if pending is not None:
+        pending()
     # load_optional: a parameter the checkpoint may or may not fill (a quantized copy of a
-    # weight whose float version is loaded anyway); its layer checks what it got.
+    # weight whose float version is loaded anyway); its layer checks what it got. A None
+    # entry was complete and processed already.
     missing = [name for name, param in params.items()
-               if not getattr(param, "load_optional", False)
-               and loaded.get(name, set()) != getattr(
-                   param, "expected_shards", shards_of.get(name.rsplit(".", 2)[-2], {None}))]
+               if param is not None and not getattr(param, "load_optional", False)
+               and not complete(name, param)]
     if missing:
         raise ValueError(describe_missing(missing))
