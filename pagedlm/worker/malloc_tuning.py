@@ -10,11 +10,12 @@ a 1 GiB trim threshold and a 64 MiB top pad, freed memory stays in the heap for 
 1.05 million faults (most of them the KV cache's first touch) and 63.8 / 62.7 s. The cost is
 up to the trim threshold of freed memory kept by the process.
 
-While a model loads, the opposite holds: every allocation of 1 MiB or more (each weight matrix)
-gets a map of its own, which free() hands back at once. Layers are packed as their weights
-arrive (model_loader.loader.process_as_loaded), and a plain weight freed into the heap stayed
-resident, under the settings above and under glibc's own (whose mmap threshold had risen past
-the weights' sizes): 0.2-0.3 GiB of a 1B bfloat16 Llama's load peak in `pagedlm serve`.
+While a bfloat16 or float16 checkpoint loads, the opposite holds: every allocation of 1 MiB or
+more (each weight matrix) gets a map of its own, which free() hands back at once. Layers are
+packed as their weights arrive (model_loader.loader.process_as_loaded), and a plain weight
+freed into the heap stayed resident, under the settings above and under glibc's own (whose mmap
+threshold had risen past the weights' sizes): 0.2-0.3 GiB of a 1B bfloat16 Llama's load peak
+in `pagedlm serve`. Other loads keep the settings above (worker.py says why).
 
 `PAGEDLM_DEFAULT_MALLOC=1` leaves glibc's defaults (and other C libraries are left alone).
 """
