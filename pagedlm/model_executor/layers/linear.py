@@ -37,7 +37,7 @@ from torch import nn
 
 from pagedlm import envs
 from pagedlm.distributed.parallel_state import get_tp_group
-from pagedlm.kernels import gemv
+from pagedlm.kernels import amx, gemv
 from pagedlm.model_executor.model_loader.weight_utils import check_shape, default_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,16 @@ class WeightFormat(enum.IntEnum):
     F16_PANELS = 14  # float16 panels of gemv.pack_panels, gemm_panels_f16 (float32 math)
 
 
+# The fewest rows a bfloat16 layer on panels runs on AMX (UnquantizedLinearMethod). AMX pads
+# rows to 16, so below 16 it costs what 16 do: SmolLM2-135M's four shapes once, 2 threads,
+# medians of 5 interleaved rounds, AMX / panel kernel on k-pair panels 0.143 / 0.128 ms at 8
+# rows, 0.143 / 0.138 at 9, 0.142 / 0.148 at 10, 0.144 / 0.164 at 12, 0.137 / 0.215 at 16; on
+# plain panels (AMX pairs each panel per call) 0.19 ms against 0.19 at 12. Above
+# gemv.GEMV_MAX_ROWS, so that the fused decode stack, which then stops there, runs the same
+# kernel as the layers.
+AMX_MIN_ROWS = 12
+assert AMX_MIN_ROWS > gemv.GEMV_MAX_ROWS
+
 # The panel format of each element type gemv.pack_panels packs.
 PANEL_FORMATS = {torch.float32: WeightFormat.FLOAT_PANELS,
                  torch.bfloat16: WeightFormat.BF16_PANELS,
@@ -125,14 +135,18 @@ class NativeLinear:
     weight: torch.Tensor
     scale: torch.Tensor | None = None  # WeightFormat.I8's per-row scales
     # `apply` runs this kernel at every row count (deterministic=True), not only at decode
-    # batch sizes; panel weights always do.
+    # batch sizes; panel weights do, but bfloat16 ones where `apply` takes many rows to AMX.
     every_row_count: bool = False
+    # From this many rows `apply` runs another kernel on the same panels (AMX_MIN_ROWS where
+    # bfloat16 panels go to AMX); 0: never.
+    other_kernel_from: int = 0
 
     @property
     def batch_invariant(self) -> bool:
         """Whether `apply` runs this kernel whatever the row count: a caller may then run it
         on any number of rows and still compute what `apply` does."""
-        return self.every_row_count or self.fmt in PANEL_FORMATS.values()
+        return self.every_row_count or (self.fmt in PANEL_FORMATS.values()
+                                        and not self.other_kernel_from)
 
 
 @dataclass(frozen=True)
@@ -203,7 +217,19 @@ class UnquantizedLinearMethod(LinearMethodBase):
     half the bytes read). Where no kernel takes the weight (without AVX2 or with
     PAGEDLM_DISABLE_KERNELS), each call widens it to a transient float32 copy for F.linear: no
     float32 copy stays resident, at the cost of reading the matrix and writing the copy again
-    per call."""
+    per call.
+
+    bfloat16 panels go to AMX's tile unit (kernels/amx.py) from AMX_MIN_ROWS rows where the
+    CPU has AMX-BF16 and K is a multiple of 32, outside the deterministic mode: x is rounded
+    to bfloat16 there, so a row's bits differ from the panel kernel's, and the deterministic
+    mode's promise (a row's bits do not depend on its batch) needs one kernel at every row
+    count: it keeps the panels. SmolLM2-135M's four shapes once (a Sapphire Rapids-class Xeon,
+    2 threads): 0.45 ms at 128 rows against the panel kernel's 1.76 and torch's bfloat16
+    F.linear's 0.54, 6.3 at 2048 against 28.2 and 3.8 (csrc/amx_bf16.c has the table). A
+    oneDNN-packed copy beside the panels would double the weights' memory. The fused decode
+    stack, which runs the panel kernel,
+    then takes decode steps only up to gemv.GEMV_MAX_ROWS rows (< AMX_MIN_ROWS, so it still
+    computes what the layers do: native_form says `other_kernel_from`)."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader) -> None:
@@ -215,12 +241,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
         layer.packed_weight = layer.panel_weight = None
         layer.use_gemv = False
+        layer.amx_from = 0
 
     def process_weights_after_loading(self, layer) -> None:
         if layer.weight.is_meta and getattr(layer, "panel_weight", None) is not None:
             return  # done before: the panels are the weight now (see below)
         layer.panel_weight = gemv.pack_panels(layer.weight)
         layer.use_gemv = gemv.runs(layer.weight)
+        layer.amx_from = self._amx_from(layer)
         if self.deterministic and layer.panel_weight is None and not layer.use_gemv:
             raise ValueError(f"deterministic=True needs pagedlm's native kernels for every "
                              f"linear layer; a {layer.weight.dtype} weight of shape "
@@ -250,9 +278,20 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 and weight is not None and not weight.is_meta and weight.element_size() == 2
                 and weight.dtype in gemv.panel_dtypes())
 
+    def _amx_from(self, layer) -> int:
+        """The row count from which `apply` runs the layer on AMX; 0: never (decided once, as
+        the weight is processed: a check per call cost microseconds per layer)."""
+        panels = getattr(layer, "panel_weight", None)
+        return (AMX_MIN_ROWS if panels is not None and panels.dtype == torch.bfloat16
+                and not self.deterministic and amx.available()
+                and amx.runs(layer.weight.shape[1]) else 0)
+
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         panels = getattr(layer, "panel_weight", None)
         if panels is not None and x.dim() == 2 and x.dtype == torch.float32:
+            amx_from = getattr(layer, "amx_from", 0)
+            if amx_from and x.shape[0] >= amx_from:
+                return amx.gemm_panels(x, panels, layer.weight.shape[0], bias)
             return gemv.gemm_panels(x, panels, layer.weight.shape[0], bias)
         if panels is not None and layer.weight.is_meta:  # no plain weight left for F.linear
             n = layer.weight.shape[0]
@@ -272,7 +311,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return None  # a subclass that multiplies another way describes its own form
         panels = getattr(layer, "panel_weight", None)
         if panels is not None:
-            return NativeLinear(PANEL_FORMATS[panels.dtype], panels)
+            return NativeLinear(PANEL_FORMATS[panels.dtype], panels,
+                                other_kernel_from=getattr(layer, "amx_from", 0))
         if getattr(layer, "use_gemv", False):
             return NativeLinear(WeightFormat.FLOAT, layer.weight,
                                 every_row_count=self.deterministic)

@@ -1,0 +1,297 @@
+/* Float32 y[M, N] = x[M, K] @ W[N, K]^T on AMX (tdpbf16ps) over the bfloat16 panels.
+ *
+ * AMX's B tile ("VNNI" format) is k-pairs: row j holds, per output column, W[c][2j] and
+ * W[c][2j+1]. The bfloat16 panels come in two layouts (gemv.pack_panels, gemv_f32.c):
+ *   - k-pairs (gemm_panels_bf16_amx), wp[p][j][c][e] = W[p * 32 + c][2j + e]: for a 32-column
+ *     panel, pair row j is 128 bytes, the B tiles' layout as it stands;
+ *   - plain (gemm_panels_bf16_amx_plain), wp[p][k][c] = W[p * 32 + c][k]: each panel is paired
+ *     into a per-thread buffer (K * 64 bytes) once per row chunk, so no second copy of the
+ *     weight is kept either way.
+ * Then:
+ *   - x's rows are rounded to bfloat16 once per call (vcvtne2ps2bf16: to nearest even, a
+ *     subnormal read as zero) into a per-call scratch, rows padded with zeros to a multiple
+ *     of 16; an A tile is 16 of its rows, 32 k (64 bytes) each;
+ *   - a B tile is 16 pair rows of a panel at stride 128 bytes, columns 0-15 at +0 and 16-31 at
+ *     +64; a C tile is 16 x 16 float32;
+ *   - a block is 2 A tiles (32 rows) x 2 B tiles (one panel) -> 4 C tiles, over K in steps of
+ *     32 (16 pairs); 16 leftover (padded) rows take 1 A tile x 2 B tiles; blocks whose rows or
+ *     columns run past y's go through a 32 x 32 buffer;
+ *   - rows go in chunks of about MCHUNK_BYTES of scratch (kept in L2 while every panel of the
+ *     thread passes over it: each panel is then read from memory once a chunk, not once a
+ *     32-row block); a thread takes one run of whole panels, so each weight byte is read by
+ *     one thread.
+ * K must be a multiple of 32 (SmolLM2's 576 and 1536, the 1B model's 2048 and 8192 are): a
+ * ragged K would need a second tile configuration for its last pairs, and its B tile would
+ * read past the panel; other K are passed to gemm_panels_bf16 (amx.runs(k) tells callers).
+ *
+ * Arithmetic: Intel's SDM writes tdpbf16ps as, per output, the pair's even product then its
+ * odd one added to a float32 sum, subnormal inputs read as zero and results flushed, MXCSR
+ * ignored; the hardware's errors against float64 measured here are about a third of
+ * vdpbf16ps's (SmolLM2's shapes), so it seems to sum more exactly than that, and the tests
+ * hold it to the bound of a float32 sum, not to an emulation. Each C row depends only on its
+ * own A row and the panel, in a fixed K order, so a row's result does not depend on the other
+ * rows of its tile, block or batch. But x is rounded and the sums are neither the widening
+ * kernel's nor vdpbf16ps's, so its bits differ from gemm_panels_bf16's: the deterministic mode
+ * (one path at every row count) does not use it.
+ *
+ * Measured on this project's Sapphire Rapids-class Xeon (2 vCPUs, other jobs loading it to 3-5
+ * runnable threads; runs hit by them, tenfold slower, were discarded): SmolLM2-135M's four
+ * matrix shapes once each (576x576, 192x576, 1536x576, 576x1536), 2 threads, medians of 3
+ * interleaved rounds, ms (GFLOP/s): this kernel on k-pairs / on plain panels / the widening
+ * panel kernel (plain) / torch's bfloat16 F.linear (oneDNN on AMX, x already bfloat16):
+ *   8 rows 0.133 / 0.183 / 0.145 / 0.212; 16: 0.137 / 0.198 / 0.254 / 0.224;
+ *   32: 0.179 (789) / 0.236 / 0.460 (308) / 0.272 (520);
+ *   128: 0.449 (1261) / 0.486 / 1.759 (322) / 0.535 (1058);
+ *   512: 1.613 (1404) / 1.686 / 6.838 (331) / 1.235 (1834);
+ *   2048: 6.308 (1436) / 6.444 / 28.222 (321) / 3.847 (2355).
+ * oneDNN is still 1.3-1.6x faster from 512 rows. MCHUNK_BYTES of 64 KiB / 256 KiB / 512 KiB /
+ * 1 MiB: 966 / 1195 / 1454 / 1479 GFLOP/s at 2048 rows (plain panels), 2 MiB and 4 MiB no
+ * better (one noisy round each).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "include/pagedlm_ops.h"
+#include "include/parallel.h"
+
+/* Declared here rather than in pagedlm_ops.h while that header is being changed by the
+ * bfloat16-pairs work; the ctypes signatures are in pagedlm/kernels/amx.py. */
+int amx_bf16_available(void);
+void gemm_panels_bf16_amx(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                          int nthreads);
+void gemm_panels_bf16_amx_plain(float *y, const float *x, const uint16_t *wp, int M, int N,
+                                int K, int nthreads);
+
+#if defined(__linux__) && defined(__x86_64__) && defined(__AMX_TILE__) \
+    && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands out the 8 KiB of tile data state only to a process that asks (arch_prctl,
+ * since 5.16); without it the first tile instruction faults. */
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Rows of x scratch a chunk holds: about MCHUNK_BYTES of bfloat16 rows, a multiple of 32. */
+#ifndef MCHUNK_BYTES
+#define MCHUNK_BYTES (512 * 1024)
+#endif
+/* Below this many multiply-adds one thread does the whole call (an OpenMP team costs a few
+ * microseconds to wake, which is what 2^21 take on the tile unit). */
+#define PAR_MIN_MACS (1L << 21)
+
+static int amx_state; /* 0: not asked yet, 1: granted, -1: refused */
+
+int amx_bf16_available(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        /* Asked once per process (two threads asking at once ask twice, which is harmless):
+         * the permission is the process's, every thread's (later ones included). */
+        unsigned long mask = 0;
+        const int granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+                            && syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) == 0
+                            && (mask >> XFEATURE_XTILEDATA & 1);
+        s = granted ? 1 : -1;
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s == 1;
+}
+
+/* LDTILECFG's 64-byte operand, palette 1. */
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0-3: C (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31);
+ * 4, 5: A (rows 0-15, 16-31); 6, 7: B (columns 0-15, 16-31). All 16 rows of 64 bytes. */
+static void load_tiles(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows [lo, hi) of x rounded to bfloat16, K (a multiple of 32) a row; rows past M zero. */
+static void round_rows(uint16_t *xb, const float *x, int M, int K, int lo, int hi) {
+    for (int m = lo; m < hi; m++) {
+        uint16_t *out = xb + (size_t)m * K;
+        if (m >= M) {
+            memset(out, 0, (size_t)K * sizeof *out);
+            continue;
+        }
+        const float *xr = x + (size_t)m * K;
+        for (int k = 0; k < K; k += 32)
+            _mm512_storeu_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k)));
+    }
+}
+
+/* C tiles of the block at rows m0.. (rows: 16 or 32 of them valid in the scratch, fewer in y)
+ * and columns n0.. (cols of them in y) to y; through a buffer when the block is ragged. */
+static inline __attribute__((always_inline)) void store_block(
+        float *y, int M, int N, int m0, int n0, int cols, int rows) {
+    const int valid = M - m0 < rows ? M - m0 : rows;
+    float *yb = y + (size_t)m0 * N + n0;
+    if (valid == rows && cols == 32) {
+        _tile_stored(0, yb, (size_t)N * 4);
+        _tile_stored(1, yb + 16, (size_t)N * 4);
+        if (rows == 32) {
+            _tile_stored(2, yb + (size_t)16 * N, (size_t)N * 4);
+            _tile_stored(3, yb + (size_t)16 * N + 16, (size_t)N * 4);
+        }
+        return;
+    }
+    float buf[32 * 32] __attribute__((aligned(64)));
+    _tile_stored(0, buf, 128);
+    _tile_stored(1, buf + 16, 128);
+    if (rows == 32) {
+        _tile_stored(2, buf + 16 * 32, 128);
+        _tile_stored(3, buf + 16 * 32 + 16, 128);
+    }
+    for (int m = 0; m < valid; m++)
+        memcpy(yb + (size_t)m * N, buf + m * 32, (size_t)cols * sizeof(float));
+}
+
+/* Panel p of plain [P, K, 32] bfloat16 panels (K a multiple of 2) in k-pairs, [K / 2, 32, 2]
+ * into buf: rows 2j and 2j+1 interleaved (vpunpck[lh]wd pair them within each 128-bit lane, a
+ * qword permute puts columns 0-15 in the first 64 bytes and 16-31 in the second). */
+static void pair_panel(uint16_t *buf, const uint16_t *panel, int K) {
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int j = 0; j < K / 2; j++) {
+        const __m512i r0 = _mm512_loadu_si512(panel + (size_t)2 * j * 32);
+        const __m512i r1 = _mm512_loadu_si512(panel + (size_t)(2 * j + 1) * 32);
+        const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
+        _mm512_store_si512(buf + (size_t)j * 64, _mm512_permutex2var_epi64(lo, first, hi));
+        _mm512_store_si512(buf + (size_t)j * 64 + 32, _mm512_permutex2var_epi64(lo, second, hi));
+    }
+}
+
+/* Panels [lo, hi) against the scratch's M16 rows (a multiple of 16), in row chunks. pairs:
+ * NULL where wp is k-pair panels, else a K * 64-byte buffer each plain panel is paired into
+ * (once a chunk; the 2 x 64 bytes a pair row is read from L1/L2 by the B tile loads). */
+static void amx_panels(float *y, const uint16_t *xb, const uint16_t *wp, int M, int M16, int N,
+                       int K, int lo, int hi, uint16_t *pairs) {
+    const size_t lda = (size_t)K * 2, panel_bytes = (size_t)K * 64;
+    int chunk = (int)(MCHUNK_BYTES / lda) / 32 * 32;
+    if (chunk < 32) chunk = 32;
+    for (int c0 = 0; c0 < M16; c0 += chunk) {
+        const int c1 = M16 - c0 < chunk ? M16 : c0 + chunk;
+        for (int p = lo; p < hi; p++) {
+            const char *w = (const char *)wp + (size_t)p * panel_bytes;
+            if (pairs != NULL) {
+                pair_panel(pairs, (const uint16_t *)w, K);
+                w = (const char *)pairs;
+            }
+            const int n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
+            int m0 = c0;
+            for (; m0 + 32 <= c1; m0 += 32) {
+                const char *a = (const char *)(xb + (size_t)m0 * K);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int k = 0; k < K; k += 32) {
+                    _tile_loadd(6, w + (size_t)k * 64, 128);
+                    _tile_loadd(7, w + (size_t)k * 64 + 64, 128);
+                    _tile_loadd(4, a + (size_t)k * 2, lda);
+                    _tile_loadd(5, a + 16 * lda + (size_t)k * 2, lda);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                store_block(y, M, N, m0, n0, cols, 32);
+            }
+            if (m0 < c1) { /* 16 rows left (c1 - c0 is a multiple of 16) */
+                const char *a = (const char *)(xb + (size_t)m0 * K);
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int k = 0; k < K; k += 32) {
+                    _tile_loadd(6, w + (size_t)k * 64, 128);
+                    _tile_loadd(7, w + (size_t)k * 64 + 64, 128);
+                    _tile_loadd(4, a + (size_t)k * 2, lda);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                store_block(y, M, N, m0, n0, cols, 16);
+            }
+        }
+    }
+}
+
+static void *alloc64(size_t bytes) {
+    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p == NULL) abort();
+    return p;
+}
+
+/* One thread's panels [lo, hi), its tile configuration loaded for them and released after,
+ * so that an idle pool thread does not carry 8 KiB of tile state through context switches. */
+static void amx_thread(float *y, const uint16_t *xb, const uint16_t *wp, int M, int M16, int N,
+                       int K, int lo, int hi, int plain) {
+    uint16_t *pairs = plain && lo < hi ? alloc64((size_t)K * 64) : NULL;
+    load_tiles();
+    amx_panels(y, xb, wp, M, M16, N, K, lo, hi, pairs);
+    _tile_release();
+    free(pairs);
+}
+
+static void gemm_amx(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                     int nthreads, int plain) {
+    const int P = (N + 31) / 32, M16 = (M + 15) / 16 * 16;
+    uint16_t *xb = alloc64((size_t)M16 * K * 2);
+    if ((long)M * N * K < PAR_MIN_MACS || nthreads < 2 || P < 2) {
+        round_rows(xb, x, M, K, 0, M16);
+        amx_thread(y, xb, wp, M, M16, N, K, 0, P, plain);
+    } else {
+#pragma omp parallel num_threads(nthreads < P ? nthreads : P)
+        {
+            int lo, hi;
+            omp_thread_rows(M16, 16, &lo, &hi);
+            round_rows(xb, x, M, K, lo, hi);
+#pragma omp barrier
+            omp_thread_rows(P, 1, &lo, &hi);
+            amx_thread(y, xb, wp, M, M16, N, K, lo, hi, plain);
+        }
+    }
+    free(xb);
+}
+
+void gemm_panels_bf16_amx(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                          int nthreads) {
+    if (K % 32 != 0 || !amx_bf16_available())
+        gemm_panels_bf16(y, x, wp, M, N, K, nthreads);
+    else
+        gemm_amx(y, x, wp, M, N, K, nthreads, 0);
+}
+
+void gemm_panels_bf16_amx_plain(float *y, const float *x, const uint16_t *wp, int M, int N,
+                                int K, int nthreads) {
+    if (K % 32 != 0 || !amx_bf16_available())
+        gemm_panels_bf16(y, x, wp, M, N, K, nthreads);
+    else
+        gemm_amx(y, x, wp, M, N, K, nthreads, 1);
+}
+#else
+int amx_bf16_available(void) { return 0; }
+
+/* Without AMX in the build: the vdpbf16ps (or widening) panel kernel, never called by the
+ * Python side (amx.available() is False). */
+void gemm_panels_bf16_amx(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                          int nthreads) {
+    gemm_panels_bf16(y, x, wp, M, N, K, nthreads);
+}
+
+void gemm_panels_bf16_amx_plain(float *y, const float *x, const uint16_t *wp, int M, int N,
+                                int K, int nthreads) {
+    gemm_panels_bf16(y, x, wp, M, N, K, nthreads);
+}
+#endif
