@@ -9,17 +9,27 @@ each path that can run it, reporting the median pass time and the weight bandwid
            the layers use at every row count where it runs: AVX2 or AVX-512), onednn (oneDNN's
            pre-packed GEMM, their path where the panel kernel does not run), torch (F.linear);
   bfloat16 (--dtype bfloat16): panels (bfloat16 panels, float32 x and sums, the layers' path),
-           onednn and torch on x rounded to bfloat16 (the bfloat16 path before the panels);
+           panels-dpbf16 (the same k-pair panels on vdpbf16ps, x rounded to bfloat16: the
+           opt-in PAGEDLM_BF16_DPBF16=1 math, where the build has AVX512-BF16), onednn and
+           torch on x rounded to bfloat16 (the bfloat16 path before the panels);
   quantized: the layer's own path (its LinearMethod.apply).
 
     python benchmarks/gemv.py                                  # float32, rows 1 2 4 8 16
     python benchmarks/gemv.py --rows 32 128 2048 --repeats 5 --paths panels onednn
     python benchmarks/gemv.py --quantization gguf int8 int4 --rows 1 4
     python benchmarks/gemv.py --dtype float32 bfloat16 --rows 1 8 128 --paths panels
+    python benchmarks/gemv.py --dtype bfloat16 --bf16-baseline OLD.so --paths panels panels-base
+
+--bf16-baseline takes a kernel library built from another tree (a copy of the cached .so from
+~/.cache/pagedlm/kernels): its gemm_panels_bf16 runs as path panels-base on the same weights,
+packed for it (plain [P, K, W] panels unless it exports gemm_panels_bf16_layout() == 2), taking
+turns with this tree's kernel in the same process, so an old and a new kernel are compared on
+interleaved repeats.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import statistics
@@ -50,6 +60,48 @@ def weight_bytes(layer: torch.nn.Module) -> int:
     return layer.weight.numel() * layer.weight.element_size()
 
 
+# --bf16-baseline's library (ctypes.CDLL), or None.
+BASELINE: list = [None]
+# Whether this build runs vdpbf16ps on bfloat16 panels (gemv.bf16_dpbf16_supported), from main.
+DPBF16: list = [False]
+
+
+def _baseline_panels(layer: torch.nn.Module):
+    """fn(x) running BASELINE's gemm_panels_bf16 on this bfloat16 layer's weights, packed as it
+    reads them (rebuilt from this tree's panels: the plain weight is dropped after packing)."""
+    lib, panels = BASELINE[0], layer.panel_weight
+    n, k = layer.weight.shape
+    pairs = hasattr(lib, "gemm_panels_bf16_layout") and lib.gemm_panels_bf16_layout() == 2
+    plain = gemv.panel_rows(panels, torch.arange(panels.shape[0] * panels.shape[2]), k)
+    width = panels.shape[2]
+    if pairs:
+        base = panels
+    else:
+        base = plain.bfloat16().view(-1, width, k).transpose(1, 2).contiguous()
+
+    fn = lib.gemm_panels_bf16
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    # Through the layers' wrapper (its checks and allocation), as the panels path.
+    return lambda x: gemv._call("gemm_panels", fn, x, base, n, k, None)
+
+
+def _dpbf16_panels(layer: torch.nn.Module):
+    """fn(x) running this bfloat16 layer's k-pair panels on vdpbf16ps (the opt-in math of
+    AVX512-BF16 builds), switched on for each call (two ctypes calls, well under a microsecond
+    each, against passes of 10+ ms)."""
+    panels, n, k = layer.panel_weight, *layer.weight.shape
+    lib = gemv.library()
+    before = lib.gemm_panels_bf16_dpbf16()  # the layers' setting, restored after each call
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        lib.gemm_panels_bf16_set_dpbf16(1)
+        try:  # the wrapper's checks and allocation, as the panels path
+            return gemv._call("gemm_panels", lib.gemm_panels_bf16, x, panels, n, k, None)
+        finally:
+            lib.gemm_panels_bf16_set_dpbf16(before)
+    return run
+
+
 def paths(layer: torch.nn.Module, onednn: bool = True):
     """name -> fn(x) for each way this layer's matmul can run (onednn: try a packed copy of a
     bfloat16 weight; oneDNN packs those only on some CPUs, warning once a layer)."""
@@ -60,6 +112,10 @@ def paths(layer: torch.nn.Module, onednn: bool = True):
     if w.dtype != torch.float32:  # x stays float32 on the panels; the others round it to w's
         if layer.panel_weight is not None:
             out["panels"] = lambda x: gemv.gemm_panels(x, layer.panel_weight, w.shape[0])
+            if w.dtype == torch.bfloat16 and DPBF16[0]:
+                out["panels-dpbf16"] = _dpbf16_panels(layer)
+            if BASELINE[0] is not None and w.dtype == torch.bfloat16:
+                out["panels-base"] = _baseline_panels(layer)
         packed = pack_weight(w) if onednn else None
         if packed is not None:
             out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(
@@ -122,9 +178,14 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--paths", nargs="+", default=None,
-                    help="float32 paths to run (default: every one that runs the layers)")
+                    help="paths to run (default: every one that runs the layers)")
     ap.add_argument("--threads", type=int, default=None, help="default: torch's")
+    ap.add_argument("--bf16-baseline", default=None, metavar="LIBRARY",
+                    help="a kernel library (.so) whose gemm_panels_bf16 runs as panels-base")
     args = ap.parse_args()
+    if args.bf16_baseline:
+        BASELINE[0] = ctypes.CDLL(args.bf16_baseline)
+    DPBF16[0] = gemv.panel_width() > 0 and gemv.bf16_dpbf16_supported()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}; ms a pass: median (least) of the repeats")

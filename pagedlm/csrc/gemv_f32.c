@@ -16,6 +16,8 @@
  * so results differ from a sequential dot product only by float32 rounding.
  */
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
 
 #include "include/pagedlm_ops.h"
 #include "include/parallel.h"
@@ -131,13 +133,43 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
  * 0.87 at 9 rows, 0.95 vs 1.29 at 32, 1.47 vs 2.01 at 64, 2.48 vs 3.03 at 128, 4.59 vs 5.00 at
  * 256, 34.4 vs 35.2 at 2048.
  *
- * gemm_panels_bf16 runs the same tiles over bfloat16 panels (same layout, 2-byte elements): a
- * bfloat16 is the top half of a float32, so each panel row is widened exactly (bits << 16) and
- * then meets the same FMA chain. Its outputs are bit for bit gemm_panels_f32's on the widened
- * weight, at any M, tile position or thread count, and it reads half the bytes. No
- * AVX512-BF16 (vdpbf16ps) or AMX path: both round x to bfloat16 and add pairs of products
- * before accumulating, so the sums (and bits) would differ from this chain and from every CPU
- * without them, and none of this project's test machines has them to check them on.
+ * gemm_panels_bf16 runs the same tiles over bfloat16 panels: a bfloat16 is the top half of a
+ * float32, so each panel element is widened exactly (bits << 16) and then meets the same FMA
+ * chain. Its outputs are bit for bit gemm_panels_f32's on the widened weight, at any M, tile
+ * position or thread count, and it reads half the bytes. Without AVX512-BF16 the panels have
+ * the float32 layout (2-byte elements). With it (BF16_PAIRS; gemm_panels_bf16_layout() says
+ * 2 and gemv.pack_panels packs for it) they are k-pairs, wp[p][j][c][e] = W[p * PANEL + c]
+ * [2j + e] (an odd K's last pair padded with a zero): the layout vdpbf16ps reads, and AMX's
+ * B tiles (16 pair rows at a 128-byte stride, columns 0-15 at +0, 16-31 at +64). A pair row's
+ * dword d holds k = 2j in its low half and 2j + 1 in its high one, so d << 16 and
+ * d & 0xffff0000 are both rows widened, met in k order: the same chain, the same bits.
+ * Measured, 1 thread, 32 SmolLM2-135M-shaped matrices (56.6 MB of bfloat16, from memory),
+ * ms median (least) of 30 repeats rotating the kernels, two runs, on the 2-vCPU Sapphire
+ * Rapids-class Xeon while other jobs ran (2 threads and benchmarks/gemv.py were too disturbed
+ * to compare), the plain panels' kernel before this (a copy of its .so) / the k-pairs widened:
+ * 1 row 2.95 (2.60) / 2.56 (2.35) and 3.56 (2.95) / 2.72 (2.52); 8 rows 4.50 (3.91) / 2.92
+ * (2.73) and 5.17 (4.14) / 3.20 (2.86); 32 rows 12.47 (12.26) / 12.02 (10.45) and 12.69
+ * (12.48) / 12.06 (11.74); 128 rows 51.34 (50.60) / 47.84 (46.93) and 52.09 (51.40) / 48.17
+ * (47.66): one load and two ALU ops widen 32 weights, where the plain panels took a
+ * vpmovzxwd and a shift for 16.
+ * Opt-in (gemm_panels_bf16_set_dpbf16(1), PAGEDLM_BF16_DPBF16=1): the k-pair tiles on
+ * vdpbf16ps. x's rows are rounded to bfloat16 once per call (vcvtne2ps2bf16: to nearest even,
+ * a subnormal read as zero), each x pair is broadcast as one dword, and two vdpbf16ps a tile
+ * row take a pair row. Per Intel's SDM pseudo-code vdpbf16ps does, per lane, c = fma(odd
+ * pair's product) then c = fma(even), each rounded to nearest even, subnormal inputs read as
+ * zero and subnormal results flushed (MXCSR neither read nor written); this CPU follows it bit
+ * for bit (tests/kernels/test_gemm_2byte.py holds it to a torch emulation; "even first"
+ * differs). So an output is c = 0, then for j = 0..ceil(K/2)-1: c += x[2j+1] w[2j+1],
+ * c += x[2j] w[2j] (a product of two bfloat16s is exact in float32): one order whatever M,
+ * the tile, the row's position or the thread split, the same path at every M, so a row's bits
+ * do not depend on its batch, on one CPU; they are not the widened kernel's (x is rounded),
+ * nor a CPU's without AVX512-BF16. Not the default because it is slower here: in a register
+ * loop of 24 independent sums vdpbf16ps zmm took 0.80 ns an instruction against 0.20 for
+ * vfmadd231ps (latency 3.2 ns against 1.57: about 8 cycles against 4), so its 32 products an
+ * instruction come at half the FMAs' rate. Same runs, vdpbf16ps: 1 row 2.53 (2.42) and 2.66
+ * (2.51); 8 rows 4.08 (4.02) and 4.14 (4.03); 32 rows 16.55 (16.11) and 16.62 (16.34); 128
+ * rows 71.31 (70.94) and 72.05 (71.27) ms: as fast at 1 row (memory-bound), 1.4-1.5x slower
+ * from 8.
  * gemm_panels_f16 does the same over float16 panels (a GGUF file's F16 matrices, or
  * dtype=float16): vcvtph2ps widens a float16 exactly (subnormals included, whatever MXCSR's
  * DAZ says), so its outputs are gemm_panels_f32's bits on the widened weight too.
@@ -150,9 +182,18 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
  * panels on the AVX2 EPYC, 4, 16 and 32 KiB ahead measured the same as 8 within the noise. */
 #define PREFETCH_BYTES 8192
 
-/* The panels' element type; 2-byte ones are widened exactly to float32 as they are read. */
-enum { PANEL_F32 = 0, PANEL_BF16 = 1, PANEL_F16 = 2 };
-#define ELT_BYTES(elt) ((elt) == PANEL_F32 ? 4 : 2)
+/* The panels' element type; 2-byte ones are widened exactly to float32 as they are read (the
+ * bfloat16 k-pair panels too), but for PANEL_BF16_PAIRS, multiplied by vdpbf16ps (see above). */
+enum { PANEL_F32 = 0, PANEL_BF16 = 1, PANEL_F16 = 2, PANEL_BF16_PAIRS = 3,
+       PANEL_BF16_PAIRS_WIDE = 4 };
+#define IS_PAIRS(elt) ((elt) == PANEL_BF16_PAIRS || (elt) == PANEL_BF16_PAIRS_WIDE)
+/* Bytes of one step's panel row: a float32, a 2-byte value, or a pair of bfloat16s. */
+#define ELT_BYTES(elt) ((elt) == PANEL_F32 || IS_PAIRS(elt) ? 4 : 2)
+/* Steps over K: one per k, or one per k-pair (an odd K's last pair padded with a zero). */
+#define STEPS(elt, K) (IS_PAIRS(elt) ? ((K) + 1) / 2 : (K))
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BF16_PAIRS 1
+#endif
 
 #ifdef __AVX512F__
 #define PANEL 32
@@ -252,24 +293,72 @@ static inline __attribute__((always_inline)) void tile_store(
 }
 #endif
 
-/* mr rows of x against one panel of elt's type (a constant after inlining, so each element
- * type gets its own loop). */
+/* mr rows of x (ldx 4-byte elements apart) against one panel of elt's type (a constant after
+ * inlining, so each element type gets its own loop). For PANEL_BF16_PAIRS x holds bfloat16
+ * pairs (gemm_panels_bf16's rounded copy), one 4-byte pair a step. */
 static inline __attribute__((always_inline)) void panel_tile(
         float *y, const float *x, const void *wp, const int elt, const int mr, int N, int K,
-        int cols) {
-    /* A panel row is 128 bytes (AVX-512 float32), 64 or 32 (AVX2 bfloat16: each line is
-     * prefetched twice, which measured 5-15% faster at 1 and 8 rows than skipping odd k). */
+        int ldx, int cols) {
+    /* A panel row is 128 bytes (AVX-512 float32 or bfloat16 pairs), 64 or 32 (AVX2 bfloat16:
+     * each line is prefetched twice, which measured 5-15% faster at 1 and 8 rows than
+     * skipping odd k). */
     const int row_bytes = PANEL * ELT_BYTES(elt);
     pvec c0[MR], c1[MR];
     for (int m = 0; m < mr; m++) c0[m] = PZERO(), c1[m] = PZERO();
-    for (int k = 0; k < K; k++) {
+#ifdef BF16_PAIRS
+    if (elt == PANEL_BF16_PAIRS_WIDE) {
+        /* k-pair panels widened: a dword holds k = 2j in its low half and 2j + 1 in its high
+         * one, so (d << 16) and (d & 0xffff0000) are the two rows' float32s, met in k order:
+         * the same FMA chain, so the same bits, as the float32 kernel on the widened weight. */
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+        for (int j = 0; j < STEPS(elt, K); j++) {
+            const char *r = (const char *)wp + (size_t)j * row_bytes;
+            _mm_prefetch(r + PREFETCH_BYTES, _MM_HINT_T1);
+            _mm_prefetch(r + PREFETCH_BYTES + 64, _MM_HINT_T1);
+            const __m512i d0 = _mm512_loadu_si512(r), d1 = _mm512_loadu_si512(r + 64);
+            const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(d0, 16));
+            const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(d1, 16));
+            for (int m = 0; m < mr; m++) {
+                const __m512 xv = _mm512_set1_ps(x[(size_t)m * ldx + 2 * j]);
+                c0[m] = _mm512_fmadd_ps(xv, e0, c0[m]);
+                c1[m] = _mm512_fmadd_ps(xv, e1, c1[m]);
+            }
+            if (2 * j + 1 == K) break; /* an odd K's padding */
+            const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(d0, high));
+            const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(d1, high));
+            for (int m = 0; m < mr; m++) {
+                const __m512 xv = _mm512_set1_ps(x[(size_t)m * ldx + 2 * j + 1]);
+                c0[m] = _mm512_fmadd_ps(xv, o0, c0[m]);
+                c1[m] = _mm512_fmadd_ps(xv, o1, c1[m]);
+            }
+        }
+        tile_store(y, c0, c1, mr, N, cols);
+        return;
+    }
+#endif
+    for (int k = 0; k < STEPS(elt, K); k++) {
         const char *ahead = (const char *)wp + (size_t)k * row_bytes + PREFETCH_BYTES;
         _mm_prefetch(ahead, _MM_HINT_T1);
         if (row_bytes == 128) _mm_prefetch(ahead + 64, _MM_HINT_T1);
+#ifdef BF16_PAIRS
+        if (elt == PANEL_BF16_PAIRS) {
+            /* Columns 0-15's pairs, then 16-31's; each x pair is broadcast as one dword. */
+            const char *r = (const char *)wp + (size_t)k * row_bytes;
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(r);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(r + 64);
+            for (int m = 0; m < mr; m++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(
+                        ((const int32_t *)x)[(size_t)m * ldx + k]);
+                c0[m] = _mm512_dpbf16_ps(c0[m], w0, xv);
+                c1[m] = _mm512_dpbf16_ps(c1[m], w1, xv);
+            }
+            continue;
+        }
+#endif
         pvec w0, w1;
         panel_row(wp, elt, k, &w0, &w1);
         for (int m = 0; m < mr; m++) {
-            const pvec xv = PBROADCAST(x + (size_t)m * K + k);
+            const pvec xv = PBROADCAST(x + (size_t)m * ldx + k);
             c0[m] = PFMA(xv, w0, c0[m]);
             c1[m] = PFMA(xv, w1, c1[m]);
         }
@@ -279,55 +368,62 @@ static inline __attribute__((always_inline)) void panel_tile(
 
 /* Rows 0..M-1 (at most MBLOCK) of panels lo..hi-1. */
 static inline __attribute__((always_inline)) void panels_range(
-        float *y, const float *x, const void *wp, const int elt, int M, int N, int K, int lo,
-        int hi) {
+        float *y, const float *x, const void *wp, const int elt, int M, int N, int K, int ldx,
+        int lo, int hi) {
     for (int p = lo; p < hi; p++) {
-        const char *w = (const char *)wp + (size_t)p * K * PANEL * ELT_BYTES(elt);
+        const char *w = (const char *)wp + (size_t)p * STEPS(elt, K) * PANEL * ELT_BYTES(elt);
         const int n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
         for (int m0 = 0; m0 < M; m0 += MR) {
             float *ym = y + (size_t)m0 * N + n0;
-            const float *xm = x + (size_t)m0 * K;
+            const float *xm = x + (size_t)m0 * ldx;
             /* Constant tile heights let the compiler keep every sum in a register. */
             switch (M - m0 >= MR ? MR : M - m0) {
-#define TILE_CASE(r) case r: panel_tile(ym, xm, w, elt, r, N, K, cols); break;
+#define TILE_CASE(r) case r: panel_tile(ym, xm, w, elt, r, N, K, ldx, cols); break;
                 TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
 #if MR > 6
                 TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
 #endif
-                default: panel_tile(ym, xm, w, elt, MR, N, K, cols);
+                default: panel_tile(ym, xm, w, elt, MR, N, K, ldx, cols);
 #undef TILE_CASE
             }
         }
     }
 }
 
+/* x's rows are ldx 4-byte elements apart: K floats, or STEPS(PANEL_BF16_PAIRS, K) pairs. */
 static void panels_rows(float *y, const float *x, const void *wp, int elt, int M, int N, int K,
-                        int lo, int hi) {
+                        int ldx, int lo, int hi) {
     for (int m0 = 0; m0 < M; m0 += MBLOCK) {
         float *ym = y + (size_t)m0 * N;
-        const float *xm = x + (size_t)m0 * K;
+        const float *xm = x + (size_t)m0 * ldx;
         const int mb = M - m0 < MBLOCK ? M - m0 : MBLOCK;
         if (elt == PANEL_BF16)
-            panels_range(ym, xm, wp, PANEL_BF16, mb, N, K, lo, hi);
+            panels_range(ym, xm, wp, PANEL_BF16, mb, N, K, ldx, lo, hi);
         else if (elt == PANEL_F16)
-            panels_range(ym, xm, wp, PANEL_F16, mb, N, K, lo, hi);
+            panels_range(ym, xm, wp, PANEL_F16, mb, N, K, ldx, lo, hi);
+#ifdef BF16_PAIRS
+        else if (elt == PANEL_BF16_PAIRS)
+            panels_range(ym, xm, wp, PANEL_BF16_PAIRS, mb, N, K, ldx, lo, hi);
+        else if (elt == PANEL_BF16_PAIRS_WIDE)
+            panels_range(ym, xm, wp, PANEL_BF16_PAIRS_WIDE, mb, N, K, ldx, lo, hi);
+#endif
         else
-            panels_range(ym, xm, wp, PANEL_F32, mb, N, K, lo, hi);
+            panels_range(ym, xm, wp, PANEL_F32, mb, N, K, ldx, lo, hi);
     }
 }
 
 static void gemm_panels(float *y, const float *x, const void *wp, int elt, int M, int N, int K,
-                        int nthreads) {
+                        int ldx, int nthreads) {
     const int P = (N + PANEL - 1) / PANEL;
     if ((long)M * N * K < PAR_MIN_WEIGHTS || nthreads < 2 || P < 2) {
-        panels_rows(y, x, wp, elt, M, N, K, 0, P);
+        panels_rows(y, x, wp, elt, M, N, K, ldx, 0, P);
         return;
     }
 #pragma omp parallel num_threads(nthreads < P ? nthreads : P)
     {
         int t, nt;
         omp_team(&t, &nt);
-        panels_rows(y, x, wp, elt, M, N, K, (int)((long)P * t / nt),
+        panels_rows(y, x, wp, elt, M, N, K, ldx, (int)((long)P * t / nt),
                     (int)((long)P * (t + 1) / nt));
     }
 }
@@ -337,20 +433,69 @@ int gemm_panel_width(void) { return PANEL; }
 
 void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
                      int nthreads) {
-    gemm_panels(y, x, wp, PANEL_F32, M, N, K, nthreads);
+    gemm_panels(y, x, wp, PANEL_F32, M, N, K, K, nthreads);
 }
+
+/* Whether gemm_panels_bf16 multiplies k-pair panels with vdpbf16ps (1) or widens them to the
+ * float32 chain (0, the default), process-wide. */
+static int bf16_dpbf16 = 0;
+
+#ifdef BF16_PAIRS
+/* x's rows rounded to bfloat16 once, in k-pairs: xb[m][j] = bf16(x[m][2j]) | bf16(x[m][2j+1])
+ * << 16, the pair an odd K lacks zero. vcvtne2ps2bf16 rounds to nearest even and reads a
+ * subnormal as a zero of its sign (Intel SDM, convert_fp32_to_bfloat16), whatever MXCSR says. */
+static void round_x_pairs(uint32_t *xb, const float *x, int M, int K) {
+    const int K2 = STEPS(PANEL_BF16_PAIRS, K);
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (size_t)m * K;
+        uint32_t *out = xb + (size_t)m * K2;
+        for (int k = 0; k < K; k += 32) {
+            const int n = K - k < 32 ? K - k : 32;
+            const __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+            const __mmask16 hi = n >= 32 ? 0xffff
+                               : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+            const int pairs = (n + 1) / 2;
+            const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xr + k + 16),
+                                                   _mm512_maskz_loadu_ps(lo, xr + k));
+            _mm512_mask_storeu_epi32(out + k / 2,
+                                     pairs >= 16 ? 0xffff : (__mmask16)((1u << pairs) - 1),
+                                     (__m512i)b);
+        }
+    }
+}
+
+static void gemm_panels_bf16_pairs(float *y, const float *x, const uint16_t *wp, int M, int N,
+                                   int K, int nthreads) {
+    const int K2 = STEPS(PANEL_BF16_PAIRS, K);
+    uint32_t stack[4096];
+    uint32_t *xb = (size_t)M * K2 <= 4096 ? stack : malloc((size_t)M * K2 * sizeof(uint32_t));
+    if (xb == NULL) abort();
+    round_x_pairs(xb, x, M, K);
+    gemm_panels(y, (const float *)xb, wp, PANEL_BF16_PAIRS, M, N, K, K2, nthreads);
+    if (xb != stack) free(xb);
+}
+#endif
 
 void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                       int nthreads) {
-    gemm_panels(y, x, wp, PANEL_BF16, M, N, K, nthreads);
+#ifdef BF16_PAIRS
+    if (bf16_dpbf16)
+        gemm_panels_bf16_pairs(y, x, wp, M, N, K, nthreads);
+    else
+        gemm_panels(y, x, wp, PANEL_BF16_PAIRS_WIDE, M, N, K, K, nthreads);
+#else
+    gemm_panels(y, x, wp, PANEL_BF16, M, N, K, K, nthreads);
+#endif
 }
 
 void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                      int nthreads) {
-    gemm_panels(y, x, wp, PANEL_F16, M, N, K, nthreads);
+    gemm_panels(y, x, wp, PANEL_F16, M, N, K, K, nthreads);
 }
 #else
 int gemm_panel_width(void) { return 0; }
+
+static const int bf16_dpbf16 = 0;
 
 void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
                      int nthreads) {
@@ -367,3 +512,20 @@ void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N,
     (void)y, (void)x, (void)wp, (void)M, (void)N, (void)K, (void)nthreads;
 }
 #endif
+
+#ifdef BF16_PAIRS
+int gemm_panels_bf16_layout(void) { return 2; }
+#else
+int gemm_panels_bf16_layout(void) { return 1; }
+#endif
+
+int gemm_panels_bf16_dpbf16(void) { return bf16_dpbf16; }
+
+int gemm_panels_bf16_set_dpbf16(int on) {
+#ifdef BF16_PAIRS
+    bf16_dpbf16 = on != 0;
+#else
+    (void)on;
+#endif
+    return bf16_dpbf16;
+}

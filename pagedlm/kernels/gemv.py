@@ -22,6 +22,11 @@ read, so a layer gives the float32 kernel's bits on weight.float() and reads hal
 Same matrices, AVX2 EPYC, 1 thread, float32 / bfloat16 panels (medians of interleaved repeats,
 machine loaded to about 2 runnable threads a core): 122 / 63 ms at 1 row, 142 / 84 at 8, 995 /
 961 at 128 (the widening costs nothing measurable once the tiles are compute-bound).
+Where the build has AVX512-BF16 (`bf16_pairs()`), bfloat16 panels are k-pairs instead, the
+layout of vdpbf16ps and of AMX's B tiles, widened the same way (same bits): on the Sapphire
+Rapids-class Xeon, 1 thread, 32 SmolLM2-shaped matrices, plain panels / k-pairs, medians 2.95 /
+2.56 ms at 1 row, 4.50 / 2.92 at 8, 12.47 / 12.02 at 32, 51.3 / 47.8 at 128. vdpbf16ps on them
+(rounding x to bfloat16) is opt-in, `bf16_dpbf16()`: 2.53, 4.08, 16.6 and 71.3 ms there.
 float16 panels (a GGUF file's F16 matrices, dtype="float16") are widened exactly too
 (vcvtph2ps), with the same result: the float32 kernel's bits on weight.float().
 Without the panel kernel the layers run on the GEMV kernel up to GEMV_MAX_ROWS rows (it streams
@@ -33,20 +38,47 @@ on its GEMM path.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 
 import torch
 
 from pagedlm.kernels.loader import available, typed_library
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
-library = typed_library({
+_library = typed_library({
     "gemv_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_bf16": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_f16": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panel_width": ([], _i),
+    "gemm_panels_bf16_layout": ([], _i),
+    "gemm_panels_bf16_dpbf16": ([], _i),
+    "gemm_panels_bf16_set_dpbf16": ([_i], _i),
 })
+# Opt-in: bfloat16 k-pair panels multiplied with vdpbf16ps (bf16_dpbf16). Off by default: on
+# the Sapphire Rapids-class Xeon, the only CPU here with AVX512-BF16, vdpbf16ps (zmm) sustains
+# one instruction per 2 cycles against two FMAs a cycle (latency 8 cycles against 4), so its
+# 32 products an instruction give half the FMAs' 32 a cycle: widening the pairs is as fast at
+# 1 row and faster from 8 (figures in gemv_f32.c), and keeps the float32 kernel's bits.
+BF16_DPBF16_ENV = "PAGEDLM_BF16_DPBF16"
+_configured: list = []  # the library the setting was made on
+# [bf16_pairs(), bf16_dpbf16()], kept between setting changes: gemm_panels asks at every call,
+# and asking the library each time cost about 1 ms a pass over SmolLM2-135M's 121 matrices.
+_state: list = []
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel library (None where it is unavailable), its bfloat16 math set from
+    BF16_DPBF16_ENV the first time."""
+    lib = _library()
+    if lib is not None and (not _configured or _configured[0] is not lib):
+        _configured[:] = [lib]
+        _state.clear()
+        if os.environ.get(BF16_DPBF16_ENV) == "1":
+            lib.gemm_panels_bf16_set_dpbf16(1)
+    return lib
 
 # Where the panel kernel does not run (no AVX2), the most rows the float32 layers run on the
 # GEMV kernel. Measured (benchmarks/gemv.py: every matrix of SmolLM2-135M once, float32, 2
@@ -94,7 +126,8 @@ def panel_width() -> int:
 
 # The panel kernel's weight element types, each with its C entry point. bfloat16 and float16
 # panels are widened exactly to float32 as they are read and meet the same FMA chain, so their
-# outputs are bit for bit the float32 kernel's on weight.float(), at half the bytes read.
+# outputs are bit for bit the float32 kernel's on weight.float(), at half the bytes read (but
+# for the opt-in vdpbf16ps math on bfloat16 k-pairs, bf16_dpbf16).
 _PANEL_KERNELS = {torch.float32: "gemm_panels_f32", torch.bfloat16: "gemm_panels_bf16",
                   torch.float16: "gemm_panels_f16"}
 
@@ -105,32 +138,112 @@ def panel_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(_PANEL_KERNELS) if panel_width() else ()
 
 
+def _bf16_state() -> list:
+    if not _state:
+        lib = library() if panel_width() else None
+        _state[:] = [lib is not None and lib.gemm_panels_bf16_layout() == 2,
+                     lib is not None and lib.gemm_panels_bf16_dpbf16() == 1]
+    return _state
+
+
+def bf16_pairs() -> bool:
+    """Whether bfloat16 panels here are k-pairs, [ceil(N / W), ceil(K / 2), W, 2] (builds with
+    AVX512-BF16, as the library says: the build, not /proc/cpuinfo, decides), the layout of
+    vdpbf16ps and of AMX's B tiles; else plain [ceil(N / W), K, W] as the float32 ones. Both
+    are widened exactly to the float32 kernel's FMA chain (its bits on weight.float()) unless
+    `bf16_dpbf16()`."""
+    return _bf16_state()[0]
+
+
+def bf16_dpbf16() -> bool:
+    """Whether k-pair panels are multiplied with vdpbf16ps (BF16_DPBF16_ENV=1, or inside
+    `bf16_dot(True)`): x rounded to bfloat16 once per call, and per output from +0, for each
+    pair, the odd product then the even one added in float32, subnormals flushed (Intel SDM).
+    Its bits are not the float32 kernel's on weight.float() (nor a CPU's without it), but do
+    not depend on the row count: a row's bits are the same alone or in any batch on one CPU."""
+    return _bf16_state()[1]
+
+
+def bf16_dpbf16_supported() -> bool:
+    """Whether this build can multiply bfloat16 panels with vdpbf16ps (AVX512-BF16)."""
+    if not bf16_pairs():
+        return False
+    with bf16_dot(True) as on:
+        return on
+
+
+@contextlib.contextmanager
+def bf16_dot(on: bool):
+    """Runs the block with k-pair panels multiplied with vdpbf16ps (on) or widened (off), as
+    far as the build can, yielding the setting in force; then restores the previous one. For
+    tests and benchmarks: the setting is process-wide."""
+    lib = library()
+    before = lib.gemm_panels_bf16_dpbf16()
+    try:
+        _state.clear()
+        yield bool(lib.gemm_panels_bf16_set_dpbf16(int(on)))
+    finally:
+        lib.gemm_panels_bf16_set_dpbf16(before)
+        _state.clear()
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] (float32, bfloat16 or float16, contiguous, on the CPU) as
     [ceil(N / W), K, W] panels of the same dtype (W = panel_width(), zero columns past N) for
-    `gemm_panels`, or None where the panel kernel does not run it."""
+    `gemm_panels`, or None where the panel kernel does not run it. bfloat16 where
+    `bf16_pairs()`: [ceil(N / W), ceil(K / 2), W, 2], element [p, j, c, e] the weight's
+    [p * W + c, 2 * j + e] (zero past N and at an odd K's last k)."""
     if (weight.dtype not in panel_dtypes() or weight.dim() != 2
             or not weight.is_contiguous() or weight.device.type != "cpu"):
         return None
     width = panel_width()
     n, k = weight.shape
     full, rest = divmod(n, width)
+    pairs = weight.dtype == torch.bfloat16 and bf16_pairs()
     # Written straight from the weight's rows: a zero-padded copy of the whole matrix on the
     # way doubled what packing held beside the weight (a tied 1B embedding is 200 MB a copy).
-    panels = torch.empty(full + (rest > 0), k, width, dtype=weight.dtype)
-    panels[:full].copy_(weight[:full * width].view(full, width, k).transpose(1, 2))
+    if not pairs:
+        panels = torch.empty(full + (rest > 0), k, width, dtype=weight.dtype)
+        panels[:full].copy_(weight[:full * width].view(full, width, k).transpose(1, 2))
+        if rest:
+            panels[full, :, :rest].copy_(weight[full * width:].T)
+            panels[full, :, rest:].zero_()
+        return panels
+    panels = torch.empty(full + (rest > 0), (k + 1) // 2, width, 2, dtype=weight.dtype)
+    _put_pairs(panels[:full], weight[:full * width], width)
     if rest:
-        panels[full, :, :rest].copy_(weight[full * width:].T)
-        panels[full, :, rest:].zero_()
+        _put_pairs(panels[full:, :, :rest], weight[full * width:], rest)
+        panels[full:, :, rest:].zero_()
     return panels
+
+
+def _put_pairs(dst: torch.Tensor, rows: torch.Tensor, cols: int) -> None:
+    """dst [P, ceil(K / 2), cols, 2] (a view into panels) = rows [P * cols, K] in k-pairs."""
+    num, k = dst.shape[0], rows.shape[1]
+    even = k - k % 2
+    src = rows.view(num, cols, k)
+    dst[:, :even // 2].copy_(src[:, :, :even].view(num, cols, even // 2, 2).transpose(1, 2))
+    if k % 2:
+        dst[:, -1, :, 0].copy_(src[:, :, -1])
+        dst[:, -1, :, 1].zero_()
+
+
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Float32 rows `ids` (any shape) of the [N, k] matrix that `pack_panels` packed (row r is
+    column r % W of panel r // W; padding rows are zero) -> [*ids.shape, k]."""
+    width = panels.shape[2]
+    flat = ids.reshape(-1)
+    rows = panels[flat // width, :, flat % width]  # [n, K] or, in k-pairs, [n, K / 2, 2]
+    return rows.reshape(len(flat), -1)[:, :k].float().reshape(*ids.shape, k)
 
 
 def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> float32 [M, n] for the W that `pack_panels` turned into
-    `panels` (float32, bfloat16 or float16: the products and sums are float32 in each); x
-    must be float32 [M, K] (copied to a contiguous tensor if it is not), bias float32 [n]."""
-    num_panels, k, width = panels.shape
+    `panels` (float32, bfloat16 or float16: the products and sums are float32 in each, x
+    rounded to bfloat16 under `bf16_dpbf16()`); x must be float32 [M, K] (copied to a contiguous
+    tensor if it is not), bias float32 [n]."""
+    num_panels, width = panels.shape[0], panels.shape[2]
     if not (num_panels - 1) * width < n <= num_panels * width:
         raise ValueError(f"gemm_panels: {n} output columns do not fit {num_panels} panels of "
                          f"{width}")
@@ -139,4 +252,12 @@ def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
         raise ValueError(f"gemm_panels: panels must be contiguous float32, bfloat16 or "
                          f"float16, got {panels.dtype}"
                          f"{'' if panels.is_contiguous() else ' (strided)'}")
+    pairs = panels.dtype == torch.bfloat16 and bf16_pairs()
+    if panels.dim() != 3 + pairs or (pairs and panels.shape[3] != 2):
+        raise ValueError(f"gemm_panels: {panels.dtype} panels here are "
+                         f"{'[P, K / 2, W, 2] k-pairs' if pairs else '[P, K, W]'}, got "
+                         f"{tuple(panels.shape)}")
+    k = panels.shape[1]
+    if pairs:  # K is x's, if it is even or odd as the panels' last pair says
+        k = x.shape[-1] if x.dim() == 2 and (x.shape[-1] + 1) // 2 == k else 2 * k
     return _call("gemm_panels", getattr(library(), name), x, panels, n, k, bias)

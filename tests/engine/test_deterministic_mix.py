@@ -200,8 +200,9 @@ def _assert_all_blocks_free(llm: LLM):
 
 
 @needs_kernels
-# bfloat16 weights run the float32 path but for the panel kernel's widening load (issue 32):
-# the same mixes hold for them (about 6 s a seed here).
+# bfloat16 weights run the float32 path but for the panel kernel's widening load (plain or
+# k-pair panels; the opt-in vdpbf16ps math too keeps one sum order at every row count, issue
+# 32): the same mixes hold for them (about 6 s a seed here).
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_probes_in_a_random_mix_are_bitwise_alone(reference, seed, dtype):

@@ -1,14 +1,21 @@
 """The panel kernel over bfloat16 and float16 weights (gemv.pack_panels / gemm_panels on
 2-byte panels).
 
-The weights stay 2 bytes and are widened exactly to float32 as they are read; x, the products
-and the sums are float32. So the outputs must be bit for bit the float32 panel kernel's on
-weight.float(), which test_fused_decode.py holds to a libm FMA chain and to batch invariance:
+float16 and bfloat16 weights stay 2 bytes and are widened exactly to float32 as they are read
+(bfloat16 panels are k-pairs where the build has AVX512-BF16, gemv.bf16_pairs(), plain panels
+elsewhere); x, the products and the sums are float32. So their outputs must be bit for bit the
+float32 panel kernel's on weight.float(), which test_fused_decode.py holds to a libm FMA chain
+and to batch invariance. That promise does not hold for the opt-in vdpbf16ps math on k-pairs
+(gemv.bf16_dot(True), PAGEDLM_BF16_DPBF16=1; AVX512-BF16 builds only), which rounds x to
+bfloat16 and adds each pair's odd product, then its even one, with subnormals flushed (Intel
+SDM's pseudo-code): its outputs are held bit for bit to a torch emulation of that order
+instead (the "bf16-dpbf16" cases, skipped without AVX512-BF16). Both:
 - ragged N (not a multiple of the panel width, and under it), K odd or tiny, M around the
   tiles (6 rows with AVX2, 12 with AVX-512) and the 192-row blocks, with a bias, 1 and 2
-  threads; and against a float64 matmul on the widened weight;
-- a row's bits alone and in a batch, at any position and thread count;
-- float16's subnormals, extremes and signed zeros widened exactly;
+  threads; and against a float64 matmul;
+- a row's bits alone and in a batch, at any position, row count and thread count;
+- float16's subnormals, extremes and signed zeros widened exactly; bfloat16 pairs' subnormals
+  flushed and x's ties rounded to even, as the SDM says;
 - what pack_panels packs and what gemm_panels refuses.
 """
 import pytest
@@ -25,7 +32,57 @@ pytestmark = [needs_kernels, pytest.mark.skipif(
 # SmolLM2-135M's q and down projections.
 SHAPES = [(37, 100), (5, 3), (16, 1), (33, 45), (100, 7), (576, 576), (576, 1536)]
 ROWS = [1, 2, 3, 5, 6, 7, 13, 130, 200]
-DTYPES = [torch.bfloat16, torch.float16]
+DPBF16 = (gemv.library() is not None and gemv.panel_width() > 0
+          and gemv.bf16_dpbf16_supported())
+needs_dpbf16 = pytest.mark.skipif(not DPBF16, reason="vdpbf16ps on bfloat16 k-pair panels needs "
+                                  "a build with AVX512-BF16: this CPU lacks it")
+# (dtype, vdpbf16ps math): each 2-byte dtype widened, and bfloat16 k-pairs on vdpbf16ps.
+KINDS = [pytest.param((torch.bfloat16, False), id="bf16"),
+         pytest.param((torch.float16, False), id="f16"),
+         pytest.param((torch.bfloat16, True), id="bf16-dpbf16", marks=needs_dpbf16)]
+
+
+@pytest.fixture
+def kind(request):
+    """(dtype, dpbf16), with gemm_panels_bf16 on that math for the test's length."""
+    dtype, dot = request.param
+    with gemv.bf16_dot(dot) as got:
+        assert got == dot and gemv.bf16_dpbf16() == dot
+        yield dtype, dot
+# The smallest normal float32: vdpbf16ps reads subnormal inputs as zero and flushes subnormal
+# sums to zero (DAZ, FTZ), whatever MXCSR says.
+TINY = 2.0 ** -126
+
+
+def _flush(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t.abs() < TINY, torch.zeros_like(t), t)
+
+
+def _vdpbf16ps(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ w [N, K] bfloat16 ^T as the k-pair panels compute it, in torch
+    float32: x rounded to bfloat16 (vcvtne2ps2bf16: subnormals read as zero, then to nearest
+    even); an odd K padded with a zero pair element; per output, from +0, for each pair j:
+    c += x[2j+1] w[2j+1], then c += x[2j] w[2j] (the product of two bfloat16s is exact in
+    float32, so each step is one float32 rounding, as vdpbf16ps' FMA), subnormal sums flushed."""
+    m, k = x.shape
+    xb, wf = _flush(_flush(x).bfloat16().float()), _flush(w.float())
+    if k % 2:
+        xb = torch.cat([xb, torch.zeros(m, 1)], 1)
+        wf = torch.cat([wf, torch.zeros(w.shape[0], 1)], 1)
+    c = torch.zeros(m, w.shape[0])
+    for j in range(0, xb.shape[1], 2):
+        for e in (1, 0):
+            c = _flush(c + _flush(xb[:, j + e, None] * wf[None, :, j + e]))
+    return c
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor, n: int,
+               dot: bool) -> torch.Tensor:
+    """What gemm_panels must give bit for bit on w's 2-byte panels: the float32 kernel on the
+    widened weight (`wide`, its float32 panels), or on vdpbf16ps its emulation."""
+    if dot:
+        return _vdpbf16ps(x, w)
+    return _threads(1, lambda: gemv.gemm_panels(x, wide, n))
 
 
 def _threads(n: int, fn):
@@ -37,58 +94,79 @@ def _threads(n: int, fn):
         torch.set_num_threads(saved)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_panel_dtypes_and_packing(dtype):
+@pytest.mark.parametrize("kind", KINDS, indirect=True)
+def test_panel_dtypes_and_packing(kind):
+    dtype, _ = kind
+    pairs = dtype == torch.bfloat16 and gemv.bf16_pairs()
     assert gemv.panel_dtypes() == (torch.float32, torch.bfloat16, torch.float16)
     width = gemv.panel_width()
-    w = torch.randn(37, 10).to(dtype)
-    panels = gemv.pack_panels(w)
-    assert panels.dtype == dtype and panels.shape == (-(-37 // width), 10, width)
-    assert panels.is_contiguous()
-    # The same layout as the float32 panels, element for element (2 bytes -> float32 exact),
-    # zeros past N included.
-    assert torch.equal(panels.float(), gemv.pack_panels(w.float()))
-    assert not panels.transpose(1, 2).reshape(-1, 10)[37:].any()
-    # Row r of the weight is column r % width of panel r // width.
-    assert torch.equal(panels.transpose(1, 2).reshape(-1, 10)[:37], w)
+    for k in (10, 9):
+        w = torch.randn(37, k).to(dtype)
+        panels = gemv.pack_panels(w)
+        assert panels.dtype == dtype and panels.is_contiguous()
+        # Row r of the weight is column r % width of panel r // width, every row read back.
+        rows = torch.arange(40).view(2, 20)
+        assert torch.equal(gemv.panel_rows(panels, rows, k)[rows < 37], w[rows[rows < 37]].float())
+        assert not gemv.panel_rows(panels, rows, k)[rows >= 37].any()
+        if pairs:
+            # k-pairs: [p, j, c, e] is row p * width + c's k = 2j + e; an odd K's pad is zero.
+            assert panels.shape == (2, (k + 1) // 2, width, 2)
+            flat = panels.permute(0, 2, 1, 3).reshape(2 * width, -1)
+            assert torch.equal(flat[:37, :k], w) and not flat[37:].any()
+            assert not flat[:, k:].any()
+            continue
+        assert panels.shape == (-(-37 // width), k, width)
+        # The same layout as the float32 panels, element for element (2 bytes -> float32
+        # exact), zeros past N included.
+        assert torch.equal(panels.float(), gemv.pack_panels(w.float()))
+        assert not panels.transpose(1, 2).reshape(-1, k)[37:].any()
+        assert torch.equal(panels.transpose(1, 2).reshape(-1, k)[:37], w)
     for refused in (w.T, w[0], w.double(), w.to(torch.int16)):
         assert gemv.pack_panels(refused) is None
     # runs() stays the row-major float32 GEMV kernel's test.
     assert not gemv.runs(w) and gemv.runs(w.float())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS, indirect=True)
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_2byte_panels_are_float32_panels_on_the_widened_weight(n, k, dtype):
+def test_2byte_panels_are_float32_panels_on_the_widened_weight(n, k, kind):
+    """Widened (plain or k-pair panels): the float32 kernel's bits on the widened weight.
+    vdpbf16ps: the emulation of its documented order, bit for bit (this Sapphire Rapids-class
+    CPU follows it; 'even product first' differs on these shapes)."""
+    dtype, dot = kind
     g = torch.Generator().manual_seed(n * 3 + k)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g)
     panels, wide = gemv.pack_panels(w), gemv.pack_panels(w.float())
     for m in ROWS:
         x = torch.randn(m, k, generator=g)
-        ref = _threads(1, lambda: gemv.gemm_panels(x, wide, n, b))
+        ref = _reference(x, w, wide, n, dot) + b
         for threads in (1, 2):
             got = _threads(threads, lambda: gemv.gemm_panels(x, panels, n, b))
             assert got.dtype == torch.float32 and got.shape == (m, n)
             assert torch.equal(got, ref), (m, threads)
-        # One running float32 sum per output over K (see test_fused_decode.py's tolerance).
+        # One running float32 sum per output over K (see test_fused_decode.py's tolerance),
+        # over x rounded to bfloat16 on vdpbf16ps.
+        xr = x.bfloat16() if dot else x
         torch.testing.assert_close(
-            got, (x.double() @ w.double().T + b.double()).float(), rtol=1e-5, atol=3e-4)
+            got, (xr.double() @ w.double().T + b.double()).float(), rtol=1e-5, atol=3e-4)
     # A strided x is copied, not misread.
     x = torch.randn(3, k + 8, generator=g)[:, :k]
-    assert torch.equal(gemv.gemm_panels(x, panels, n), gemv.gemm_panels(x, wide, n))
+    assert torch.equal(gemv.gemm_panels(x, panels, n), _reference(x, w, wide, n, dot))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS, indirect=True)
 @pytest.mark.parametrize("n,k", [(1000, 131), (37, 100)])
-def test_2byte_panel_row_is_batch_invariant(n, k, dtype):
-    """A row's bits do not depend on the row count (inside a tile, at its edge, across tiles
-    and 192-row blocks), its position, or 1 or 2 threads."""
+def test_2byte_panel_row_is_batch_invariant(n, k, kind):
+    """A row's bits do not depend on the row count (every count from 1 to 130: inside a tile,
+    at its edge, across tiles; and 200, across 192-row blocks), its position, or 1 or 2
+    threads; N ragged, K odd (an odd K's zero pad on bfloat16 pairs)."""
+    dtype, _ = kind
     g = torch.Generator().manual_seed(n + k)
     w, probe = torch.randn(n, k, generator=g).to(dtype), torch.randn(1, k, generator=g)
     panels = gemv.pack_panels(w)
     alone = _threads(1, lambda: gemv.gemm_panels(probe, panels, n))
-    for m in (5, 6, 7, 13, 200):
+    for m in [*range(1, 131), 200]:
         for pos in sorted({0, m // 2, m - 1}):
             x = torch.randn(m, k, generator=g)
             x[pos] = probe[0]
@@ -118,8 +196,51 @@ def test_f16_extremes_widen_exactly():
             assert torch.equal(got, gemv.gemm_panels(x, wide, len(w))), (m, threads)
 
 
-def test_gemm_panels_refuses_bad_input():
-    panels = gemv.pack_panels(torch.randn(20, 8).bfloat16())
+@needs_dpbf16
+@pytest.mark.parametrize("kind", [(torch.bfloat16, True)], indirect=True)
+def test_bf16_dpbf16_flushes_subnormals_and_rounds_x_to_even(kind):
+    """vdpbf16ps per Intel's SDM: a subnormal weight or x reads as zero (DAZ), a subnormal sum
+    is flushed (FTZ), and x is rounded to bfloat16 ties-to-even; each case checked against the
+    emulation and against what the other choice would give, so the test tells them apart."""
+    k = 4
+    w = torch.zeros(6, k)
+    x = torch.zeros(1, k)
+    x[0] = torch.tensor([2.0 ** 100, 1.0, 2.0 ** -63, 1.0 + 2.0 ** -8])
+    w[0, 0] = 2.0 ** -130  # subnormal weight times 2^100: 2^-30 unless read as zero
+    w[0, 1] = 2.0 ** -30  # so the sum is 2^-30, or 2^-29 without DAZ
+    w[1, 2] = 2.0 ** -64  # 2^-63 * 2^-64 = 2^-127, subnormal: flushed
+    w[2, 3] = 1.0  # x[3] halfway between two bfloat16s: rounds to the even 1.0
+    w[3, 1], w[3, 3] = 1.0, -1.0  # 1 - bf16(1 + 2^-8): 0 when rounded to even
+    w[4, 0], w[4, 1] = 2.0 ** -100, 1.0  # 1 + 1 (a normal product)
+    w[5] = torch.tensor([0.0, 2.0 ** -20, 0.0, 3.0])
+    w = w.bfloat16()
+    assert w[0, 0].float() == 2.0 ** -130 and w[1, 2].float() == 2.0 ** -64  # kept exactly
+    panels = gemv.pack_panels(w)
+    for m in (1, 13):
+        xs = x.expand(m, k).contiguous()
+        got = gemv.gemm_panels(xs, panels, 6)
+        assert torch.equal(got, _vdpbf16ps(xs, w)), got
+        assert torch.equal(got[0], torch.tensor([2.0 ** -30, 0.0, 1.0, 0.0, 2.0,
+                                                 2.0 ** -20 + 3.0]))
+    # A subnormal x (float32 and bfloat16 both hold 2^-130) reads as zero; K odd.
+    x = torch.tensor([[2.0 ** -130, 1.0, 1.0]])
+    w = torch.tensor([[2.0 ** 100, 2.0 ** -30, 0.0]]).bfloat16()
+    got = gemv.gemm_panels(x, gemv.pack_panels(w), 1)
+    assert torch.equal(got, _vdpbf16ps(x, w)) and got.item() == 2.0 ** -30
+
+
+@pytest.mark.parametrize("kind", KINDS, indirect=True)
+def test_gemm_panels_refuses_bad_input(kind):
+    dtype, _ = kind
+    panels = gemv.pack_panels(torch.randn(20, 8).to(dtype))
+    width = gemv.panel_width()
+    plain, pairs = (-(-20 // width), 8, width), (-(-20 // width), 4, width, 2)
+    # bfloat16 panels in the other layout than this build's; float16 ones in k-pairs.
+    other = torch.zeros(plain if gemv.bf16_pairs() else pairs, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"bfloat16 panels here are"):
+        gemv.gemm_panels(torch.randn(2, 8), other, 20)
+    with pytest.raises(ValueError, match=r"float16 panels here are \[P, K, W\]"):
+        gemv.gemm_panels(torch.randn(2, 8), torch.zeros(pairs, dtype=torch.float16), 20)
     with pytest.raises(ValueError, match=r"x must be float32 \[M, 8\]"):
         gemv.gemm_panels(torch.randn(2, 8).bfloat16(), panels, 20)
     with pytest.raises(ValueError, match="panels must be contiguous float32, bfloat16 or "

@@ -40,6 +40,26 @@ def _linear_layers(model) -> list:
 
 
 def test_greedy_matches_transformers_in_bfloat16(bf16_llm, default_model_dir):
+    _check_greedy_against_transformers(bf16_llm, default_model_dir)
+
+
+@pytest.mark.skipif(not (gemv.library() is not None and gemv.panel_width() > 0
+                         and gemv.bf16_dpbf16_supported()),
+                    reason="vdpbf16ps on bfloat16 k-pair panels needs a build with AVX512-BF16: "
+                           "this CPU lacks it")
+def test_greedy_matches_transformers_on_dpbf16(default_model_dir):
+    """The same check with the opt-in vdpbf16ps math (PAGEDLM_BF16_DPBF16=1), which rounds x
+    to bfloat16 in every linear layer, in the fused decode stack too."""
+    with gemv.bf16_dot(True):
+        llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20)
+        model = llm.llm_engine.executor.worker.model
+        assert all(layer.panel_weight.dim() == 4 for layer in _linear_layers(model))
+        _check_greedy_against_transformers(llm, default_model_dir)
+        assert model.fused_decode.stack is not None, model.fused_decode.off_reason
+        assert model.fused_decode.stack.steps > 0
+
+
+def _check_greedy_against_transformers(bf16_llm, default_model_dir):
     """Our greedy tokens are transformers-in-bfloat16's greedy tokens at every position of our
     sequences (one forward of each prompt and our tokens), for at least 13 of 14 prompts, and
     every other token is a near-tie.
@@ -100,7 +120,11 @@ def test_weights_are_stored_in_bfloat16(bf16_llm):
         ids = torch.tensor([0, 1, 17, 576, model.lm_head.org_vocab_size - 1])
         rows = embedding(ids)
         assert rows.dtype == torch.float32 and rows.shape == (5, embedding.embedding_dim)
-        reference = model.lm_head.panel_weight.transpose(1, 2).reshape(-1, rows.shape[1])
+        panels, dim = model.lm_head.panel_weight, rows.shape[1]
+        if panels.dim() == 4:  # k-pairs (AVX512-BF16 builds): [P, K / 2, W, 2]
+            reference = panels.permute(0, 2, 1, 3).reshape(-1, 2 * panels.shape[1])[:, :dim]
+        else:
+            reference = panels.transpose(1, 2).reshape(-1, dim)
         assert torch.equal(rows, reference[ids].float())
     # Everything else is small and float32 (norms), holding bfloat16 values.
     for name, param in model.named_parameters():
@@ -143,7 +167,9 @@ def test_bfloat16_layer_keeps_only_its_panels():
     assert own.weight.dtype == torch.bfloat16
     assert not shared.weight.is_meta and torch.equal(shared.weight, w)
     x, b = torch.randn(5, 64, generator=g), torch.randn(40, generator=g)
-    ref = x.double() @ w.double().T + b.double()
+    # The opt-in vdpbf16ps math multiplies x rounded to bfloat16.
+    xr = x.bfloat16() if gemv.bf16_dpbf16() else x
+    ref = xr.double() @ w.double().T + b.double()
     got = method.apply(own, x, b)
     torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-4)
     assert torch.equal(method.apply(shared, x, b), got)

@@ -48,6 +48,13 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
 int gemm_panel_width(void);
 void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
                      int nthreads);
+/* The bfloat16 panels gemm_panels_bf16 reads: 2, k-pairs [ceil(N / W), ceil(K / 2), W, 2]
+ * (AVX512-BF16 builds), else 1, plain [ceil(N / W), K, W] as the float32 ones. On k-pairs it
+ * widens them to the float32 chain, or, once set_dpbf16(1) (process-wide; returns the setting
+ * in force, 0 where not built), multiplies them with vdpbf16ps, x rounded to bfloat16. */
+int gemm_panels_bf16_layout(void);
+int gemm_panels_bf16_dpbf16(void);
+int gemm_panels_bf16_set_dpbf16(int on);
 void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                       int nthreads);
 void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,

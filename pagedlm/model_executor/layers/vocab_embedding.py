@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.distributed.parallel_state import get_tp_group
+from pagedlm.kernels import gemv
 from pagedlm.model_executor.layers.linear import (LinearMethodBase, UnquantizedLinearMethod,
                                                   float_weight_device)
 from pagedlm.model_executor.model_loader.weight_utils import check_shape
@@ -127,7 +128,7 @@ class ParallelLMHead(VocabParallelEmbedding):
                 or self.weight.element_size() != 2
                 or getattr(embed, "row_lookup", None) is not None):
             return
-        embed.row_lookup = functools.partial(_panel_rows, panels)
+        embed.row_lookup = functools.partial(_panel_rows, panels, self.weight.shape[1])
         stand_in = nn.Parameter(torch.empty_like(self.weight, device="meta"),
                                 requires_grad=False)
         embed.weight = self.weight = stand_in
@@ -141,10 +142,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits
 
 
-def _panel_rows(panels: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-    """Float32 rows of the [N, K] matrix packed as panels [N / W, K, W] (row r is column
-    r % W of panel r // W; padding rows are zero, as the table's are)."""
-    width = panels.shape[2]
-    ids = local_ids.reshape(-1)
-    rows = panels[ids // width, :, ids % width].float()
-    return rows.reshape(*local_ids.shape, panels.shape[1])
+def _panel_rows(panels: torch.Tensor, k: int, local_ids: torch.Tensor) -> torch.Tensor:
+    """Float32 rows of the [N, k] matrix packed as panels (gemv.pack_panels' layout, which
+    for bfloat16 depends on the build; padding rows are zero, as the table's are)."""
+    return gemv.panel_rows(panels, local_ids, k)
