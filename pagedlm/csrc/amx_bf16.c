@@ -19,7 +19,10 @@
  *   - rows go in chunks of about MCHUNK_BYTES of scratch (kept in L2 while every panel of the
  *     thread passes over it: each panel is then read from memory once a chunk, not once a
  *     32-row block); a thread takes one run of whole panels, so each weight byte is read by
- *     one thread.
+ *     one thread;
+ *   - K past KBLOCK (the 1B model's 8192) goes in blocks of KBLOCK, the C tiles stored to a
+ *     padded float32 scratch and loaded back between blocks (exact: the same sums), so that a
+ *     chunk still holds 128 rows rather than 32.
  * K must be a multiple of 32 (SmolLM2's 576 and 1536, the 1B model's 2048 and 8192 are): a
  * ragged K would need a second tile configuration for its last pairs, and its B tile would
  * read past the panel; other K are passed to gemm_panels_bf16 (amx.runs(k) tells callers).
@@ -80,6 +83,10 @@ void gemm_panels_bf16_amx_plain(float *y, const float *x, const uint16_t *wp, in
 #ifndef MCHUNK_BYTES
 #define MCHUNK_BYTES (512 * 1024)
 #endif
+/* K is taken in blocks of at most this many (see amx_thread). */
+#ifndef KBLOCK
+#define KBLOCK 2048
+#endif
 /* Below this many multiply-adds one thread does the whole call (an OpenMP team costs a few
  * microseconds to wake, which is what 2^21 take on the tile unit). */
 #define PAR_MIN_MACS (1L << 21)
@@ -133,8 +140,9 @@ static void round_rows(uint16_t *xb, const float *x, int M, int K, int lo, int h
     }
 }
 
-/* C tiles of the block at rows m0.. (rows: 16 or 32 of them valid in the scratch, fewer in y)
- * and columns n0.. (cols of them in y) to y; through a buffer when the block is ragged. */
+/* C tiles of the block at rows m0.. (rows: 16 or 32 of them valid in the scratch, fewer in y's
+ * M) and columns n0.. (cols of them in y) to y (rows N floats apart); through a buffer when the
+ * block is ragged. */
 static inline __attribute__((always_inline)) void store_block(
         float *y, int M, int N, int m0, int n0, int cols, int rows) {
     const int valid = M - m0 < rows ? M - m0 : rows;
@@ -174,31 +182,46 @@ static void pair_panel(uint16_t *buf, const uint16_t *panel, int K) {
     }
 }
 
-/* Panels [lo, hi) against the scratch's M16 rows (a multiple of 16), in row chunks. pairs:
- * NULL where wp is k-pair panels, else a K * 64-byte buffer each plain panel is paired into
+/* Panels [lo, hi), k in [k0, k1), against the scratch's M16 rows (a multiple of 16; K a row),
+ * in row chunks, into y (My rows, ldy floats apart; columns past N are not stored): each C
+ * tile starts at zero, or where accumulate, from y (then a K-blocked call's padded scratch,
+ * which a float32 store and load keep exactly: the sums are the unblocked ones). pairs: NULL
+ * where wp is k-pair panels, else a (k1 - k0) * 64-byte buffer each plain panel is paired into
  * (once a chunk; the 2 x 64 bytes a pair row is read from L1/L2 by the B tile loads). */
-static void amx_panels(float *y, const uint16_t *xb, const uint16_t *wp, int M, int M16, int N,
-                       int K, int lo, int hi, uint16_t *pairs) {
-    const size_t lda = (size_t)K * 2, panel_bytes = (size_t)K * 64;
-    int chunk = (int)(MCHUNK_BYTES / lda) / 32 * 32;
+static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, const uint16_t *wp,
+                       int M16, int K, int k0, int k1, int lo, int hi, uint16_t *pairs,
+                       int accumulate) {
+    const size_t lda = (size_t)K * 2, panel_bytes = (size_t)K * 64, ldc = (size_t)ldy * 4;
+    const int kn = k1 - k0;
+    int chunk = (int)(MCHUNK_BYTES / ((size_t)kn * 2)) / 32 * 32;
     if (chunk < 32) chunk = 32;
     for (int c0 = 0; c0 < M16; c0 += chunk) {
         const int c1 = M16 - c0 < chunk ? M16 : c0 + chunk;
         for (int p = lo; p < hi; p++) {
             const char *w = (const char *)wp + (size_t)p * panel_bytes;
             if (pairs != NULL) {
-                pair_panel(pairs, (const uint16_t *)w, K);
+                pair_panel(pairs, (const uint16_t *)w + (size_t)k0 * 32, kn);
                 w = (const char *)pairs;
+            } else {
+                w += (size_t)k0 * 64;
             }
             const int n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
             int m0 = c0;
             for (; m0 + 32 <= c1; m0 += 32) {
-                const char *a = (const char *)(xb + (size_t)m0 * K);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int k = 0; k < K; k += 32) {
+                const char *a = (const char *)(xb + (size_t)m0 * K + k0);
+                if (accumulate) {
+                    float *yb = y + (size_t)m0 * ldy + n0;
+                    _tile_loadd(0, yb, ldc);
+                    _tile_loadd(1, yb + 16, ldc);
+                    _tile_loadd(2, yb + (size_t)16 * ldy, ldc);
+                    _tile_loadd(3, yb + (size_t)16 * ldy + 16, ldc);
+                } else {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (int k = 0; k < kn; k += 32) {
                     _tile_loadd(6, w + (size_t)k * 64, 128);
                     _tile_loadd(7, w + (size_t)k * 64 + 64, 128);
                     _tile_loadd(4, a + (size_t)k * 2, lda);
@@ -208,20 +231,26 @@ static void amx_panels(float *y, const uint16_t *xb, const uint16_t *wp, int M, 
                     _tile_dpbf16ps(2, 5, 6);
                     _tile_dpbf16ps(3, 5, 7);
                 }
-                store_block(y, M, N, m0, n0, cols, 32);
+                store_block(y, My, ldy, m0, n0, cols, 32);
             }
             if (m0 < c1) { /* 16 rows left (c1 - c0 is a multiple of 16) */
-                const char *a = (const char *)(xb + (size_t)m0 * K);
-                _tile_zero(0);
-                _tile_zero(1);
-                for (int k = 0; k < K; k += 32) {
+                const char *a = (const char *)(xb + (size_t)m0 * K + k0);
+                if (accumulate) {
+                    float *yb = y + (size_t)m0 * ldy + n0;
+                    _tile_loadd(0, yb, ldc);
+                    _tile_loadd(1, yb + 16, ldc);
+                } else {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                }
+                for (int k = 0; k < kn; k += 32) {
                     _tile_loadd(6, w + (size_t)k * 64, 128);
                     _tile_loadd(7, w + (size_t)k * 64 + 64, 128);
                     _tile_loadd(4, a + (size_t)k * 2, lda);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(1, 4, 7);
                 }
-                store_block(y, M, N, m0, n0, cols, 16);
+                store_block(y, My, ldy, m0, n0, cols, 16);
             }
         }
     }
@@ -234,12 +263,27 @@ static void *alloc64(size_t bytes) {
 }
 
 /* One thread's panels [lo, hi), its tile configuration loaded for them and released after,
- * so that an idle pool thread does not carry 8 KiB of tile state through context switches. */
-static void amx_thread(float *y, const uint16_t *xb, const uint16_t *wp, int M, int M16, int N,
-                       int K, int lo, int hi, int plain) {
-    uint16_t *pairs = plain && lo < hi ? alloc64((size_t)K * 64) : NULL;
+ * so that an idle pool thread does not carry 8 KiB of tile state through context switches.
+ * K past KBLOCK goes in blocks of KBLOCK into ys, the call's [M16, P * 32] float32 scratch,
+ * whose valid part is then copied to y (without blocks, K = 8192 held a chunk to 32 rows, and
+ * each 512 KiB panel was read from memory once per 32 rows). */
+static void amx_thread(float *y, float *ys, const uint16_t *xb, const uint16_t *wp, int M,
+                       int M16, int N, int K, int lo, int hi, int plain) {
+    const int kb = K < KBLOCK ? K : KBLOCK;
+    uint16_t *pairs = plain && lo < hi ? alloc64((size_t)kb * 64) : NULL;
     load_tiles();
-    amx_panels(y, xb, wp, M, M16, N, K, lo, hi, pairs);
+    if (ys == NULL) {
+        amx_panels(y, M, N, N, xb, wp, M16, K, 0, K, lo, hi, pairs, 0);
+    } else {
+        const int ldy = (N + 31) / 32 * 32;
+        for (int k0 = 0; k0 < K; k0 += KBLOCK)
+            amx_panels(ys, M16, ldy, ldy, xb, wp, M16, K, k0,
+                       K - k0 < KBLOCK ? K : k0 + KBLOCK, lo, hi, pairs, k0 > 0);
+        const int n0 = lo * 32, n1 = hi * 32 < N ? hi * 32 : N;
+        for (int m = 0; m < M && n0 < n1; m++)
+            memcpy(y + (size_t)m * N + n0, ys + (size_t)m * ldy + n0,
+                   (size_t)(n1 - n0) * sizeof(float));
+    }
     _tile_release();
     free(pairs);
 }
@@ -248,9 +292,10 @@ static void gemm_amx(float *y, const float *x, const uint16_t *wp, int M, int N,
                      int nthreads, int plain) {
     const int P = (N + 31) / 32, M16 = (M + 15) / 16 * 16;
     uint16_t *xb = alloc64((size_t)M16 * K * 2);
+    float *ys = K > KBLOCK ? alloc64((size_t)M16 * P * 32 * sizeof(float)) : NULL;
     if ((long)M * N * K < PAR_MIN_MACS || nthreads < 2 || P < 2) {
         round_rows(xb, x, M, K, 0, M16);
-        amx_thread(y, xb, wp, M, M16, N, K, 0, P, plain);
+        amx_thread(y, ys, xb, wp, M, M16, N, K, 0, P, plain);
     } else {
 #pragma omp parallel num_threads(nthreads < P ? nthreads : P)
         {
@@ -259,9 +304,10 @@ static void gemm_amx(float *y, const float *x, const uint16_t *wp, int M, int N,
             round_rows(xb, x, M, K, lo, hi);
 #pragma omp barrier
             omp_thread_rows(P, 1, &lo, &hi);
-            amx_thread(y, xb, wp, M, M16, N, K, lo, hi, plain);
+            amx_thread(y, ys, xb, wp, M, M16, N, K, lo, hi, plain);
         }
     }
+    free(ys);
     free(xb);
 }
 

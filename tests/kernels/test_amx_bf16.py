@@ -4,9 +4,10 @@ layers that take it from AMX_MIN_ROWS rows.
 It rounds x to bfloat16 (to nearest even) once and sums exact products of bfloat16s in float32,
 in an order the SDM does not pin down bit for bit, so it is held to:
 - small integers (exact in bfloat16, sums under 2^24 exact in float32): the exact matmul, bit for
-  bit, over ragged M (1..70, padded rows), ragged N (37, 1000: a padded last panel), K 32, 576
-  and 1536 (row chunks of 448 and 160 rows), both panel layouts (k-pairs and plain), 1 and 2
-  threads: any indexing, padding or layout error shows;
+  bit, over ragged M (1..70, padded rows), ragged N (37, 1000, 40: a padded last panel), K 32,
+  576 and 1536 (row chunks of 448 and 160 rows) and 2144 (K blocks of 2048 and 96, summed
+  through a float32 scratch), both panel layouts (k-pairs and plain), 1 and 2 threads: any
+  indexing, padding or layout error shows;
 - random values: a float64 matmul of bfloat16-rounded x and the weight, within the bound of a
   float32 sum of K exact products in any order, gamma_K * sum |x_k w_k| (gamma_K = K u / (1 -
   K u), u = 2^-24), plus K times the smallest normal for flushed subnormals;
@@ -32,7 +33,8 @@ pytestmark = [needs_kernels, pytest.mark.skipif(
 
 U = 2.0 ** -24
 TINY = 2.0 ** -126
-SHAPES = [(37, 32), (1000, 576), (576, 1536), (64, 64)]
+# K = 2144 and 4160: blocks of 2048 (csrc KBLOCK) and a short last one.
+SHAPES = [(37, 32), (1000, 576), (576, 1536), (64, 64), (40, 2144)]
 ROWS = [1, 2, 15, 16, 17, 31, 32, 33, 48, 70]
 
 
@@ -116,10 +118,11 @@ def test_x_is_rounded_to_bfloat16_to_nearest_even(layout):
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("n,k", [(1000, 576), (576, 1536)])
+@pytest.mark.parametrize("n,k", [(1000, 576), (576, 1536), (100, 4160)])
 def test_a_row_is_the_same_alone_and_in_any_batch(n, k, layout, threads):
     """Each C row is its own A row against the panel in one K order: the same bits whatever
-    the tile, block, row chunk (160 rows at K = 1536) or thread split it falls in."""
+    the tile, block, row chunk (160 rows at K = 1536, 128 in K blocks of 2048) or thread split
+    it falls in."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(n, k, generator=g).bfloat16()
     panels = LAYOUTS[layout](w)
