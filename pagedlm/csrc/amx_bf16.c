@@ -37,19 +37,23 @@
  * kernel's nor vdpbf16ps's, so its bits differ from gemm_panels_bf16's: the deterministic mode
  * (one path at every row count) does not use it.
  *
- * Measured on this project's Sapphire Rapids-class Xeon (2 vCPUs, other jobs loading it to 3-5
- * runnable threads; runs hit by them, tenfold slower, were discarded): SmolLM2-135M's four
- * matrix shapes once each (576x576, 192x576, 1536x576, 576x1536), 2 threads, medians of 3
- * interleaved rounds, ms (GFLOP/s): this kernel on k-pairs / on plain panels / the widening
- * panel kernel (plain) / torch's bfloat16 F.linear (oneDNN on AMX, x already bfloat16):
- *   8 rows 0.133 / 0.183 / 0.145 / 0.212; 16: 0.137 / 0.198 / 0.254 / 0.224;
- *   32: 0.179 (789) / 0.236 / 0.460 (308) / 0.272 (520);
- *   128: 0.449 (1261) / 0.486 / 1.759 (322) / 0.535 (1058);
- *   512: 1.613 (1404) / 1.686 / 6.838 (331) / 1.235 (1834);
- *   2048: 6.308 (1436) / 6.444 / 28.222 (321) / 3.847 (2355).
- * oneDNN is still 1.3-1.6x faster from 512 rows. MCHUNK_BYTES of 64 KiB / 256 KiB / 512 KiB /
- * 1 MiB: 966 / 1195 / 1454 / 1479 GFLOP/s at 2048 rows (plain panels), 2 MiB and 4 MiB no
- * better (one noisy round each).
+ * Measured on this project's Sapphire Rapids-class Xeon (2 vCPUs; other jobs often loaded it
+ * to 3-5 runnable threads, and runs they hit, up to tenfold slower, were discarded), 2 threads,
+ * k-pair panels, medians of 5 interleaved rounds, ms (GFLOP/s): this kernel on k-pairs / on
+ * plain panels / the widening panel kernel / torch's bfloat16 F.linear (oneDNN on AMX, x
+ * already bfloat16). SmolLM2-135M's four matrix shapes once each (576x576, 192x576, 1536x576,
+ * 576x1536):
+ *   16 rows 0.132 / 0.193 / 0.208 / 0.220; 32: 0.161 (877) / 0.223 / 0.377 (376) / 0.247 (572);
+ *   128: 0.399 (1419) / 0.453 / 1.458 (388) / 0.482 (1174);
+ *   512: 1.496 (1514) / 1.572 / 5.828 (389) / 1.148 (1973);
+ *   2048: 5.722 (1583) / 6.008 / 23.779 (381) / 3.505 (2585).
+ * The 1B model's shapes (3 rounds), this kernel / panels / torch: 3072x2048 at 100 rows 0.64 /
+ * 3.11 / 0.85, at 512 2.87 (2242) / 15.92 / 2.86; 2048x8192 (K blocks) at 100 2.05 / 8.41 /
+ * 2.35, at 512 8.89 (1932) / 43.75 / 8.69; 16384x2048 at 512 26.8 / 98.6 / 15.5.
+ * oneDNN stays ahead from 512 rows on SmolLM2's shapes (1.3-1.6x) and the 1B's 16384x2048
+ * (1.7x), level on its 3072x2048 and 2048x8192; why was not investigated. MCHUNK_BYTES of 64 KiB /
+ * 256 KiB / 512 KiB / 1 MiB: 966 / 1195 / 1454 / 1479 GFLOP/s at 2048 rows (plain panels),
+ * 2 MiB and 4 MiB no better (one noisy round each).
  */
 #include <stddef.h>
 #include <stdint.h>
