@@ -56,6 +56,10 @@ def test_greedy_matches_transformers_on_dpbf16(default_model_dir):
         assert all(layer.panel_weight.dim() == 4 for layer in _linear_layers(model))
         _check_greedy_against_transformers(llm, default_model_dir)
         assert model.fused_decode.stack is not None, model.fused_decode.off_reason
+        # 14 sequences decode on AMX where the CPU has it (linear.AMX_MIN_ROWS), past the
+        # stack's rows: one sequence alone runs the stack on vdpbf16ps.
+        llm.generate(PROMPTS_14[:1], SamplingParams(temperature=0, max_tokens=4),
+                     use_tqdm=False)
         assert model.fused_decode.stack.steps > 0
 
 
@@ -68,10 +72,18 @@ def _check_greedy_against_transformers(bf16_llm, default_model_dir):
     32: it often holds two tokens exactly tied and takes the lower id, so a token on its
     maximum is one of its greedy choices; and a token one step below is as close as it can
     tell apart. pagedlm computes in float32 over the same bfloat16 weights, so its logits fall
-    between those steps: a differing token must be within one step of transformers' maximum
-    and a near-tie of pagedlm's own distribution (BF16_NEAR_TIE)."""
+    between those steps: a differing token must be within one step of transformers' maximum,
+    and either a near-tie of pagedlm's own distribution (BF16_NEAR_TIE) or the greedy token of
+    transformers in float32 over the same bfloat16 weights, which is pagedlm's math. On the AMX
+    Xeon, 'Once upon a time, in a small village,' token 5 is such a case: transformers in
+    bfloat16 puts ' woman' one step (0.031) over ' w', float32 over the bfloat16 weights puts
+    ' w' 0.090 over ' woman', and pagedlm ' w' by 0.070 (0.086 with AMX prefills): bfloat16
+    activations alone move that margin by more than the near-tie bound."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16).eval()
+    # The same bfloat16 weights computed in float32, asked only where the two part.
+    hf_f32 = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16)
+    hf_f32 = hf_f32.float().eval()
     tok = bf16_llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
     identical, differences = 0, []
@@ -83,13 +95,18 @@ def _check_greedy_against_transformers(bf16_llm, default_model_dir):
         top = logits.max(-1)
         off_max = [i for i, token in enumerate(got) if logits[i, token] != top.values[i]]
         identical += not off_max
+        if off_max:
+            with torch.inference_mode():
+                f32_greedy = hf_f32(torch.tensor([ids + got])).logits[
+                    0, len(ids) - 1:-1].argmax(-1)
         for i in off_max:
             token, theirs, ours = got[i], top.indices[i].item(), out.outputs[0].logprobs[i]
             step = 2.0 ** (torch.floor(torch.log2(top.values[i].abs())).item() - 7)
             differences.append((prompt, i, token, theirs))
             assert top.values[i] - logits[i, token] <= step, (prompt, i, token, theirs)
             assert theirs in ours, f"{prompt!r}: transformers' token {theirs} is not our 2nd"
-            assert ours[token].logprob - ours[theirs].logprob < BF16_NEAR_TIE, (prompt, i)
+            assert (ours[token].logprob - ours[theirs].logprob < BF16_NEAR_TIE
+                    or token == f32_greedy[i].item()), (prompt, i, ours)
     assert identical >= 13, differences
 
 
