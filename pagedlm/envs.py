@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     PAGEDLM_CACHE_DIR: str | None
     PAGEDLM_DISABLE_KERNELS: bool
     PAGEDLM_DISABLE_FUSED_DECODE: bool
+    PAGEDLM_BF16_DPBF16: bool
     PAGEDLM_DISABLE_ONEDNN: bool
     PAGEDLM_DEFAULT_MALLOC: bool
     PAGEDLM_ATTENTION_BACKEND: str | None
@@ -40,6 +41,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "PAGEDLM_DISABLE_KERNELS": _flag("PAGEDLM_DISABLE_KERNELS"),
     # 1/true/yes: decode runs layer by layer instead of through the fused native decode stack.
     "PAGEDLM_DISABLE_FUSED_DECODE": _flag("PAGEDLM_DISABLE_FUSED_DECODE"),
+    # 1: bfloat16 k-pair panels (AVX512-BF16 builds) multiply with vdpbf16ps, rounding x to
+    # bfloat16, instead of widening the pairs to float32 FMAs (kernels/gemv.py's bf16_dpbf16).
+    "PAGEDLM_BF16_DPBF16": _flag("PAGEDLM_BF16_DPBF16", ("1",)),
     # 1/true/yes: linear weights stay in PyTorch's layout, not packed for oneDNN.
     "PAGEDLM_DISABLE_ONEDNN": _flag("PAGEDLM_DISABLE_ONEDNN"),
     # 1/true/yes: workers keep glibc's malloc defaults (worker/malloc_tuning.py).

@@ -63,14 +63,6 @@
 #include "include/pagedlm_ops.h"
 #include "include/parallel.h"
 
-/* Declared here rather than in pagedlm_ops.h while that header is being changed by the
- * bfloat16-pairs work; the ctypes signatures are in pagedlm/kernels/amx.py. */
-int amx_bf16_available(void);
-void gemm_panels_bf16_amx(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
-                          int nthreads);
-void gemm_panels_bf16_amx_plain(float *y, const float *x, const uint16_t *wp, int M, int N,
-                                int K, int nthreads);
-
 #if defined(__linux__) && defined(__x86_64__) && defined(__AMX_TILE__) \
     && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 
 import torch
 
+from pagedlm import envs
 from pagedlm.kernels.loader import available, typed_library
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
@@ -57,12 +57,13 @@ _library = typed_library({
     "gemm_panels_bf16_dpbf16": ([], _i),
     "gemm_panels_bf16_set_dpbf16": ([_i], _i),
 })
-# Opt-in: bfloat16 k-pair panels multiplied with vdpbf16ps (bf16_dpbf16). Off by default: on
-# the Sapphire Rapids-class Xeon, the only CPU here with AVX512-BF16, vdpbf16ps (zmm) sustains
-# one instruction per 2 cycles against two FMAs a cycle (latency 8 cycles against 4), so its
-# 32 products an instruction give half the FMAs' 32 a cycle: widening the pairs is as fast at
-# 1 row and faster from 8 (figures in gemv_f32.c), and keeps the float32 kernel's bits.
-BF16_DPBF16_ENV = "PAGEDLM_BF16_DPBF16"
+
+# Opt-in (envs.PAGEDLM_BF16_DPBF16): bfloat16 k-pair panels multiplied with vdpbf16ps. Off by
+# default: on the Sapphire Rapids-class Xeon, the only CPU here with AVX512-BF16, vdpbf16ps
+# (zmm) sustains one instruction per 2 cycles against two FMAs a cycle (latency 8 cycles
+# against 4), so its 32 products an instruction give half the FMAs' 32 a cycle: widening the
+# pairs is as fast at 1 row and faster from 8 (figures in gemv_f32.c), and keeps the float32
+# kernel's bits.
 _configured: list = []  # the library the setting was made on
 # [bf16_pairs(), bf16_dpbf16()], kept between setting changes: gemm_panels asks at every call,
 # and asking the library each time cost about 1 ms a pass over SmolLM2-135M's 121 matrices.
@@ -71,12 +72,12 @@ _state: list = []
 
 def library() -> ctypes.CDLL | None:
     """The kernel library (None where it is unavailable), its bfloat16 math set from
-    BF16_DPBF16_ENV the first time."""
+    envs.PAGEDLM_BF16_DPBF16 the first time."""
     lib = _library()
     if lib is not None and (not _configured or _configured[0] is not lib):
         _configured[:] = [lib]
         _state.clear()
-        if os.environ.get(BF16_DPBF16_ENV) == "1":
+        if envs.PAGEDLM_BF16_DPBF16:
             lib.gemm_panels_bf16_set_dpbf16(1)
     return lib
 
@@ -156,7 +157,7 @@ def bf16_pairs() -> bool:
 
 
 def bf16_dpbf16() -> bool:
-    """Whether k-pair panels are multiplied with vdpbf16ps (BF16_DPBF16_ENV=1, or inside
+    """Whether k-pair panels are multiplied with vdpbf16ps (PAGEDLM_BF16_DPBF16=1, or inside
     `bf16_dot(True)`): x rounded to bfloat16 once per call, and per output from +0, for each
     pair, the odd product then the even one added in float32, subnormals flushed (Intel SDM).
     Its bits are not the float32 kernel's on weight.float() (nor a CPU's without it), but do
