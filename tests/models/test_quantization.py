@@ -92,7 +92,14 @@ def test_gguf_runs_the_files_blocks_and_matches_float32(default_runs):
     perplexity within 0.5% (issue 32) and greedy tokens as close as llama.cpp-style 8-bit
     activations allow (measured on the AVX2 EPYC: perplexity x0.9994, 3/8 prompts identical,
     148/256 tokens before the first difference, logprobs where the tokens agree 0.035 apart on
-    average, 0.22 at most)."""
+    average, 0.22 at most).
+
+    On TEXT's ~100 tokens that perplexity is a draw, not a fixed figure: the same 8-bit math in
+    other float orders gave x1.0022 (transformers), x1.0101 (a PyTorch emulation) and x1.0237
+    (the kernels on the AMX Xeon, every layer within 6e-7 of the kernels' reference), and
+    scaling every quantized layer's input by 1 + 1e-7 randn gave x0.989 to x1.017 over 40
+    seeds. So the bound here is 3%, which only a real fault crosses; issue 32's 0.5% is checked
+    on benchmarks/quality.py's longer text."""
     # Every linear layer on the file's own blocks: the Q4_1 layers and the Q8_0 tied head.
     formats = default_runs["gguf"]["formats"]
     assert "float" not in formats and set(formats) == {"q4_1", "q8_0"}, formats
@@ -107,7 +114,7 @@ def test_gguf_runs_the_files_blocks_and_matches_float32(default_runs):
           f"prompts identical {sum(n == MAX_TOKENS for n in tokens)}/8, tokens before the first "
           f"difference {sum(tokens)}/{8 * MAX_TOKENS}; logprob differences max "
           f"{max(diffs):.4f}, mean {np.mean(diffs):.4f}; tokens {tokens}")
-    assert abs(ratio - 1) < 0.005
+    assert abs(ratio - 1) < 0.03
     # The first token of every prompt but one, and most of the rest.
     assert sum(n > 0 for n in tokens) >= 7 and sum(tokens) >= 0.5 * 8 * MAX_TOKENS
     assert max(diffs) < 0.3 and np.mean(diffs) < 0.05
@@ -261,5 +268,9 @@ def test_quantized_tensor_parallel_matches_one_worker(tiny_models, quantization)
     two = _greedy(llm, PROMPTS[:4], 8)
     llm.shutdown()
     del llm
-    _assert_same(one, two, atol=1e-3)
+    # int4's q4_1 kernel rounds its input to 8 bits a 32-block: the ranks' partial sums, added
+    # in another order, move a value by a last bit, which can flip a rounding and move the next
+    # layer's input by a whole 8-bit step. On the AMX Xeon that gave 0.014 (1e-3 held on the
+    # AVX2 EPYC by luck of the draw); int8's layers take float input, so it stays tight.
+    _assert_same(one, two, atol=5e-2 if quantization == "int4" else 1e-3)
     assert_no_workers_left()
