@@ -1,12 +1,10 @@
 /* Float32 y[M, N] = x[M, K] @ W[N, K]^T on AMX (tdpbf16ps) over the bfloat16 panels.
  *
  * AMX's B tile ("VNNI" format) is k-pairs: row j holds, per output column, W[c][2j] and
- * W[c][2j+1]. The bfloat16 panels come in two layouts (gemv.pack_panels, gemv_f32.c):
- *   - k-pairs (gemm_panels_bf16_amx), wp[p][j][c][e] = W[p * 32 + c][2j + e]: for a 32-column
- *     panel, pair row j is 128 bytes, the B tiles' layout as it stands;
- *   - plain (gemm_panels_bf16_amx_plain), wp[p][k][c] = W[p * 32 + c][k]: each panel is paired
- *     into a per-thread buffer (K * 64 bytes) once per row chunk, so no second copy of the
- *     weight is kept either way.
+ * W[c][2j+1]. Where the build has AMX it has AVX512-BF16, so gemv.pack_panels packs bfloat16
+ * panels in k-pairs (gemv_f32.c), wp[p][j][c][e] = W[p * 32 + c][2j + e]: for a 32-column
+ * panel, pair row j is 128 bytes, the B tiles' layout as it stands, and no second copy of the
+ * weight is kept.
  * Then:
  *   - x's rows are rounded to bfloat16 once per call (vcvtne2ps2bf16: to nearest even, a
  *     subnormal read as zero) into a per-call scratch, rows padded with zeros to a multiple
@@ -40,7 +38,8 @@
  * Measured on this project's Sapphire Rapids-class Xeon (2 vCPUs; other jobs often loaded it
  * to 3-5 runnable threads, and runs they hit, up to tenfold slower, were discarded), 2 threads,
  * k-pair panels, medians of 5 interleaved rounds, ms (GFLOP/s): this kernel on k-pairs / on
- * plain panels / the widening panel kernel / torch's bfloat16 F.linear (oneDNN on AMX, x
+ * plain panels (a variant that paired them per thread, since removed: AMX builds always pack
+ * k-pairs) / the widening panel kernel / torch's bfloat16 F.linear (oneDNN on AMX, x
  * already bfloat16). SmolLM2-135M's four matrix shapes once each (576x576, 192x576, 1536x576,
  * 576x1536):
  *   16 rows 0.132 / 0.193 / 0.208 / 0.220; 32: 0.161 (877) / 0.223 / 0.377 (376) / 0.247 (572);
@@ -163,30 +162,12 @@ static inline __attribute__((always_inline)) void store_block(
         memcpy(yb + (size_t)m * N, buf + m * 32, (size_t)cols * sizeof(float));
 }
 
-/* Panel p of plain [P, K, 32] bfloat16 panels (K a multiple of 2) in k-pairs, [K / 2, 32, 2]
- * into buf: rows 2j and 2j+1 interleaved (vpunpck[lh]wd pair them within each 128-bit lane, a
- * qword permute puts columns 0-15 in the first 64 bytes and 16-31 in the second). */
-static void pair_panel(uint16_t *buf, const uint16_t *panel, int K) {
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    for (int j = 0; j < K / 2; j++) {
-        const __m512i r0 = _mm512_loadu_si512(panel + (size_t)2 * j * 32);
-        const __m512i r1 = _mm512_loadu_si512(panel + (size_t)(2 * j + 1) * 32);
-        const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
-        _mm512_store_si512(buf + (size_t)j * 64, _mm512_permutex2var_epi64(lo, first, hi));
-        _mm512_store_si512(buf + (size_t)j * 64 + 32, _mm512_permutex2var_epi64(lo, second, hi));
-    }
-}
-
 /* Panels [lo, hi), k in [k0, k1), against the scratch's M16 rows (a multiple of 16; K a row),
  * in row chunks, into y (My rows, ldy floats apart; columns past N are not stored): each C
  * tile starts at zero, or where accumulate, from y (then a K-blocked call's padded scratch,
- * which a float32 store and load keep exactly: the sums are the unblocked ones). pairs: NULL
- * where wp is k-pair panels, else a (k1 - k0) * 64-byte buffer each plain panel is paired into
- * (once a chunk; the 2 x 64 bytes a pair row is read from L1/L2 by the B tile loads). */
+ * which a float32 store and load keep exactly: the sums are the unblocked ones). */
 static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, const uint16_t *wp,
-                       int M16, int K, int k0, int k1, int lo, int hi, uint16_t *pairs,
-                       int accumulate) {
+                       int M16, int K, int k0, int k1, int lo, int hi, int accumulate) {
     const size_t lda = (size_t)K * 2, panel_bytes = (size_t)K * 64, ldc = (size_t)ldy * 4;
     const int kn = k1 - k0;
     int chunk = (int)(MCHUNK_BYTES / ((size_t)kn * 2)) / 32 * 32;
@@ -194,13 +175,7 @@ static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, con
     for (int c0 = 0; c0 < M16; c0 += chunk) {
         const int c1 = M16 - c0 < chunk ? M16 : c0 + chunk;
         for (int p = lo; p < hi; p++) {
-            const char *w = (const char *)wp + (size_t)p * panel_bytes;
-            if (pairs != NULL) {
-                pair_panel(pairs, (const uint16_t *)w + (size_t)k0 * 32, kn);
-                w = (const char *)pairs;
-            } else {
-                w += (size_t)k0 * 64;
-            }
+            const char *w = (const char *)wp + (size_t)p * panel_bytes + (size_t)k0 * 64;
             const int n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
             int m0 = c0;
             for (; m0 + 32 <= c1; m0 += 32) {
@@ -264,34 +239,31 @@ static void *alloc64(size_t bytes) {
  * whose valid part is then copied to y (without blocks, K = 8192 held a chunk to 32 rows, and
  * each 512 KiB panel was read from memory once per 32 rows). */
 static void amx_thread(float *y, float *ys, const uint16_t *xb, const uint16_t *wp, int M,
-                       int M16, int N, int K, int lo, int hi, int plain) {
-    const int kb = K < KBLOCK ? K : KBLOCK;
-    uint16_t *pairs = plain && lo < hi ? alloc64((size_t)kb * 64) : NULL;
+                       int M16, int N, int K, int lo, int hi) {
     load_tiles();
     if (ys == NULL) {
-        amx_panels(y, M, N, N, xb, wp, M16, K, 0, K, lo, hi, pairs, 0);
+        amx_panels(y, M, N, N, xb, wp, M16, K, 0, K, lo, hi, 0);
     } else {
         const int ldy = (N + 31) / 32 * 32;
         for (int k0 = 0; k0 < K; k0 += KBLOCK)
             amx_panels(ys, M16, ldy, ldy, xb, wp, M16, K, k0,
-                       K - k0 < KBLOCK ? K : k0 + KBLOCK, lo, hi, pairs, k0 > 0);
+                       K - k0 < KBLOCK ? K : k0 + KBLOCK, lo, hi, k0 > 0);
         const int n0 = lo * 32, n1 = hi * 32 < N ? hi * 32 : N;
         for (int m = 0; m < M && n0 < n1; m++)
             memcpy(y + (size_t)m * N + n0, ys + (size_t)m * ldy + n0,
                    (size_t)(n1 - n0) * sizeof(float));
     }
     _tile_release();
-    free(pairs);
 }
 
 static void gemm_amx(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
-                     int nthreads, int plain) {
+                     int nthreads) {
     const int P = (N + 31) / 32, M16 = (M + 15) / 16 * 16;
     uint16_t *xb = alloc64((size_t)M16 * K * 2);
     float *ys = K > KBLOCK ? alloc64((size_t)M16 * P * 32 * sizeof(float)) : NULL;
     if ((long)M * N * K < PAR_MIN_MACS || nthreads < 2 || P < 2) {
         round_rows(xb, x, M, K, 0, M16);
-        amx_thread(y, ys, xb, wp, M, M16, N, K, 0, P, plain);
+        amx_thread(y, ys, xb, wp, M, M16, N, K, 0, P);
     } else {
 #pragma omp parallel num_threads(nthreads < P ? nthreads : P)
         {
@@ -300,7 +272,7 @@ static void gemm_amx(float *y, const float *x, const uint16_t *wp, int M, int N,
             round_rows(xb, x, M, K, lo, hi);
 #pragma omp barrier
             omp_thread_rows(P, 1, &lo, &hi);
-            amx_thread(y, ys, xb, wp, M, M16, N, K, lo, hi, plain);
+            amx_thread(y, ys, xb, wp, M, M16, N, K, lo, hi);
         }
     }
     free(ys);
@@ -312,15 +284,7 @@ void gemm_panels_bf16_amx(float *y, const float *x, const uint16_t *wp, int M, i
     if (K % 32 != 0 || !amx_bf16_available())
         gemm_panels_bf16(y, x, wp, M, N, K, nthreads);
     else
-        gemm_amx(y, x, wp, M, N, K, nthreads, 0);
-}
-
-void gemm_panels_bf16_amx_plain(float *y, const float *x, const uint16_t *wp, int M, int N,
-                                int K, int nthreads) {
-    if (K % 32 != 0 || !amx_bf16_available())
-        gemm_panels_bf16(y, x, wp, M, N, K, nthreads);
-    else
-        gemm_amx(y, x, wp, M, N, K, nthreads, 1);
+        gemm_amx(y, x, wp, M, N, K, nthreads);
 }
 #else
 int amx_bf16_available(void) { return 0; }
@@ -329,11 +293,6 @@ int amx_bf16_available(void) { return 0; }
  * Python side (amx.available() is False). */
 void gemm_panels_bf16_amx(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                           int nthreads) {
-    gemm_panels_bf16(y, x, wp, M, N, K, nthreads);
-}
-
-void gemm_panels_bf16_amx_plain(float *y, const float *x, const uint16_t *wp, int M, int N,
-                                int K, int nthreads) {
     gemm_panels_bf16(y, x, wp, M, N, K, nthreads);
 }
 #endif

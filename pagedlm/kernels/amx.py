@@ -1,8 +1,7 @@
 """bfloat16 linear layers on AMX's tile unit (csrc/amx_bf16.c): many rows of float32 x against
-the bfloat16 panels that gemv.pack_panels packs (32 wide, the AVX-512 build's), in either of
-their layouts: k-pairs (gemv.bf16_pairs()), which are AMX's B-tile layout as they stand, or
-plain [P, K, 32] ones, which the kernel pairs panel by panel into a per-thread buffer. So no
-second copy of the weight is kept.
+the bfloat16 panels that gemv.pack_panels packs (32 wide, the AVX-512 build's). A build with
+AMX has AVX512-BF16, so they are k-pairs (gemv.bf16_pairs()), AMX's B-tile layout as they
+stand: no second copy of the weight is kept.
 
 x is rounded to bfloat16 once per call and the products of each k-pair are summed in float32
 by tdpbf16ps: not gemv.gemm_panels's bits, but each row's result still depends on that row
@@ -23,7 +22,6 @@ _p, _i = ctypes.c_void_p, ctypes.c_int
 library = typed_library({
     "amx_bf16_available": ([], _i),
     "gemm_panels_bf16_amx": ([_p, _p, _p, _i, _i, _i, _i], None),
-    "gemm_panels_bf16_amx_plain": ([_p, _p, _p, _i, _i, _i, _i], None),
 })
 
 # The kernel takes K in steps of 32 (16 k-pairs, one A tile's row); gemm_panels_bf16_amx hands
@@ -53,18 +51,15 @@ def runs(k: int) -> bool:
 def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 @ W^T (+ bias) -> float32 [M, n] on the tile unit, for the bfloat16
-    `panels` that gemv.pack_panels made of W [n, K]: k-pairs [ceil(n / 32), K / 2, 32, 2] or
-    plain [ceil(n / 32), K, 32]. K not a multiple of K_STEP runs on gemv.gemm_panels's
-    kernel instead (which must then read the panels' layout: the one they were packed in)."""
+    k-pair `panels` [ceil(n / 32), K / 2, 32, 2] that gemv.pack_panels made of W [n, K]. K not
+    a multiple of K_STEP runs on gemv.gemm_panels's kernel instead."""
     if not available():
         raise RuntimeError("amx.gemm_panels: AMX-BF16 is not available here")
-    pairs = panels.dim() == 4
-    if (panels.dtype != torch.bfloat16 or panels.dim() not in (3, 4)
-            or panels.shape[2] != 32 or (pairs and panels.shape[3] != 2)
+    if (panels.dtype != torch.bfloat16 or panels.dim() != 4 or panels.shape[2:] != (32, 2)
             or not panels.is_contiguous()):
-        raise ValueError(f"amx.gemm_panels: panels must be contiguous bfloat16 [P, K, 32] or "
+        raise ValueError(f"amx.gemm_panels: panels must be contiguous bfloat16 "
                          f"[P, K / 2, 32, 2], got {panels.dtype} {tuple(panels.shape)}")
-    num_panels, k = panels.shape[0], panels.shape[1] * (2 if pairs else 1)
+    num_panels, k = panels.shape[0], panels.shape[1] * 2
     if not (num_panels - 1) * 32 < n <= num_panels * 32:
         raise ValueError(f"amx.gemm_panels: {n} output columns do not fit {num_panels} panels")
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
@@ -74,7 +69,6 @@ def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        lib = library()
-        fn = lib.gemm_panels_bf16_amx if pairs else lib.gemm_panels_bf16_amx_plain
-        fn(y.data_ptr(), x.data_ptr(), panels.data_ptr(), m, n, k, torch.get_num_threads())
+        library().gemm_panels_bf16_amx(y.data_ptr(), x.data_ptr(), panels.data_ptr(), m, n, k,
+                                       torch.get_num_threads())
     return y.add_(bias) if bias is not None else y

@@ -6,7 +6,7 @@ in an order the SDM does not pin down bit for bit, so it is held to:
 - small integers (exact in bfloat16, sums under 2^24 exact in float32): the exact matmul, bit for
   bit, over ragged M (1..70, padded rows), ragged N (37, 1000, 40: a padded last panel), K 32,
   576 and 1536 (row chunks of 448 and 160 rows) and 2144 (K blocks of 2048 and 96, summed
-  through a float32 scratch), both panel layouts (k-pairs and plain), 1 and 2 threads: any
+  through a float32 scratch), k-pair panels, 1 and 2 threads: any
   indexing, padding or layout error shows;
 - random values: a float64 matmul of bfloat16-rounded x and the weight, within the bound of a
   float32 sum of K exact products in any order, gamma_K * sum |x_k w_k| (gamma_K = K u / (1 -
@@ -38,15 +38,6 @@ SHAPES = [(37, 32), (1000, 576), (576, 1536), (64, 64), (40, 2144)]
 ROWS = [1, 2, 15, 16, 17, 31, 32, 33, 48, 70]
 
 
-def _plain(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] as plain bfloat16 panels [ceil(N / 32), K, 32] (zero columns past N)."""
-    n, k = w.shape
-    p = (n + 31) // 32
-    padded = torch.zeros(p * 32, k, dtype=torch.bfloat16)
-    padded[:n] = w
-    return padded.view(p, 32, k).transpose(1, 2).contiguous()
-
-
 def _pairs(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] (K even) as k-pair panels [ceil(N / 32), K / 2, 32, 2]: [p, j, c, e] is
     w[p * 32 + c, 2j + e], AMX's B-tile layout."""
@@ -57,7 +48,7 @@ def _pairs(w: torch.Tensor) -> torch.Tensor:
     return padded.view(p, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-LAYOUTS = {"plain": _plain, "pairs": _pairs}
+LAYOUTS = {"pairs": _pairs}
 
 
 @pytest.fixture
@@ -144,7 +135,7 @@ def test_other_k_and_shapes():
     panels = gemv.pack_panels(w)
     x = torch.randn(20, 48, generator=g)
     assert torch.equal(amx.gemm_panels(x, panels, 40), gemv.gemm_panels(x, panels, 40))
-    panels = _plain(torch.randn(40, 64).bfloat16())
+    panels = _pairs(torch.randn(40, 64).bfloat16())
     with pytest.raises(ValueError, match="columns do not fit"):
         amx.gemm_panels(torch.randn(2, 64), panels, 65)
     with pytest.raises(ValueError, match="x must be float32"):
@@ -164,8 +155,6 @@ def _layer(method, w: torch.Tensor) -> torch.nn.Module:
 
 def test_layers_take_amx_from_amx_min_rows_outside_the_deterministic_mode():
     from pagedlm.model_executor.layers.linear import AMX_MIN_ROWS, UnquantizedLinearMethod
-    if torch.bfloat16 not in gemv.panel_dtypes():
-        pytest.skip("no bfloat16 panels in this build")
     g = torch.Generator().manual_seed(5)
     w = torch.randn(100, 128, generator=g).bfloat16()
     x = torch.randn(40, 128, generator=g)
@@ -205,8 +194,6 @@ def test_tiny_llama_in_bfloat16_matches_transformers(tmp_path, default_model_dir
     from pagedlm import LLM, SamplingParams
     from pagedlm.model_executor.layers import linear
     from tests.conftest import make_tiny_model
-    if torch.bfloat16 not in gemv.panel_dtypes():
-        pytest.skip("no bfloat16 panels in this build")
     path = make_tiny_model(tmp_path, "llama", default_model_dir)
     calls = []
     real = amx.gemm_panels

@@ -64,12 +64,10 @@ void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N,
 
 /* 1 where the build has AMX-BF16 and Linux granted the tile data (asked once a process). */
 int amx_bf16_available(void);
-/* gemm_panels_bf16's arguments, on k-pair panels (_plain: plain [P, K, 32] panels, paired per
- * thread as read); x rounded to bfloat16. K must be a multiple of 32 (amx.runs). */
+/* gemm_panels_bf16's arguments, on k-pair panels; x rounded to bfloat16. K not a multiple of
+ * 32 goes to gemm_panels_bf16 (amx.runs). */
 void gemm_panels_bf16_amx(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                           int nthreads);
-void gemm_panels_bf16_amx_plain(float *y, const float *x, const uint16_t *wp, int M, int N,
-                                int K, int nthreads);
 
 /* ---------------------------------------------------------------- quant_matmul.c */
 

@@ -114,8 +114,7 @@ class WeightFormat(enum.IntEnum):
 # The fewest rows a bfloat16 layer on panels runs on AMX (UnquantizedLinearMethod). AMX pads
 # rows to 16, so below 16 it costs what 16 do: SmolLM2-135M's four shapes once, 2 threads,
 # medians of 5 interleaved rounds, AMX / panel kernel on k-pair panels 0.143 / 0.128 ms at 8
-# rows, 0.143 / 0.138 at 9, 0.142 / 0.148 at 10, 0.144 / 0.164 at 12, 0.137 / 0.215 at 16; on
-# plain panels (AMX pairs each panel per call) 0.19 ms against 0.19 at 12. Above
+# rows, 0.143 / 0.138 at 9, 0.142 / 0.148 at 10, 0.144 / 0.164 at 12, 0.137 / 0.215 at 16. Above
 # gemv.GEMV_MAX_ROWS, so that the fused decode stack, which then stops there, runs the same
 # kernel as the layers.
 AMX_MIN_ROWS = 12
@@ -227,9 +226,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     2 threads): 0.45 ms at 128 rows against the panel kernel's 1.76 and torch's bfloat16
     F.linear's 0.54, 6.3 at 2048 against 28.2 and 3.8 (csrc/amx_bf16.c has the table). A
     oneDNN-packed copy beside the panels would double the weights' memory. The fused decode
-    stack, which runs the panel kernel,
-    then takes decode steps only up to gemv.GEMV_MAX_ROWS rows (< AMX_MIN_ROWS, so it still
-    computes what the layers do: native_form says `other_kernel_from`)."""
+    stack, which runs the panel kernel, then takes decode steps only up to gemv.GEMV_MAX_ROWS
+    rows (< AMX_MIN_ROWS, so it still computes what the layers do: native_form says
+    `other_kernel_from`)."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader) -> None:
