@@ -172,6 +172,123 @@ def test_decode_padding_row_gives_zeros():
     assert torch.equal(dv.nan_to_num(), dv2.nan_to_num())
 
 
+def _poisoned_scratch(monkeypatch) -> list[int]:
+    """Makes the split path's scratch NaN-filled (a combine reading a split that no program
+    wrote shows as NaN) and records each allocation's split count."""
+    calls, alloc = [], ta._split_scratch
+
+    def scratch(rows, heads, splits, head_dim, device):
+        calls.append(splits)
+        return tuple(t.fill_(float("nan")) for t in alloc(rows, heads, splits, head_dim, device))
+
+    monkeypatch.setattr(ta, "_split_scratch", scratch)
+    return calls
+
+
+def _decode_direct(case, dtype, cache_dtype, sliding_window=None, soft_cap=None,
+                   num_splits=None, pad_at=None):
+    """ta.decode_attention called directly (num_splits as given) on the case's decode rows, a
+    padding row (length 0, a garbage table row, a random query) inserted at pad_at, against
+    the SDPA backend on the real rows, as _compare does; the padding row must be zeros."""
+    query, key, value, k_cache, v_cache, meta = case
+    q = query.to(dtype)
+    k, v = (_castable(x.to(dtype), cache_dtype) for x in (key, value))
+    kc, vc = k_cache.to(cache_dtype, copy=True), v_cache.to(cache_dtype, copy=True)
+    scale = 1 / math.sqrt(q.shape[-1])
+    ref = TorchSDPABackend().forward(q.float(), k.float(), v.float(), kc.clone(), vc.clone(),
+                                     meta, scale, sliding_window, soft_cap)
+    kc, vc = kc.to(DEVICE), vc.to(DEVICE)
+    ta.write_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, meta.slot_mapping.to(DEVICE))
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    if pad_at is not None:
+        g = torch.Generator().manual_seed(99)
+        q = torch.cat([q[:pad_at], torch.randn(1, *q.shape[1:], generator=g).to(dtype),
+                       q[pad_at:]])
+        garbage = torch.randint(0, kc.shape[0], (1, tables.shape[1]), generator=g)
+        tables = torch.cat([tables[:pad_at], garbage.to(tables.dtype), tables[pad_at:]])
+        lens = torch.cat([lens[:pad_at], lens.new_zeros(1), lens[pad_at:]])
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    ta.decode_attention(q.to(DEVICE), kc, vc, tables.to(DEVICE), lens.to(DEVICE), scale, out,
+                        sliding_window, soft_cap, num_splits=num_splits)
+    out = out.cpu()
+    if pad_at is not None:
+        assert torch.equal(out[pad_at], torch.zeros_like(out[pad_at]))
+        out = torch.cat([out[:pad_at], out[pad_at + 1:]])
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# Split-KV decode, forced. Lengths 200, 0 (a padding row), 5, 70, 130 over 14-block tables
+# (224 keys): 4 splits are 64 keys each, so 5 and 70 leave 3 and 2 of their splits empty;
+# window 40 starts 200 in its third split and 130 mid-way through its second (200 and 130 have
+# empty splits before the window). 2 splits are 128 keys (two tiles): window 70 starts 200 in
+# its second split and 130 at key 60, two tiles to loop over. GQA 3:1, head_dim 64 (SmolLM2's).
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,dtype,cache_dtype,window,soft_cap,splits", [
+    (3, 3, 64, torch.float32, torch.float32, None, None, 4),
+    (3, 3, 64, torch.bfloat16, torch.bfloat16, 40, 5.0, 4),
+    (1, 3, 64, torch.float32, torch.bfloat16, 70, None, 2),
+    (1, 2, 32, torch.float16, torch.float16, None, 3.0, 2)])
+def test_decode_split_matches_torch(monkeypatch, num_kv_heads, group, head_dim, dtype,
+                                    cache_dtype, window, soft_cap, splits):
+    calls = _poisoned_scratch(monkeypatch)
+    case = _case(7, [200, 5, 70, 130], [], num_kv_heads, group, head_dim)
+    assert case[5].decode_block_tables.shape[1] * 16 == 224
+    _decode_direct(case, dtype, cache_dtype, window, soft_cap, num_splits=splits, pad_at=1)
+    assert calls == [splits]  # the split path ran, with that many splits
+
+
+@pytest.mark.parametrize("window", [None, 1500])
+def test_decode_split_combines_many_splits(monkeypatch, window):
+    """More splits hold keys than the combine merges at once (_COMBINE_BLOCK_S): 1990 keys in
+    the wrapper's own plan for 2 rows (2016-key tables: 32 one-tile splits) take two steps of
+    its loop, the second rescaling the first's sums; window 1500 starts at split 7."""
+    calls = _poisoned_scratch(monkeypatch)
+    case = _case(9, [1990, 40], [], 2, 2)
+    assert ta.decode_splits(2, 2, 2016) == (32, 64) and ta._COMBINE_BLOCK_S < 32 - 7
+    _decode_direct(case, torch.float32, torch.float32, window)
+    assert calls == [32]
+
+
+def test_decode_splits_rule():
+    """The split plan: from shapes only (rows, KV heads, the tables' keys), never lengths."""
+    assert ta._SPLIT_BELOW_PROGRAMS == 2 * ta._NUM_SMS == 264
+    # One SmolLM2 stream (3 KV heads): 2048-key tables into 32 one-tile splits (96 programs);
+    # 8192 keys into 64 two-tile splits, since 88 splits bring 3 heads to 264 programs.
+    assert ta.decode_splits(1, 3, 2048) == (32, 64)
+    assert ta.decode_splits(1, 3, 8192) == (64, 128)
+    # 87 rows x 3 heads = 261 programs: still split in two; 88 x 3 = 264: the single pass.
+    assert ta.decode_splits(87, 3, 2048) == (2, 1024)
+    assert ta.decode_splits(88, 3, 2048) == (1, 2048)
+    assert ta.decode_splits(128, 3, 2048) == (1, 2048)
+    # Tables within 3 tiles (192 keys) keep the single pass; reaching into a 4th splits.
+    assert ta.decode_splits(1, 3, 192) == (1, 192)
+    assert ta.decode_splits(1, 3, 208) == (4, 64)
+    for rows in (1, 2, 5, 17, 63, 100, 263):
+        for kv_heads in (1, 2, 3, 8):
+            for keys in (256, 304, 2048, 8192, 131072):
+                splits, split_len = ta.decode_splits(rows, kv_heads, keys)
+                programs = rows * kv_heads
+                if programs >= ta._SPLIT_BELOW_PROGRAMS:
+                    assert splits == 1
+                    continue
+                # Whole tiles; every split starts inside the table and together they cover it;
+                # the grid stays under twice the target (the scratch with it).
+                assert splits >= 2 and split_len % ta._DECODE_BLOCK_N == 0
+                assert (splits - 1) * split_len < keys <= splits * split_len
+                assert splits * programs < 2 * ta._SPLIT_BELOW_PROGRAMS
+
+
+def test_decode_one_row_takes_split_path(monkeypatch):
+    """A one-row batch of SmolLM2's attention shape (9 query heads over 3 KV heads, head_dim
+    64, bfloat16) with 300 keys: the wrapper's own plan splits its 320-key table into 5, and
+    the result matches the reference."""
+    calls = _poisoned_scratch(monkeypatch)
+    case = _case(8, [300], [], 3, 3, 64)
+    assert case[5].decode_block_tables.shape == (1, 20)
+    assert ta.decode_splits(1, 3, 320) == (5, 64)
+    _decode_direct(case, torch.bfloat16, torch.bfloat16)
+    assert calls == [5]
+
+
 # (decode lengths, prefill chunks (context_len, chunk_len)): fresh prompts and chunks after
 # cached context, mixed with decodes. (test_prefill_window_and_soft_cap has a chunk longer than
 # one tile of query rows.)

@@ -140,6 +140,129 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+# Split-KV ("flash-decoding") decode: paged_decode_kernel's work for one (row, KV head) cut along
+# the keys into num_splits programs, for batches whose (rows x KV heads) grid would leave most
+# SMs idle (attention.py decides). Two kernels: each split writes its partial softmax state, and
+# paged_decode_combine_kernel merges a row's splits per query head. split_len, num_splits and
+# the scratch's strides (which scale with num_splits) change with the block tables' width in
+# eager steps: not specialised on, like bt_stride.
+@triton.jit(do_not_specialize=["bt_stride", "split_len", "pa_stride_t", "pa_stride_h",
+                               "pm_stride_t", "pm_stride_h"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
+def paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                              part_acc_ptr, part_ml_ptr, scale, soft_cap, window, split_len,
+                              q_stride_t, q_stride_h, c_stride_b, c_stride_s, c_stride_h,
+                              bt_stride, pa_stride_t, pa_stride_h, pa_stride_s,
+                              pm_stride_t, pm_stride_h, pm_stride_s,
+                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                              HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+                              DOT_FP32: tl.constexpr):
+    # One program per (decode row, KV head, split): the keys [split * split_len, (split + 1) *
+    # split_len) that the row sees ([lo, L) as in paged_decode_kernel; split_len is a multiple
+    # of BLOCK_N, so only lo starts a split off a tile's edge). It writes, for each of its GROUP
+    # query heads, the running max m, the denominator l and the unnormalised numerator acc (all
+    # float32) at index `split` of the scratch. A split with no key writes nothing: the combine
+    # derives from L and the window which splits hold keys and reads only those, so the scratch
+    # needs no initialising and padding rows (L = 0) read none.
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    lo = tl.full([], 0, tl.int32)
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    start = tl.maximum(split * split_len, lo)
+    end = tl.minimum(split * split_len + split_len, seq_len)
+    if start >= end:
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_mask = (h[:, None] < GROUP) & d_mask[None, :]
+    heads = kvh * GROUP + h
+    q = tl.load(q_ptr + row * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = block_tables_ptr + row.to(tl.int64) * bt_stride
+    n0 = (start // BLOCK_N) * BLOCK_N
+    while n0 < end:  # not `for`: see the module's note on loops
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = (pos < end) & (pos >= start)
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = blk * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _scores(q, k, scale, soft_cap, HAS_SOFT_CAP, DOT_FP32)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
+        n0 += BLOCK_N
+    pa = row * pa_stride_t + heads[:, None] * pa_stride_h + split * pa_stride_s + d[None, :]
+    tl.store(part_acc_ptr + pa, acc, mask=q_mask)
+    pm = part_ml_ptr + row * pm_stride_t + heads * pm_stride_h + split * pm_stride_s
+    tl.store(pm, m_i, mask=h < GROUP)
+    tl.store(pm + 1, l_i, mask=h < GROUP)
+
+
+@triton.jit(do_not_specialize=["split_len", "num_splits", "pa_stride_t", "pa_stride_h",
+                               "pm_stride_t", "pm_stride_h"],
+            do_not_specialize_on_alignment=["seq_lens_ptr"])
+def paged_decode_combine_kernel(part_acc_ptr, part_ml_ptr, seq_lens_ptr, out_ptr, window,
+                                split_len, num_splits, o_stride_t, o_stride_h,
+                                pa_stride_t, pa_stride_h, pa_stride_s,
+                                pm_stride_t, pm_stride_h, pm_stride_s,
+                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    # One program per (decode row, query head): merges the splits that hold keys of the row,
+    # [lo // split_len, cdiv(L, split_len)) -- exactly those paged_decode_split_kernel wrote --
+    # BLOCK_S at a time, rescaling each to the common max: out = sum_s e^(m_s - M) acc_s /
+    # sum_s e^(m_s - M) l_s. A row with no keys (L = 0) merges nothing and writes zeros.
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + row)
+    lo = tl.full([], 0, tl.int32)
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    s_lo = lo // split_len
+    # min(): the grid's splits cover the table's width, which covers L; lo < L: a window of
+    # 0 keys (or L = 0) leaves split s_lo unwritten, so none is read.
+    s_hi = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
+    s_hi = tl.where(lo < seq_len, s_hi, s_lo)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    m_all = tl.full([], float("-inf"), tl.float32)
+    l_all = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    s0 = s_lo
+    while s0 < s_hi:  # not `for`: see the module's note on loops
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = s < s_hi
+        pm = part_ml_ptr + row * pm_stride_t + head * pm_stride_h + s * pm_stride_s
+        m = tl.load(pm, mask=s_mask, other=float("-inf"))
+        lsum = tl.load(pm + 1, mask=s_mask, other=0.0)
+        pa = row * pa_stride_t + head * pa_stride_h + s[:, None] * pa_stride_s + d[None, :]
+        a = tl.load(part_acc_ptr + pa, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        # Every chunk holds a written split (finite m), so m_new is finite; the guard keeps
+        # -inf - -inf (NaN) out all the same, as _online_softmax_step does.
+        m_new = tl.maximum(m_all, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(m - m_safe)
+        alpha = tl.exp(m_all - m_safe)
+        l_all = l_all * alpha + tl.sum(w * lsum, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * a, 0)
+        m_all = m_new
+        s0 += BLOCK_S
+    out = acc / tl.where(l_all == 0.0, 1.0, l_all)
+    tl.store(out_ptr + row * o_stride_t + head * o_stride_h + d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
 @triton.jit(do_not_specialize=["bt_stride"],
             do_not_specialize_on_alignment=["query_start_loc_ptr", "context_lens_ptr",
                                             "block_tables_ptr"])
