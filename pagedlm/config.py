@@ -329,9 +329,13 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority" (EngineArgs' scheduling_policy)
     max_loras: int = 0  # distinct adapters per step (0: LoRA disabled)
     preemption_mode: str = "recompute"  # or "swap"
+    # Multi-step decoding: a decode-only step runs the model up to this many times, each
+    # iteration's sampled tokens feeding the next on the device (1: one token per step).
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("num_scheduler_steps", self.num_scheduler_steps)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive_int("max_model_len", self.max_model_len)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
@@ -480,6 +484,17 @@ class EngineConfig:
                              f"pipeline_parallel_size={pc.pipeline_parallel_size}: the draft "
                              f"runs in one worker.")
         sc = self.scheduler_config
+        if sc.num_scheduler_steps > 1:
+            # Each iteration's tokens stay on the one worker that samples them.
+            other = ("speculative_config" if spec is not None
+                     else "runner='pooling'" if model.runner == "pooling"
+                     else f"tensor_parallel_size={pc.tensor_parallel_size} x "
+                          f"pipeline_parallel_size={pc.pipeline_parallel_size}"
+                     if pc.world_size > 1 else None)
+            if other is not None:
+                raise ValueError(f"num_scheduler_steps={sc.num_scheduler_steps} cannot be "
+                                 f"combined with {other}: multi-step decoding runs on one "
+                                 f"worker, without drafts.")
         if sc.max_model_len != model.max_model_len:
             raise ValueError(f"scheduler_config.max_model_len ({sc.max_model_len}) differs from "
                              f"model_config.max_model_len ({model.max_model_len}).")

@@ -74,6 +74,9 @@ class ExecuteModelRequest:
     # Speculative decoding: k lookahead slots past a decode's one new token (0: plain decode);
     # empty when nothing speculates this step.
     num_lookahead: list[int] = field(default_factory=list)
+    # Multi-step decoding (core/multi_step.py): model iterations this step; > 1 only for a
+    # step of decodes, whose num_lookahead slots hold the later iterations' tokens.
+    num_steps: int = 1
     # Requests whose scheduled prompt chunk should also return prompt logprobs.
     prompt_logprobs_req_ids: list[str] = field(default_factory=list)
     # State the workers can drop (finished or aborted since the last step).
@@ -137,6 +140,9 @@ class ModelRunnerOutput:
     # verified, and tokens emitted (its rows first_sample_row.. hold them in order).
     num_drafts: dict[int, int] = field(default_factory=dict)
     num_emitted: dict[int, int] = field(default_factory=dict)
+    # Multi-step decoding: seq id -> tokens its iterations emitted (its rows first_sample_row..
+    # hold them in order), for every sequence of a step that ran more than one iteration.
+    multi_step_emitted: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -313,6 +313,16 @@ class SamplingParams:
         """Some logits processing besides penalties: a bias, an allow list or bad words."""
         return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
+    @property
+    def allows_multi_step(self) -> bool:
+        """Whether its next tokens can be sampled on the device without the host in between
+        (multi-step decoding): nothing that reads the output so far (penalties, min_tokens,
+        bad_words), nothing returned per token besides the id (logprobs, best_of's ranking),
+        no per-token logits processing besides temperature and truncation."""
+        return (self.logprobs is None and not self.has_penalties and not self.min_tokens
+                and not self.has_token_constraints and not self.ranked_at_end
+                and self.structured_outputs is None)
+
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
 

@@ -113,6 +113,9 @@ class SequenceUpdates:
     # Speculative decoding: (sequence, drafts verified, drafts accepted) for each sequence that
     # verified at least one draft; its accepted drafts' K/V are in the cache.
     spec: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    # Multi-step decoding: (sequence, tokens its iterations after the first computed), for
+    # each unfinished sequence that emitted more than one token.
+    multi_step: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)

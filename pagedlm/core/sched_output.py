@@ -35,7 +35,8 @@ class ExecuteModelRequestBuilder:
             blocks_to_swap_in=sched_out.blocks_to_swap_in,
             blocks_to_swap_out=sched_out.blocks_to_swap_out,
             blocks_to_copy=sched_out.blocks_to_copy,
-            finished_req_ids=self._finished_req_ids, finished_seq_ids=self._finished_seq_ids)
+            finished_req_ids=self._finished_req_ids, finished_seq_ids=self._finished_seq_ids,
+            num_steps=sched_out.num_steps)
         self._finished_req_ids, self._finished_seq_ids = [], []
         cached = req.cached_seqs
         speculating = False  # num_lookahead stays empty until a sequence has lookahead

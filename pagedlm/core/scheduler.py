@@ -27,6 +27,7 @@ from operator import attrgetter
 
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.block_manager import BlockManager, PoolFactory, plain_pool
+from pagedlm.core.multi_step import multi_step_lookahead
 from pagedlm.core.spec_policy import SpecPolicy
 from pagedlm.model_io import is_decode
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdates
@@ -65,6 +66,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on device
+    # Multi-step decoding: model iterations this step (> 1 only for a step of decodes, whose
+    # sequences hold num_lookahead slots for the iterations after the first).
+    num_steps: int = 1
     # Groups that can never be scheduled (they outgrew the whole cache or budget): finished.
     ignored_groups: list[SequenceGroup] = field(default_factory=list)
     running_queue_size: int = 0
@@ -142,6 +146,8 @@ class Scheduler:
             num_seqs = self._schedule_swapped(sched_out, num_seqs)
             if not self.swapped:
                 self._schedule_waiting(sched_out, num_seqs)
+        if sched_out.num_steps > 1 and sched_out.num_prefill_groups:
+            self._drop_multi_step(sched_out)
         if self.config.max_loras:
             n = len({sg.group.lora_int_id for sg in sched_out.scheduled_groups} - {0})
             self.stats.max_step_loras = max(self.stats.max_step_loras, n)
@@ -176,6 +182,10 @@ class Scheduler:
         decoding_ids = {id(g) for g in decoding} if policy is not None else set()
         speculate = policy is not None and policy.batch_allows(
             sum(len(unfinished[id(g)]) for g in decoding))
+        # Multi-step decoding: only when every running group decodes (a step with a prompt
+        # chunk runs the model once; one admitted from the queue gives the slots back).
+        steps = self.config.num_scheduler_steps
+        multi = steps > 1 and not prefilling
         preempted: set[int] = set()
         while pending:
             group = pending.popleft()
@@ -183,7 +193,10 @@ class Scheduler:
             if not seqs:
                 continue  # no token budget left this step; it keeps its place
             lookahead = None
-            if speculate and id(group) in decoding_ids:
+            if multi:
+                lookahead = [multi_step_lookahead(group, s, steps, self.config.max_model_len)
+                             for s in seqs]
+            elif speculate and id(group) in decoding_ids:
                 lookahead = [policy.lookahead(group, s) for s in seqs]
                 need = sum(tokens) + sum(lookahead)
                 if need > self._budget:
@@ -195,10 +208,11 @@ class Scheduler:
                     [n + k for n, k in zip(tokens, lookahead)])) is None:
                 victim = max([*pending, group], key=self._key)
                 if lookahead and any(lookahead) and (
-                        not policy.deterministic
+                        multi or not policy.deterministic
                         or (victim is group and not bm.can_ever_fit(
                             [len(s.token_ids) + k for s, k in zip(seqs, lookahead)]))):
-                    # Plain decoding before anyone is preempted. Deterministic: k is the
+                    # Plain decoding before anyone is preempted (multi-step: always; its
+                    # tokens are the same either way). Deterministic: k is the
                     # request's own, so the group is preempted with it (and comes back with
                     # it) rather than decoding plainly because of what else runs; only slots
                     # the whole cache could never hold are given up.
@@ -213,9 +227,21 @@ class Scheduler:
             else:
                 if speculate and id(group) in decoding_ids:
                     policy.scheduled(seqs)
-                self._add_scheduled(group, seqs, tokens, copies, sched_out, lookahead)
+                self._add_scheduled(group, seqs, tokens, copies, sched_out, lookahead,
+                                    charge_lookahead=not multi)
+        if multi:
+            sched_out.num_steps = steps
         self.running = [g for g in order if id(g) not in preempted]
         return bool(preempted), sum(len(unfinished[id(g)]) for g in self.running)
+
+    def _drop_multi_step(self, sched_out: SchedulerOutput) -> None:
+        """A prompt joined the step: it runs once, and the decodes' lookahead slots go back."""
+        sched_out.num_steps = 1
+        for sg in sched_out.scheduled_groups:
+            if any(sg.num_lookahead):
+                for seq in sg.seqs:
+                    self.block_manager.trim(seq)
+                sg.num_lookahead = [0] * len(sg.seqs)
 
     def _curr_loras(self) -> set[int]:
         return {g.lora_int_id for g in self.running} - {0}
@@ -339,13 +365,14 @@ class Scheduler:
 
     def _add_scheduled(self, group: SequenceGroup, seqs: list[Sequence], tokens: list[int],
                        copies: list[tuple[int, int]], sched_out: SchedulerOutput,
-                       lookahead: list[int] | None = None) -> None:
-        """Put a group whose slots are allocated into this step's output; lookahead slots
-        are charged to the token budget (they are computed as verification rows)."""
+                       lookahead: list[int] | None = None, charge_lookahead: bool = True) -> None:
+        """Put a group whose slots are allocated into this step's output; speculative
+        lookahead slots are charged to the token budget (they are computed as verification
+        rows in the step), multi-step ones are not (each iteration computes one token)."""
         sched_out.blocks_to_copy += copies
         sched_out.scheduled_groups.append(ScheduledGroup(group, seqs, tokens,
                                                          num_lookahead=lookahead))
-        self._budget -= sum(tokens) + (sum(lookahead) if lookahead else 0)
+        self._budget -= sum(tokens) + (sum(lookahead) if lookahead and charge_lookahead else 0)
 
     def _can_ever_fit(self, seqs: list[Sequence]) -> bool:
         lens = [len(s.token_ids) for s in seqs]
@@ -392,10 +419,13 @@ class Scheduler:
                 self.stats.spec_num_accepted += num_accepted
                 self.stats.spec_num_verifies += 1
                 self.spec_policy.update(seq, num_drafts, num_accepted)
+            for seq, num_extra in updates.multi_step:
+                seq.num_computed_tokens += num_extra  # computed by the step's later iterations
             for seq, status in updates.finished:
                 self._finish_seq(seq, status)
-        if self.spec_policy is not None:
-            # The slots of rejected (or never proposed) lookahead tokens go back to the pool.
+        if self.spec_policy is not None or sched_out.num_steps > 1:
+            # The slots of rejected (or never proposed) lookahead tokens go back to the pool,
+            # and a multi-step step's unused ones (a worker that ran it once).
             for sg in sched_out.scheduled_groups:
                 for seq, k in zip(sg.seqs, sg.num_lookahead):
                     if k and not seq.status.finished:

@@ -44,6 +44,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
+    num_scheduler_steps: int = 1  # decode iterations per engine step (multi-step decoding)
     max_logprobs: int = 20  # most logprobs a request may ask for per token (-1: the vocabulary)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -185,6 +186,7 @@ class EngineArgs:
                                            enable_chunked_prefill=chunked,
                                            policy=self.scheduling_policy,
                                            preemption_mode=self.preemption_mode,
+                                           num_scheduler_steps=self.num_scheduler_steps,
                                            max_loras=lora_config.max_loras if lora_config
                                            else 0)
         return EngineConfig(model_config=model_config, cache_config=cache_config,

@@ -54,6 +54,19 @@ class OutputProcessor:
                     child = seq.fork(next(self.next_seq_id))
                     updates.forks.append((group, seq, child))
                     targets.append(child)
+                if result.multi_step_emitted:
+                    # The step's iterations, appended one at a time with every stop check; a
+                    # stop drops the rest.
+                    num_emitted = result.multi_step_emitted[seq.seq_id]
+                    for r in range(row, row + num_emitted):
+                        status = self._append_token(group, seq, sampled[r], None)
+                        if status is not None:
+                            updates.finished.append((seq, status))
+                            break
+                    else:
+                        if num_emitted > 1:
+                            updates.multi_step.append((seq, num_emitted - 1))
+                    continue
                 num_emitted = result.num_emitted.get(seq.seq_id) if result.num_emitted else None
                 if num_emitted is not None:
                     # A verification: its accepted drafts and one more token, appended one at a

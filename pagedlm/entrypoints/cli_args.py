@@ -56,6 +56,12 @@ _HELP = {
     "max_num_batched_tokens": "Token budget of one engine step. Default: 2048 with chunked "
                               "prefill, else max(max_model_len, 2048).",
     "max_num_seqs": "Most sequences in the running batch.",
+    "num_scheduler_steps": "Multi-step decoding: a step with only decodes runs the model up to "
+                           "this many times, each iteration's sampled tokens fed to the next "
+                           "on the device, so the scheduler and output processing run once "
+                           "per N tokens. Streams then arrive N tokens at a time. Requests "
+                           "with logprobs, penalties, min_tokens, bad_words, logit_bias, "
+                           "allowed_token_ids or a grammar decode one token per step.",
     "enable_chunked_prefill": "Prefill long prompts over several steps, alongside decodes.",
     "enable_prefix_caching": "Reuse the KV blocks of prompt prefixes seen before.",
     "prefix_caching_hash_algo": "Prefix-cache block hash: sha256 (safe when tenants share the "

@@ -24,6 +24,7 @@ from pagedlm.model_io import (ExecuteModelRequest, ModelRunnerOutput, PromptLogp
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.spec_decode.proposer import Proposal, ProposalRequest, Proposer
 from pagedlm.structured_output.bitmask import GrammarBitmask
+from pagedlm.worker import multi_step
 from pagedlm.worker.cuda_graph import CUDAGraphRunner
 from pagedlm.worker.step_inputs import _FlatBatch, build_step_tensors
 
@@ -309,14 +310,12 @@ class ModelRunner:
         self.update_states(req)
         inp = self.prepare_input(req)
         t1 = time.perf_counter()
-        graphs, size = self.cuda_graphs, None
-        if graphs is not None and intermediate_tensors is None:
-            size = graphs.size_for(inp.input_ids.shape[0], kv_caches, inp.attn_metadata)
-        if size is not None:
-            hidden = graphs.run(size, inp.input_ids, inp.positions, inp.attn_metadata)
-        else:
-            hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_metadata,
-                                intermediate_tensors)
+        if intermediate_tensors is None and multi_step.ready(
+                req, inp, self.proposer is None and self.pooler is None
+                and self.lora_manager is None):
+            return multi_step.run_iterations(self, req, inp, kv_caches, t0, t1)
+        hidden = self.forward(inp.input_ids, inp.positions, inp.attn_metadata, kv_caches,
+                              intermediate_tensors)
         if isinstance(hidden, IntermediateTensors):
             return hidden
         if self.pooler is not None:
@@ -333,6 +332,17 @@ class ModelRunner:
                 out.num_drafts[seq_id] = len(span.token_ids)
                 out.num_emitted[seq_id] = e
         return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches,
+                intermediate_tensors: IntermediateTensors | None = None):
+        """The model on a step's inputs: through the CUDA graph of its size where one fits."""
+        graphs, size = self.cuda_graphs, None
+        if graphs is not None and intermediate_tensors is None:
+            size = graphs.size_for(input_ids.shape[0], kv_caches, meta)
+        if size is not None:
+            return graphs.run(size, input_ids, positions, meta)
+        return self.model(input_ids, positions, kv_caches, meta, intermediate_tensors)
 
     def _pool(self, req: ExecuteModelRequest, inp: ModelInput, hidden: torch.Tensor,
               t0: float, t1: float) -> ModelRunnerOutput:

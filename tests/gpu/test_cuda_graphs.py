@@ -80,3 +80,28 @@ def test_speculative_verification_rows_replay_too(tiny_llama):
                                         speculative_config=spec)
     assert sizes == [1, 2, 4, 8] and replays > 0
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
+
+
+def test_multi_step_replays_a_graph_per_iteration(tiny_llama):
+    """num_scheduler_steps=4: a step of decodes replays its graph once per iteration, the ids
+    passing between iterations on the device; the tokens are single steps' (eager here), and
+    greedy rows next to a seeded sampled one stay put."""
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in MAX_TOKENS]
+    params[1] = SamplingParams(max_tokens=MAX_TOKENS[1], temperature=0.9, seed=3,
+                               ignore_eos=True)
+    results = {}
+    for steps, eager in ((1, True), (4, False)):
+        with LLM(tiny_llama, device="cuda", dtype="float32", enforce_eager=eager,
+                 max_num_seqs=8, max_model_len=256, num_gpu_blocks_override=128,
+                 num_scheduler_steps=steps) as llm:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            engine = llm.llm_engine
+            graphs = engine.executor.worker.runner.cuda_graphs
+            results[steps] = ([o.outputs[0].token_ids for o in outs], engine.stats.num_steps,
+                              graphs.replays if graphs is not None else 0)
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        torch.cuda.empty_cache()
+    (single, single_steps, _), (multi, multi_steps, replays) = results[1], results[4]
+    assert [len(t) for t in multi] == MAX_TOKENS
+    assert multi == single
+    assert multi_steps < single_steps / 2 and replays >= max(MAX_TOKENS) - 2

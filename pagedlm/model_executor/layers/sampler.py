@@ -60,11 +60,20 @@ class Sampler(torch.nn.Module):
             out = _gather_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
             out.num_emitted = num_emitted
             return out
+        return _gather_logprobs(self._draw(logits, meta), raw_logprobs, meta.max_num_logprobs)
+
+    def sample_ids(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The sampled ids, left on the logits' device (no host copy, so no wait for the
+        device): multi-step decoding feeds them to its next iteration. For rows without
+        logprobs or drafts."""
+        if meta.max_num_logprobs >= 0 or meta.draft is not None:
+            raise ValueError("sample_ids samples rows without logprobs or drafts")
+        return self._draw(_process(logits, meta), meta)
+
+    def _draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
-        else:
-            sampled = self._sample(logits, meta.params, meta.generators)
-        return _gather_logprobs(sampled, raw_logprobs, meta.max_num_logprobs)
+            return logits.argmax(dim=-1)
+        return self._sample(logits, meta.params, meta.generators)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
