@@ -153,6 +153,8 @@ if [ "$DRY_RUN" = 1 ]; then PYTEST+=(-p no:schemathesis)
 elif "$PY" -c "import xdist" 2>/dev/null; then PYTEST+=(-n 4)  # Triton compiles in parallel
 fi
 
+# Every Triton kernel's tests (their CUDA parametrization there).
+TRITON_TESTS=$(ls tests/kernels/test_triton_*.py)
 stage env 45 env_info
 stage wheels 45 install_wheels
 if [ "$DRY_RUN" = 0 ]; then export PYTHONPATH="/tmp/site:$PWD"; fi
@@ -161,12 +163,12 @@ stage imports 60 check_imports
 stage kernels_c 60 build_kernels
 if [ "$DRY_RUN" = 1 ]; then
     # Under the interpreter here the Triton tests take minutes: collection only.
-    stage test_triton 120 "${PYTEST[@]}" --collect-only tests/kernels/test_triton_attention.py
+    stage test_triton 120 "${PYTEST[@]}" --collect-only $TRITON_TESTS
 else
-    stage test_triton 90 "${PYTEST[@]}" tests/kernels/test_triton_attention.py
+    stage test_triton 90 "${PYTEST[@]}" $TRITON_TESTS
 fi
 stage test_gpu 130 "${PYTEST[@]}" tests/gpu
-stage bench 300 "$PY" benchmarks/gpu_bench.py "${BENCH_ARGS[@]}" --out "$OUT/gpu_bench.json" \
+stage bench 360 "$PY" benchmarks/gpu_bench.py "${BENCH_ARGS[@]}" --out "$OUT/gpu_bench.json" \
     --log-dir "$OUT"
 
 echo "==================== $(ts) done; summary:"
