@@ -36,6 +36,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -50,16 +51,23 @@ from lib.stats import throughput, write_json  # noqa: E402
 from lib.workload import make_requests, ordinary_token_ids  # noqa: E402
 
 WARM_SEED = 1000  # warm-up requests: seed + this
-LEGS = ("pagedlm", "pagedlm_steps8", "serving", "serving_steps8", "hf_float32", "hf_bfloat16")
+LEGS = ("pagedlm", "pagedlm_steps8", "pagedlm_steps8_gemv", "serving", "serving_steps8",
+        "hf_float32", "hf_bfloat16")
 # Seconds each leg may take, start-up included (a leg's process is killed past it).
-LEG_TIMEOUT = {"prepare": 90, "pagedlm": 110, "pagedlm_steps8": 110, "serving": 110,
-               "serving_steps8": 110, "hf_float32": 70, "hf_bfloat16": 80}
+LEG_TIMEOUT = {"prepare": 90, "hf_float32": 70, "hf_bfloat16": 80}
 RUNS = 3  # timed runs of each pagedlm workload (the median is kept)
 
 
 def leg_steps(leg: str) -> int:
-    """num_scheduler_steps of a pagedlm leg: 'pagedlm_steps8' -> 8."""
-    return int(leg.rpartition("_steps")[2]) if "_steps" in leg else 1
+    """num_scheduler_steps of a pagedlm leg: 'pagedlm_steps8_gemv' -> 8."""
+    found = re.search(r"_steps(\d+)", leg)
+    return int(found.group(1)) if found else 1
+
+
+def leg_env(leg: str) -> None:
+    """A leg ending in _gemv runs with the opt-in Triton GEMV (PAGEDLM_TRITON_GEMV=1)."""
+    if leg.endswith("_gemv"):
+        os.environ["PAGEDLM_TRITON_GEMV"] = "1"
 # Issue 35's targets.
 TARGETS = {"single_tok_s": 1000, "single_ratio": 20, "batch_ratio": 10, "ttft_p99_ms": 100}
 
@@ -311,6 +319,7 @@ def run_leg(args) -> None:
     # A time limit arrives as SIGTERM: unwind (the serving leg's server is stopped on the way).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"leg {args.leg}: terminated"))
     size = sizes(args.dry_run)
+    leg_env(args.leg)
     if args.leg == "prepare":
         result = leg_prepare(args, size)
     elif args.leg.startswith("pagedlm"):
@@ -453,7 +462,7 @@ def main() -> None:
         write_json(args.out, report)
     for leg in legs:
         try:
-            report["legs"][leg] = spawn(args, leg, LEG_TIMEOUT[leg])
+            report["legs"][leg] = spawn(args, leg, LEG_TIMEOUT.get(leg, 110))
         except SystemExit:
             report["legs"][leg] = {"ok": False, "error": "stopped by the overall time limit"}
             write_json(args.out, report)

@@ -3,7 +3,8 @@
 # /opt/torch/.venv/bin/python3 with torch 2.11, transformers 5.17, triton 3.6), from the repo
 # root. Each stage runs under its own time limit and the next one runs whatever happened; every
 # line goes to $OUT/check.log, each stage's status to $OUT/summary.txt, the benchmark's figures
-# to $OUT/gpu_bench.json (its server's log to $OUT/gpu_bench_server.log): 4 files come back.
+# to $OUT/gpu_bench.json (its server's log to $OUT/gpu_bench_server.log), the GEMV comparison to
+# $OUT/gpu_gemv.json: 5 files come back.
 #
 # Before the call, here (once; both folders are git-ignored and travel through `carry`):
 #     .venv/bin/python scripts/gpu_assets.py     # .gpu_assets/ (SmolLM2 config + tokenizer)
@@ -160,6 +161,9 @@ stage wheels 45 install_wheels
 if [ "$DRY_RUN" = 0 ]; then export PYTHONPATH="/tmp/site:$PWD"; fi
 echo "PYTHONPATH=$PYTHONPATH"
 stage imports 60 check_imports
+# GPU_CHECK_BENCH_ONLY=1: a re-measuring run (the tests passed in an earlier one).
+BENCH_ONLY="${GPU_CHECK_BENCH_ONLY:-0}"
+if [ "$BENCH_ONLY" = 0 ]; then
 stage kernels_c 60 build_kernels
 if [ "$DRY_RUN" = 1 ]; then
     # Under the interpreter here the Triton tests take minutes: collection only.
@@ -168,8 +172,13 @@ else
     stage test_triton 90 "${PYTEST[@]}" $TRITON_TESTS
 fi
 stage test_gpu 130 "${PYTEST[@]}" tests/gpu
+fi
+# cuBLAS against the Triton GEMV on the model's shapes (its JSON decides PAGEDLM_TRITON_GEMV).
+stage gemv 60 "$PY" benchmarks/gpu_gemv.py --out "$OUT/gpu_gemv.json"
+# Single-step serving is left out by default: the budget holds the others.
+BENCH_LEGS="${GPU_BENCH_LEGS:-pagedlm,pagedlm_steps8,pagedlm_steps8_gemv,serving_steps8,hf_float32,hf_bfloat16}"
 stage bench 360 "$PY" benchmarks/gpu_bench.py "${BENCH_ARGS[@]}" --out "$OUT/gpu_bench.json" \
-    --log-dir "$OUT"
+    --log-dir "$OUT" --legs "$BENCH_LEGS"
 
 echo "==================== $(ts) done; summary:"
 cat "$SUMMARY"

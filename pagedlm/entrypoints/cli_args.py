@@ -54,7 +54,7 @@ _HELP = {
     "gpu_memory_utilization": "Share of the memory available at start-up the KV cache may use, "
                               "when no size is given.",
     "max_num_batched_tokens": "Token budget of one engine step. Default: 2048 with chunked "
-                              "prefill, else max(max_model_len, 2048).",
+                              "prefill (8192 on a GPU), else max(max_model_len, that).",
     "max_num_seqs": "Most sequences in the running batch.",
     "num_scheduler_steps": "Multi-step decoding: a step with only decodes runs the model up to "
                            "this many times, each iteration's sampled tokens fed to the next "
