@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     PAGEDLM_DISABLE_ONEDNN: bool
     PAGEDLM_DEFAULT_MALLOC: bool
     PAGEDLM_ATTENTION_BACKEND: str | None
+    PAGEDLM_TRITON_GEMV: bool
     TRITON_INTERPRET: bool
     PAGEDLM_API_KEY: str | None
     RAY_ADDRESS: str | None
@@ -53,6 +54,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # empty: chosen by dtype and device (Triton on a GPU, the native kernel for float32 on the
     # CPU, else Torch SDPA).
     "PAGEDLM_ATTENTION_BACKEND": _string("PAGEDLM_ATTENTION_BACKEND"),
+    # 1/true/yes: on a GPU, linear layers with 16-bit weights multiply batches of at most 8
+    # rows with pagedlm's Triton GEMV (kernels/triton/gemv.py) instead of cuBLAS's F.linear.
+    # Off by default until a GPU run measures it faster (benchmarks/gpu_gemv.py).
+    "PAGEDLM_TRITON_GEMV": _flag("PAGEDLM_TRITON_GEMV"),
     # Triton's own switch (1/true/yes/on): its kernels run on CPU tensors in its interpreter.
     # Read here only to know whether the Triton attention backend can run on the CPU.
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET", ("1", "true", "yes", "on")),

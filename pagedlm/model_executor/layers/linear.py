@@ -38,6 +38,7 @@ from torch import nn
 from pagedlm import envs
 from pagedlm.distributed.parallel_state import get_tp_group
 from pagedlm.kernels import amx, gemv
+from pagedlm.kernels.triton import gemv as triton_gemv
 from pagedlm.model_executor.model_loader.weight_utils import check_shape, default_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ class WeightFormat(enum.IntEnum):
 # kernel as the layers.
 AMX_MIN_ROWS = 12
 assert AMX_MIN_ROWS > gemv.GEMV_MAX_ROWS
+
+# The dtypes the opt-in Triton GEMV takes (UnquantizedLinearMethod.apply, PAGEDLM_TRITON_GEMV).
+_TRITON_GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 # The panel format of each element type gemv.pack_panels packs.
 PANEL_FORMATS = {torch.float32: WeightFormat.FLOAT_PANELS,
@@ -286,6 +290,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 and amx.runs(layer.weight.shape[1]) else 0)
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
+        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= triton_gemv.MAX_ROWS
+                and x.dtype in _TRITON_GEMV_DTYPES and layer.weight.dtype == x.dtype
+                and envs.PAGEDLM_TRITON_GEMV):
+            # Decode-sized batches on the GPU, opt-in: cuBLAS runs these shapes on a few CTAs
+            # (kernels/triton/gemv.py). CPU calls pay one check (is_cuda); the env var is read
+            # last, only for calls that qualify otherwise.
+            return triton_gemv.gemv(x, layer.weight, bias)
         panels = getattr(layer, "panel_weight", None)
         if panels is not None and x.dim() == 2 and x.dtype == torch.float32:
             amx_from = getattr(layer, "amx_from", 0)
