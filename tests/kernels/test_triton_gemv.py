@@ -21,11 +21,11 @@ N = 96
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
-def _inputs(m, k, dtype, bias, seed=0):
+def _inputs(m, k, dtype, bias, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
-    w = torch.randn(N, k, generator=g).to(DEVICE, dtype)
-    b = torch.randn(N, generator=g).to(DEVICE, dtype) if bias else None
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = torch.randn(N, k, generator=g).to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype) if bias else None
     return x, w, b
 
 
@@ -107,9 +107,9 @@ def test_row_buckets():
     assert [tg.row_bucket(m) for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
 
 
-def _layer(dtype, bias, k=64):
+def _layer(dtype, bias, k=64, device=DEVICE):
     layer = ReplicatedLinear(k, N, bias=bias)
-    x, w, b = _inputs(3, k, dtype, bias, seed=4)
+    x, w, b = _inputs(3, k, dtype, bias, seed=4, device=device)
     layer.weight = nn.Parameter(w, requires_grad=False)
     if bias:
         layer.bias = nn.Parameter(b, requires_grad=False)
@@ -131,11 +131,11 @@ def test_hook_leaves_cpu_tensors_alone(monkeypatch):
     # The opt-in is for CUDA tensors only: a CPU bfloat16 layer keeps its path with the variable
     # set (without a plain weight's panels here: F.linear).
     monkeypatch.setenv("PAGEDLM_TRITON_GEMV", "1")
-    layer, x = _layer(torch.bfloat16, True)
+    layer, x = _layer(torch.bfloat16, True, device="cpu")
     calls = _spy(monkeypatch)
-    y = layer(x.cpu())
+    y = layer(x)
     assert not calls
-    assert torch.equal(y, F.linear(x.cpu(), layer.weight.cpu(), layer.bias.cpu()))
+    assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the hook runs on CUDA tensors only")
