@@ -51,7 +51,7 @@ from lib.stats import throughput, write_json  # noqa: E402
 from lib.workload import make_requests, ordinary_token_ids  # noqa: E402
 
 WARM_SEED = 1000  # warm-up requests: seed + this
-LEGS = ("pagedlm", "pagedlm_steps8", "pagedlm_steps8_gemv", "serving", "serving_steps8",
+LEGS = ("pagedlm", "pagedlm_steps8", "pagedlm_steps8_cublas", "serving", "serving_steps8",
         "hf_float32", "hf_bfloat16")
 # Seconds each leg may take, start-up included (a leg's process is killed past it).
 LEG_TIMEOUT = {"prepare": 90, "hf_float32": 70, "hf_bfloat16": 80}
@@ -59,15 +59,16 @@ RUNS = 3  # timed runs of each pagedlm workload (the median is kept)
 
 
 def leg_steps(leg: str) -> int:
-    """num_scheduler_steps of a pagedlm leg: 'pagedlm_steps8_gemv' -> 8."""
+    """num_scheduler_steps of a pagedlm leg: 'pagedlm_steps8_cublas' -> 8."""
     found = re.search(r"_steps(\d+)", leg)
     return int(found.group(1)) if found else 1
 
 
 def leg_env(leg: str) -> None:
-    """A leg ending in _gemv runs with the opt-in Triton GEMV (PAGEDLM_TRITON_GEMV=1)."""
-    if leg.endswith("_gemv"):
-        os.environ["PAGEDLM_TRITON_GEMV"] = "1"
+    """A leg ending in _cublas runs without the Triton GEMV (PAGEDLM_TRITON_GEMV=0): cuBLAS's
+    F.linear on decode-sized batches too."""
+    if leg.endswith("_cublas"):
+        os.environ["PAGEDLM_TRITON_GEMV"] = "0"
 # Issue 35's targets.
 TARGETS = {"single_tok_s": 1000, "single_ratio": 20, "batch_ratio": 10, "ttft_p99_ms": 100}
 
@@ -385,7 +386,7 @@ def ratios(report: dict) -> dict:
         if ours:
             best = max(ours, key=ours.get)
             out[f"best_pagedlm_{workload}"] = best
-            out[f"pagedlm_{workload}_tok_s"] = ours[best]
+            out[f"best_pagedlm_{workload}_tok_s"] = ours[best]
             if hf:
                 out[f"best_hf_{workload}_tok_s"] = max(hf)
                 out[f"{workload}_ratio_vs_best_hf"] = ours[best] / max(hf)
@@ -398,8 +399,9 @@ def ratios(report: dict) -> dict:
         out["best_serving"] = best
         out["ttft_p99_ms"] = ttft[best]
     targets = {}
-    if "pagedlm_single_tok_s" in out:
-        targets["single_tok_s >= 1000"] = out["pagedlm_single_tok_s"] >= TARGETS["single_tok_s"]
+    if "best_pagedlm_single_tok_s" in out:
+        targets["single_tok_s >= 1000"] = (out["best_pagedlm_single_tok_s"]
+                                           >= TARGETS["single_tok_s"])
     if "single_ratio_vs_best_hf" in out:
         targets["single >= 20x best hf"] = out["single_ratio_vs_best_hf"] >= TARGETS[
             "single_ratio"]

@@ -161,9 +161,10 @@ stage wheels 45 install_wheels
 if [ "$DRY_RUN" = 0 ]; then export PYTHONPATH="/tmp/site:$PWD"; fi
 echo "PYTHONPATH=$PYTHONPATH"
 stage imports 60 check_imports
-# GPU_CHECK_BENCH_ONLY=1: a re-measuring run (the tests passed in an earlier one).
-BENCH_ONLY="${GPU_CHECK_BENCH_ONLY:-0}"
-if [ "$BENCH_ONLY" = 0 ]; then
+# GPU_CHECK_RERUN=1: a second run in one session: the C kernels' build and the Triton kernels'
+# own tests (both passed in the first) are left out; the GPU tests and the figures run.
+RERUN="${GPU_CHECK_RERUN:-0}"
+if [ "$RERUN" = 0 ]; then
 stage kernels_c 60 build_kernels
 if [ "$DRY_RUN" = 1 ]; then
     # Under the interpreter here the Triton tests take minutes: collection only.
@@ -171,12 +172,13 @@ if [ "$DRY_RUN" = 1 ]; then
 else
     stage test_triton 90 "${PYTEST[@]}" $TRITON_TESTS
 fi
-stage test_gpu 130 "${PYTEST[@]}" tests/gpu
 fi
+stage test_gpu 130 "${PYTEST[@]}" tests/gpu
 # cuBLAS against the Triton GEMV on the model's shapes (its JSON decides PAGEDLM_TRITON_GEMV).
-stage gemv 60 "$PY" benchmarks/gpu_gemv.py --out "$OUT/gpu_gemv.json"
+stage gemv 60 "$PY" benchmarks/gpu_gemv.py --out "$OUT/gpu_gemv.json" --rows 1 2 4 8 \
+    --budget-s 20
 # Single-step serving is left out by default: the budget holds the others.
-BENCH_LEGS="${GPU_BENCH_LEGS:-pagedlm,pagedlm_steps8,pagedlm_steps8_gemv,serving_steps8,hf_float32,hf_bfloat16}"
+BENCH_LEGS="${GPU_BENCH_LEGS:-pagedlm,pagedlm_steps8,serving_steps8,hf_float32,pagedlm_steps8_cublas,hf_bfloat16}"
 stage bench 360 "$PY" benchmarks/gpu_bench.py "${BENCH_ARGS[@]}" --out "$OUT/gpu_bench.json" \
     --log-dir "$OUT" --legs "$BENCH_LEGS"
 

@@ -1,8 +1,8 @@
 """The Triton GEMV for decode-sized batches (kernels/triton/gemv.py) against torch's float32
-matmul of the same 16-bit inputs, and the linear layers' opt-in hook (PAGEDLM_TRITON_GEMV). On a
-GPU when there is one, else on CPU tensors under Triton's interpreter (tests/conftest.py), which
-is slow: the shapes are small (N = 96 is not a multiple of the wider BLOCK_Ns, so the last
-program's features are masked)."""
+matmul of the same 16-bit inputs, and the linear layers' hook (PAGEDLM_TRITON_GEMV, on unless
+0). On a GPU when there is one, else on CPU tensors under Triton's interpreter
+(tests/conftest.py), which is slow: the shapes are small (N = 96 is not a multiple of the
+wider BLOCK_Ns, so the last program's features are masked)."""
 from __future__ import annotations
 
 import pytest
@@ -128,7 +128,7 @@ def _spy(monkeypatch):
 
 
 def test_hook_leaves_cpu_tensors_alone(monkeypatch):
-    # The opt-in is for CUDA tensors only: a CPU bfloat16 layer keeps its path with the variable
+    # The hook is for CUDA tensors only: a CPU bfloat16 layer keeps its path with the variable
     # set (without a plain weight's panels here: F.linear).
     monkeypatch.setenv("PAGEDLM_TRITON_GEMV", "1")
     layer, x = _layer(torch.bfloat16, True, device="cpu")
@@ -139,12 +139,12 @@ def test_hook_leaves_cpu_tensors_alone(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the hook runs on CUDA tensors only")
-def test_hook_routes_small_16_bit_batches_when_opted_in(monkeypatch):
+def test_hook_routes_small_16_bit_batches_unless_turned_off(monkeypatch):
     layer, x = _layer(torch.bfloat16, True)
     calls = _spy(monkeypatch)
-    monkeypatch.delenv("PAGEDLM_TRITON_GEMV", raising=False)
+    monkeypatch.setenv("PAGEDLM_TRITON_GEMV", "0")
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)) and not calls
-    monkeypatch.setenv("PAGEDLM_TRITON_GEMV", "1")
+    monkeypatch.delenv("PAGEDLM_TRITON_GEMV")  # the default: on
     assert torch.equal(layer(x), tg.gemv(x, layer.weight, layer.bias))
     assert calls == [x.shape, x.shape]  # the layer's call, then the reference's
     calls.clear()

@@ -121,7 +121,7 @@ class WeightFormat(enum.IntEnum):
 AMX_MIN_ROWS = 12
 assert AMX_MIN_ROWS > gemv.GEMV_MAX_ROWS
 
-# The dtypes the opt-in Triton GEMV takes (UnquantizedLinearMethod.apply, PAGEDLM_TRITON_GEMV).
+# The dtypes the Triton GEMV takes (UnquantizedLinearMethod.apply, PAGEDLM_TRITON_GEMV).
 _TRITON_GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 # The panel format of each element type gemv.pack_panels packs.
@@ -293,9 +293,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if (x.is_cuda and x.dim() == 2 and x.shape[0] <= triton_gemv.MAX_ROWS
                 and x.dtype in _TRITON_GEMV_DTYPES and layer.weight.dtype == x.dtype
                 and envs.PAGEDLM_TRITON_GEMV):
-            # Decode-sized batches on the GPU, opt-in: cuBLAS runs these shapes on a few CTAs
-            # (kernels/triton/gemv.py). CPU calls pay one check (is_cuda); the env var is read
-            # last, only for calls that qualify otherwise.
+            # Decode-sized batches on the GPU: cuBLAS runs these shapes on a few CTAs
+            # (kernels/triton/gemv.py). CPU calls pay one check (is_cuda); the env var (on
+            # unless 0) is read last, only for calls that qualify otherwise.
             return triton_gemv.gemv(x, layer.weight, bias)
         panels = getattr(layer, "panel_weight", None)
         if panels is not None and x.dim() == 2 and x.dtype == torch.float32:
