@@ -59,10 +59,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # empty: chosen by dtype and device (Triton on a GPU, the native kernel for float32 on the
     # CPU, else Torch SDPA).
     "PAGEDLM_ATTENTION_BACKEND": _string("PAGEDLM_ATTENTION_BACKEND"),
-    # On a GPU, linear layers with 16-bit weights multiply batches of at most 8 rows with
-    # pagedlm's Triton GEMV (kernels/triton/gemv.py) instead of cuBLAS's F.linear, unless this
-    # is 0/false/no/off. On by default: on an H200 it made one decode stream 22% faster and 128
-    # requests 24% (benchmarks/results/gpu-20261127b).
+    # On a GPU, linear layers with 16-bit weights multiply batches of at most
+    # linear.TRITON_GEMV_MAX_ROWS rows with pagedlm's Triton GEMV (kernels/triton/gemv.py)
+    # instead of cuBLAS's F.linear, unless this is 0/false/no/off. On by default: on an H200 it
+    # made one decode stream 22% and 18% faster in two runs (benchmarks/results/gpu-20261127b,c).
     "PAGEDLM_TRITON_GEMV": _flag_on_unless("PAGEDLM_TRITON_GEMV"),
     # Triton's own switch (1/true/yes/on): its kernels run on CPU tensors in its interpreter.
     # Read here only to know whether the Triton attention backend can run on the CPU.

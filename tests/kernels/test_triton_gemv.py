@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.kernels.triton import gemv as tg
+from pagedlm.model_executor.layers import linear
 from pagedlm.model_executor.layers.linear import ReplicatedLinear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,7 +110,7 @@ def test_row_buckets():
 
 def _layer(dtype, bias, k=64, device=DEVICE):
     layer = ReplicatedLinear(k, N, bias=bias)
-    x, w, b = _inputs(3, k, dtype, bias, seed=4, device=device)
+    x, w, b = _inputs(2, k, dtype, bias, seed=4, device=device)
     layer.weight = nn.Parameter(w, requires_grad=False)
     if bias:
         layer.bias = nn.Parameter(b, requires_grad=False)
@@ -148,8 +149,8 @@ def test_hook_routes_small_16_bit_batches_unless_turned_off(monkeypatch):
     assert torch.equal(layer(x), tg.gemv(x, layer.weight, layer.bias))
     assert calls == [x.shape, x.shape]  # the layer's call, then the reference's
     calls.clear()
-    big = torch.randn(9, 64, device=DEVICE).to(torch.bfloat16)
-    layer(big)  # more than 8 rows: cuBLAS
+    big = torch.randn(linear.TRITON_GEMV_MAX_ROWS + 1, 64, device=DEVICE).to(torch.bfloat16)
+    layer(big)  # more rows than the layers send it: cuBLAS
     layer32, x32 = _layer(torch.float32, False)
     layer32(x32)  # float32: cuBLAS
     assert not calls

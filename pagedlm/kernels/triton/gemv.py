@@ -1,8 +1,9 @@
 """y = x @ W^T (+ b) for decode-sized batches (M <= 8 rows) on the GPU, in Triton (the kernels:
-gemv_jit.py). The linear layers call it instead of F.linear on CUDA unless PAGEDLM_TRITON_GEMV=0
-(UnquantizedLinearMethod.apply). On an H200 (benchmarks/results/gpu-20261127b) it made one decode
-stream 22% faster end to end (per call at 1 row: 3.1-4.1 us against cuBLAS's 3.7-5.3), and 128
-requests 24%, although at 8 rows alone cuBLAS was faster per call (4-5 us against 4.4-9).
+gemv_jit.py). The linear layers call it instead of F.linear on CUDA for up to
+linear.TRITON_GEMV_MAX_ROWS (2) rows unless PAGEDLM_TRITON_GEMV=0 (UnquantizedLinearMethod.apply).
+On an H200 it made one decode stream 22% and 18% faster end to end in two runs
+(benchmarks/results/gpu-20261127b and c; per call at 1 row: 3.0-4.1 us against cuBLAS's
+3.7-5.3); at 4 rows the two tie, at 8 cuBLAS wins.
 
 Why: one decode stream of SmolLM2-135M on an H200 spent 3.7-3.8 us in each of its 120 cuBLAS
 GEMV calls per token (benchmarks/results/gpu-20261127/run2_gpu_bench.json, legs.pagedlm.profile):
@@ -68,11 +69,16 @@ class GemvConfig:
 # Configurations measured best on a GPU, by (row bucket, N, K), from benchmarks/gpu_gemv.py's
 # "best" (in the source: default_config caches its picks). Shapes not here get default_config's
 # rule. These: SmolLM2-135M's four shapes on an H200 (132 SMs), per call in a CUDA graph with
-# L2 flushed (benchmarks/results/gpu-20261127b/gpu_gemv.json): at 1 row the rule's pick except
-# gate_up (3.65 us against 4.06); at 8 rows 4.4-9.1 us against the rule's 6.2-10.7.
+# L2 flushed (benchmarks/results/gpu-20261127{b,c}/gpu_gemv.json): at 1 row the rule's pick
+# except gate_up (3.65 us against 4.06); at 2 rows gate_up 4.13 against 7.17; at 8 rows
+# 4.4-9.1 us against the rule's 6.2-10.7.
 TUNED: dict[tuple[int, int, int], GemvConfig] = {
     (1, 960, 576): GemvConfig(4, 64, 1, 1), (1, 576, 576): GemvConfig(4, 64, 1, 1),
     (1, 3072, 576): GemvConfig(4, 64, 1, 1), (1, 576, 1536): GemvConfig(4, 512, 1, 4),
+    (2, 960, 576): GemvConfig(8, 64, 1, 4), (2, 576, 576): GemvConfig(8, 64, 1, 4),
+    (2, 3072, 576): GemvConfig(8, 64, 1, 4), (2, 576, 1536): GemvConfig(4, 512, 1, 4),
+    (4, 960, 576): GemvConfig(4, 64, 1, 4), (4, 576, 576): GemvConfig(4, 64, 1, 4),
+    (4, 3072, 576): GemvConfig(4, 64, 1, 4), (4, 576, 1536): GemvConfig(4, 256, 1, 4),
     (8, 960, 576): GemvConfig(8, 64, 1, 4), (8, 576, 576): GemvConfig(8, 64, 1, 4),
     (8, 3072, 576): GemvConfig(8, 64, 1, 4), (8, 576, 1536): GemvConfig(8, 64, 1, 4),
 }

@@ -123,6 +123,11 @@ assert AMX_MIN_ROWS > gemv.GEMV_MAX_ROWS
 
 # The dtypes the Triton GEMV takes (UnquantizedLinearMethod.apply, PAGEDLM_TRITON_GEMV).
 _TRITON_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+# The most rows the layers send it. On an H200 (SmolLM2-135M's four shapes x 30 layers, per
+# call in CUDA graphs; benchmarks/results/gpu-20261127c/gpu_gemv.json) it took 416 us a token
+# against cuBLAS's 530 at 1 row and 451 against 530 at 2, tied at 4 (523 / 521) and lost at 8
+# (712 / 521).
+TRITON_GEMV_MAX_ROWS = 2
 
 # The panel format of each element type gemv.pack_panels packs.
 PANEL_FORMATS = {torch.float32: WeightFormat.FLOAT_PANELS,
@@ -290,7 +295,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 and amx.runs(layer.weight.shape[1]) else 0)
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
-        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= triton_gemv.MAX_ROWS
+        if (x.is_cuda and x.dim() == 2 and x.shape[0] <= TRITON_GEMV_MAX_ROWS
                 and x.dtype in _TRITON_GEMV_DTYPES and layer.weight.dtype == x.dtype
                 and envs.PAGEDLM_TRITON_GEMV):
             # Decode-sized batches on the GPU: cuBLAS runs these shapes on a few CTAs
