@@ -181,13 +181,30 @@ def scalar_library(tmp_path_factory):
     return ctypes.CDLL(str(out))
 
 
+def _with_extreme_rows(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Rows 0..2 with every byte outside the fp16 fields 0xff, 0x00 and 0x80: the extreme
+    integers (q3_k's q 3 and -4 under scales 31 and -32, q2_k's 3 under scale and min 15, the
+    largest nibbles) that random bytes reach only in a few of their lanes."""
+    keep = torch.zeros(blocks.shape[-1], dtype=torch.bool)
+    for off in FP16_FIELDS[fmt]:
+        keep[off:off + 2] = True
+    for row, byte in enumerate((0xff, 0x00, 0x80)):
+        blocks[row, :, ~keep] = byte
+    return blocks
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_scalar_build_gives_the_vector_builds_bits(fmt, scalar_library):
+    """Random blocks and the extreme ones, against random x and (m > 1) a row whose every q_x
+    is +-127: the scalar build's unpack() and the vector build's own unpacking feed the same
+    integers to the same float steps."""
     p = ctypes.c_void_p
     bw = kernels.BLOCK_WEIGHTS[fmt]
     for n, k, m in [(37, 3 * bw, 3), (261, 2 * bw, 1)]:
-        blocks = random_blocks(fmt, n, k, seed=n * k)
+        blocks = _with_extreme_rows(fmt, random_blocks(fmt, n, k, seed=n * k))
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        if m > 1:
+            x[0] = torch.tensor([1.0, -1.0]).repeat(k // 2)
         expected = _kernel(fmt, x, blocks, 2)
         for threads in (1, 2):
             y = torch.empty(m, n)
