@@ -87,6 +87,52 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+@triton.jit
+def _load_group_q(q_ptr, row, kvh, q_stride_t, q_stride_h, GROUP: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    # The GROUP query heads of KV head kvh in a decode row, as a [BLOCK_H, BLOCK_D] tile (rows
+    # padded to BLOCK_H >= 16, the tensor cores' smallest tile, with zeros).
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    q_mask = (h[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + row * q_stride_t + (kvh * GROUP + h[:, None]) * q_stride_h + d[None, :],
+                mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _attend_cached_keys(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, scale, soft_cap,
+                        c_stride_b, c_stride_s, c_stride_h, HEAD_DIM: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HAS_SOFT_CAP: tl.constexpr, DOT_FP32: tl.constexpr):
+    # The online softmax of q's rows over the cached keys [start, end) of one KV head, read
+    # through the sequence's block table in tiles of BLOCK_N: (max, denominator, unnormalised
+    # numerator), all float32. Empty range: (-inf, 0, 0).
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    n0 = (start // BLOCK_N) * BLOCK_N
+    while n0 < end:  # not `for`: see the module's note on loops
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = (pos < end) & (pos >= start)
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = blk * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _scores(q, k, scale, soft_cap, HAS_SOFT_CAP, DOT_FP32)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
+        n0 += BLOCK_N
+    return m_i, l_i, acc
+
+
 # The block tables' width changes from step to step when run eagerly: not specialised on (a value
 # of 1 or a multiple of 16 would otherwise compile another variant mid-run).
 @triton.jit(do_not_specialize=["bt_stride"],
@@ -109,32 +155,17 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_l
     seq_len = tl.load(seq_lens_ptr + row)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    q_mask = (h[:, None] < GROUP) & d_mask[None, :]
-    q_off = row * q_stride_t + (kvh * GROUP + h[:, None]) * q_stride_h + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    q_mask = (h[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = _load_group_q(q_ptr, row, kvh, q_stride_t, q_stride_h, GROUP, HEAD_DIM, BLOCK_H,
+                      BLOCK_D, DOT_FP32)
     lo = tl.full([], 0, tl.int32)
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     table = block_tables_ptr + row.to(tl.int64) * bt_stride
-    n0 = (lo // BLOCK_N) * BLOCK_N
-    while n0 < seq_len:  # not `for`: see the module's note on loops
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = (pos < seq_len) & (pos >= lo)
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = blk * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _scores(q, k, scale, soft_cap, HAS_SOFT_CAP, DOT_FP32)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
-        n0 += BLOCK_N
+    m_i, l_i, acc = _attend_cached_keys(q, k_cache_ptr, v_cache_ptr, table, kvh, lo, seq_len,
+                                        scale, soft_cap, c_stride_b, c_stride_s, c_stride_h,
+                                        HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, BLOCK_N,
+                                        HAS_SOFT_CAP, DOT_FP32)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = row * o_stride_t + (kvh * GROUP + h[:, None]) * o_stride_h + d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -179,30 +210,15 @@ def paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
         return
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    q_mask = (h[:, None] < GROUP) & d_mask[None, :]
+    q_mask = (h[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     heads = kvh * GROUP + h
-    q = tl.load(q_ptr + row * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
-                mask=q_mask, other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    q = _load_group_q(q_ptr, row, kvh, q_stride_t, q_stride_h, GROUP, HEAD_DIM, BLOCK_H,
+                      BLOCK_D, DOT_FP32)
     table = block_tables_ptr + row.to(tl.int64) * bt_stride
-    n0 = (start // BLOCK_N) * BLOCK_N
-    while n0 < end:  # not `for`: see the module's note on loops
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = (pos < end) & (pos >= start)
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = blk * c_stride_b + (pos % BLOCK_SIZE) * c_stride_s + kvh * c_stride_h
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _scores(q, k, scale, soft_cap, HAS_SOFT_CAP, DOT_FP32)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
-        n0 += BLOCK_N
+    m_i, l_i, acc = _attend_cached_keys(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end,
+                                        scale, soft_cap, c_stride_b, c_stride_s, c_stride_h,
+                                        HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_D, BLOCK_N,
+                                        HAS_SOFT_CAP, DOT_FP32)
     pa = row * pa_stride_t + heads[:, None] * pa_stride_h + split * pa_stride_s + d[None, :]
     tl.store(part_acc_ptr + pa, acc, mask=q_mask)
     pm = part_ml_ptr + row * pm_stride_t + heads * pm_stride_h + split * pm_stride_s
