@@ -10,7 +10,7 @@ lacks some of pagedlm's packages (issue 35):
   machine lacks, at the versions of this venv, fetched with pip download as the device
   README says.
 
-Both folders are git-ignored (.git/info/exclude) and travel with `carry`.
+Both folders are git-ignored (.gitignore) and travel with `carry`.
 
     .venv/bin/python scripts/gpu_assets.py            # assets and wheels
     .venv/bin/python scripts/gpu_assets.py --no-wheels
