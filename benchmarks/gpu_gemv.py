@@ -29,15 +29,9 @@ import dataclasses
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-
-from lib.stats import write_json  # noqa: E402
+from lib.stats import write_json
 
 # name: (N, K) of SmolLM2-135M's linear layers.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
