@@ -54,31 +54,18 @@ class OutputProcessor:
                     child = seq.fork(next(self.next_seq_id))
                     updates.forks.append((group, seq, child))
                     targets.append(child)
-                if result.multi_step_emitted:
-                    # The step's iterations, appended one at a time with every stop check; a
-                    # stop drops the rest.
+                if result.multi_step_emitted:  # the step's iterations
                     num_emitted = result.multi_step_emitted[seq.seq_id]
-                    for r in range(row, row + num_emitted):
-                        status = self._append_token(group, seq, sampled[r], None)
-                        if status is not None:
-                            updates.finished.append((seq, status))
-                            break
-                    else:
-                        if num_emitted > 1:
-                            updates.multi_step.append((seq, num_emitted - 1))
+                    if (not self._append_run(group, seq, s, row, num_emitted, lp_rows, updates)
+                            and num_emitted > 1):
+                        updates.multi_step.append((seq, num_emitted - 1))
                     continue
                 num_emitted = result.num_emitted.get(seq.seq_id) if result.num_emitted else None
                 if num_emitted is not None:
-                    # A verification: its accepted drafts and one more token, appended one at a
-                    # time with every stop check; a stop drops the rest.
+                    # A verification: its accepted drafts and one more token.
                     num_drafts = result.num_drafts[seq.seq_id]
                     updates.spec.append((seq, num_drafts, num_emitted - 1))
-                    for r in range(row, row + num_emitted):
-                        status = self._append_token(group, seq, sampled[r],
-                                                    row_lp(s, r) if lp_rows else None)
-                        if status is not None:
-                            updates.finished.append((seq, status))
-                            break
+                    self._append_run(group, seq, s, row, num_emitted, lp_rows, updates)
                     continue
                 for target in targets:
                     status = self._append_token(group, target, sampled[row],
@@ -91,6 +78,18 @@ class OutputProcessor:
             if (p := result.prompt_logprobs.get(group.request_id)) is not None:
                 self._add_prompt_logprobs(group, p)
         return updates
+
+    def _append_run(self, group: SequenceGroup, seq: Sequence, s, row: int, num: int,
+                    lp_rows: bool, updates: SequenceUpdates) -> bool:
+        """Append the sampler output's rows row .. row+num-1 to seq one at a time, with every
+        stop check; a stop drops the rest. Returns whether seq finished."""
+        for r in range(row, row + num):
+            status = self._append_token(group, seq, s.sampled_token_ids[r],
+                                        self._row_logprobs(s, r) if lp_rows else None)
+            if status is not None:
+                updates.finished.append((seq, status))
+                return True
+        return False
 
     @staticmethod
     def _row_logprobs(s, row: int):

@@ -76,7 +76,7 @@ def run_iterations(runner, req: ExecuteModelRequest, inp, kv_caches, t0: float,
                    t1: float) -> ModelRunnerOutput:
     """The step's K iterations (see the module docstring); runner: the ModelRunner."""
     k_rows = req.num_lookahead
-    n, num_iter = len(k_rows), 1 + max(k_rows)
+    n, num_iter, k_min = len(k_rows), 1 + max(k_rows), min(k_rows)
     meta0 = inp.attn_metadata
     dev = inp.input_ids.device
     k_dev = torch.tensor(k_rows, dtype=torch.int64)
@@ -94,10 +94,10 @@ def run_iterations(runner, req: ExecuteModelRequest, inp, kv_caches, t0: float,
         else:
             meta = meta0
         hidden = runner.forward(ids, plan.positions[j], meta, kv_caches)
-        rows = [i for i, k in enumerate(k_rows) if k >= j] if j else None
-        if rows is None or len(rows) == n:
+        if j <= k_min:  # every row still has this iteration
             sampled[j] = runner.sampler.sample_ids(runner.model.compute_logits(hidden), sm)
         else:
+            rows = [i for i, k in enumerate(k_rows) if k >= j]
             index = torch.tensor(rows, dtype=torch.int64)
             index = index.to(dev, non_blocking=True) if dev.type != "cpu" else index
             logits = runner.model.compute_logits(hidden.index_select(0, index))
@@ -105,7 +105,7 @@ def run_iterations(runner, req: ExecuteModelRequest, inp, kv_caches, t0: float,
         if j + 1 < num_iter:
             # A row whose iterations are over keeps its last input (its K/V is rewritten as
             # it was): the token it last sampled is its output, not the next input.
-            ids = sampled[j] if min(k_rows) > j else torch.where(k_dev > j, sampled[j], ids)
+            ids = sampled[j] if j < k_min else torch.where(k_dev > j, sampled[j], ids)
     host = sampled.tolist()  # the step's one wait for the device
     t2 = time.perf_counter()
     tokens: list[int] = []
