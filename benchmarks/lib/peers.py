@@ -149,10 +149,47 @@ class LlamaCppInstall:
     version: str    # llama-cpp-python's version, and the llama.cpp build it vendors
 
 
+# /proc/cpuinfo flag -> the ggml option that turns its kernels on, for builds that name the
+# instruction sets one by one (see simd_options).
+_GGML_SIMD = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+              "bmi2": "GGML_BMI2", "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512",
+              "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+              "avx512_bf16": "GGML_AVX512_BF16"}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def simd_options(flags: set[str]) -> list[str]:
+    """ggml's SIMD options for a CPU with these flags. GGML_NATIVE (-march=native) where the CPU
+    has no AMX. With AMX, native builds of this llama.cpp compile its AMX backend, which
+    segfaulted in ggml_backend_amx_mul_mat at the first decode on this project's Sapphire
+    Rapids-class Xeon (Q4_1, Q4_0 and Q4_K_M alike); so there every other instruction set the
+    CPU has is named, AMX off, and the x86 repacked kernels stay on (they ran Q4_0 at 128.5
+    tok/s one stream, against 98.5 with --no-repack on the native build)."""
+    if not flags & {"amx_tile", "amx_int8", "amx_bf16"}:
+        return ["-DGGML_NATIVE=ON"]
+    return (["-DGGML_NATIVE=OFF"]
+            + [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for flag, opt in _GGML_SIMD.items()]
+            + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+
 def setup_llamacpp(peers_dir: Path) -> LlamaCppInstall:
     home = peers_dir / "llama.cpp"
     bin_dir = home / "bin"
     info = _done(home)
+    simd = simd_options(cpu_flags())
+    if info is not None and info.get("simd", ["-DGGML_NATIVE=ON"]) != simd:
+        log(f"rebuilding llama.cpp in {home}: it was built with {info.get('simd', 'GGML_NATIVE')}"
+            f", this CPU wants {' '.join(simd)}")
+        (home / MARKER).unlink()
+        info = None
     if info is None:
         started = time.time()
         home.mkdir(parents=True, exist_ok=True)
@@ -182,7 +219,7 @@ def setup_llamacpp(peers_dir: Path) -> LlamaCppInstall:
         build = work / "build"
         run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja",
              "-DCMAKE_BUILD_TYPE=Release",
-             "-DGGML_NATIVE=ON",            # this machine's SIMD (AVX2 / AVX-512 / ...)
+             *simd,                         # this machine's SIMD (AVX2 / AVX-512 / ...)
              "-DBUILD_SHARED_LIBS=OFF",     # binaries that run from wherever they are copied
              "-DLLAMA_CURL=OFF",            # no model downloads
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
@@ -198,7 +235,7 @@ def setup_llamacpp(peers_dir: Path) -> LlamaCppInstall:
         build_line = next((line for line in (version.stdout + version.stderr).splitlines()
                            if line.startswith("version")), "version: unknown")
         info = {"version": f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}, {build_line}",
-                "setup_seconds": round(time.time() - started, 1)}
+                "setup_seconds": round(time.time() - started, 1), "simd": simd}
         _mark(home, info)
         log(f"llama.cpp ready in {info['setup_seconds']} s ({build_line})")
     return LlamaCppInstall(server=str(bin_dir / "llama-server"),

@@ -26,8 +26,8 @@ def bench():
     sys.path.insert(0, str(BENCHMARKS))
     try:
         yield {name: importlib.import_module(name)
-               for name in ("compare", "lib.capacity", "lib.client", "lib.legs", "lib.report",
-                            "lib.servers", "lib.stats", "lib.workload")}
+               for name in ("compare", "lib.capacity", "lib.client", "lib.legs", "lib.peers",
+                            "lib.report", "lib.servers", "lib.stats", "lib.workload")}
     finally:
         sys.path.remove(str(BENCHMARKS))
         for name in [m for m in sys.modules if m in ("compare", "lib") or m.startswith("lib.")]:
@@ -209,6 +209,36 @@ def test_ratios_render_and_best_variant(bench, servers):
     assert "| a | 200.0 (180.0-210.0) | - | 2.5 (2.0-3.0) | - |" in text
     assert "| b | 100.0 | - | 1.0 | 20.0 |" in text
     assert "2.00x" in text and "FAILED d" in text
+
+
+def test_llamacpp_build_options(bench, tmp_path, monkeypatch):
+    """Native builds where the CPU has no AMX; with AMX (its backend crashed here), every other
+    instruction set the CPU has, by name, and AMX off. A peers folder built the other way is
+    rebuilt: its marker is dropped before the build starts."""
+    peers = bench["lib.peers"]
+    assert peers.simd_options({"avx2", "fma", "avx512f"}) == ["-DGGML_NATIVE=ON"]
+    opts = peers.simd_options({"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_tile",
+                               "amx_bf16", "amx_int8"})
+    assert opts[0] == "-DGGML_NATIVE=OFF" and "-DGGML_NATIVE=ON" not in opts
+    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX=OFF",
+            "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+            "-DGGML_AMX_BF16=OFF"} <= set(opts)
+    home = tmp_path / "llama.cpp"
+    home.mkdir()
+    (home / peers.MARKER).write_text(json.dumps({"version": "old native build"}))
+    monkeypatch.setattr(peers, "cpu_flags", lambda: {"avx2", "amx_tile"})
+
+    def stop(cmd, **kw):
+        raise RuntimeError(f"build started: {cmd[:3]}")
+    monkeypatch.setattr(peers, "run", stop)
+    with pytest.raises(RuntimeError, match="build started"):
+        peers.setup_llamacpp(tmp_path)
+    assert not (home / peers.MARKER).exists()
+    (home / peers.MARKER).write_text(json.dumps({"version": "v", "simd": opts}))
+    monkeypatch.setattr(peers, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f",
+                                                     "avx512_vnni", "amx_tile", "amx_bf16",
+                                                     "amx_int8"})
+    assert peers.setup_llamacpp(tmp_path).version == "v"  # built as wanted: kept
 
 
 def test_capacity_search_on_a_fake_latency_model(capacity):
