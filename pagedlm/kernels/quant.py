@@ -57,11 +57,19 @@ library = typed_library({
 # 34.9 vs 109.3, 68.1 vs 138.2, 102.9 vs 174.1 (the float matrix's first touch is in the GEMM
 # side, as it is in quantized_matmul); q6_k 2048x2048 5.7 vs 10.2, 11.0 vs 13.0, 22.1 vs 20.1,
 # 33.1 vs 28.1; 8192x2048 22.0 vs 108.6, 52.9 vs 128.6, 105.3 vs 171.4, 167.5 vs 222.6. q5_k
-# takes q4_k's entry, q5_0 / q5_1 / iq4_nl q4_1's (the same unpacking work per weight); q3_k
-# and q2_k unpack through scalar code (2048x2048 at 32 rows: 16.4 vs 11.6). The same code runs
-# in AVX-512 builds, whose entries are these until measured there.
+# takes q4_k's entry, q5_0 / q5_1 / iq4_nl q4_1's (the same unpacking work per weight). q3_k
+# and q2_k unpack in AVX2 registers since 2d42f48 (before, through scalar code, 2048x2048 at 32
+# rows took 16.4 vs 11.6 and their switch was at 32). Re-measured then on the AVX-512 Xeon (the
+# same kernel code; oneDNN's float32 GEMM on AVX-512), the same way, under other jobs' load,
+# at 64 / 96 / 128 / 160 rows: q3_k 2048x2048 8.0 vs 6.9, 12.0 vs 8.1, 16.8 vs 10.7, 19.8 vs
+# 12.1; 8192x2048 31.7 vs 53.9, 48.4 vs 59.4, 63.1 vs 63.1, 77.8 vs 70.6; q2_k 2048x2048 10.1
+# vs 7.1, 14.9 vs 9.1, 19.9 vs 10.8, 24.3 vs 12.3; 8192x2048 38.3 vs 48.5, 57.2 vs 54.5, 76.2
+# vs 60.6, 95.9 vs 67.7 (at 32 rows the kernels won on every shape: q3_k 4.0 vs 9.6 and 15.8 vs
+# 46.0). A 1B-8B layer's time is mostly its three 8192-wide matrices, so the switches sit where
+# a layer's sum turns: 128 for q3_k, 96 for q2_k. The same code runs in AVX-512 builds, whose
+# other K-quant entries are the EPYC's until measured there.
 _KQUANT_MIN_ROWS = {"q4_k": 192, "q5_k": 192, "q6_k": 128, "q5_0": 128, "q5_1": 128,
-                    "iq4_nl": 128, "q3_k": 32, "q2_k": 32}
+                    "iq4_nl": 128, "q3_k": 128, "q2_k": 96}
 _DEQUANT_GEMM_MIN_ROWS = {512: {"q4_1": 256, "q8_0": 256, "i8": 160, **_KQUANT_MIN_ROWS},
                           256: {"q4_1": 128, "q8_0": 128, "i8": 32, **_KQUANT_MIN_ROWS}}
 _SCALAR_DEQUANT_GEMM_MIN_ROWS = 16
