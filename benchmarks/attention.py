@@ -8,7 +8,11 @@
            the SDPA path (torch_sdpa.prefill_attention, one call per prompt, what the native
            backend ran before the prefill kernel); reports ms and GFLOP/s (causal half).
 
-Each is timed --repeats times, alternating where there are two, and the best is kept.
+           With --kv-cache-dtype bfloat16, also the AMX kernel (csrc/prefill_attention_amx.c)
+           that a bfloat16 cache gets where the CPU has AMX, against the float32 kernel.
+
+Each is timed --repeats times, alternating where there are several; the prefill reports the
+best and the median of its rounds.
 
     python benchmarks/attention.py
     python benchmarks/attention.py --only prefill --prompts 16
@@ -76,12 +80,17 @@ def prefill(args, g: torch.Generator) -> None:
     starts = [sum(lens[:i]) for i in range(len(lens))]
     chunks = torch.tensor([(s, n, 0) for s, n in zip(starts, lens)], dtype=torch.int32)
     tables = torch.zeros(len(lens), 1, dtype=torch.int32)
-    cache = torch.zeros(1, BLOCK, HKV, D)
+    dtype = getattr(torch, args.kv_cache_dtype)
+    cache = torch.zeros(1, BLOCK, HKV, D, dtype=dtype)
     out = torch.empty(total, HQ, D)
+    if dtype != torch.float32:  # fresh K/V rounded as the cache rounds them (as the backend)
+        for x in qkvs:
+            x[:, HQ * D:].copy_(x[:, HQ * D:].to(dtype).float())
 
-    def kernel():
+    def run(use_amx):
         for q, k, v in views:
-            kernels.prefill_attention(q, k, v, cache, cache, chunks, tables, D ** -0.5, out)
+            kernels.prefill_attention(q, k, v, cache, cache, chunks, tables, D ** -0.5, out,
+                                      use_amx=use_amx)
 
     def sdpa():
         for q, k, v in views:
@@ -89,16 +98,26 @@ def prefill(args, g: torch.Generator) -> None:
                 sdpa_prefill(q, k, v, cache, cache, PrefillChunk(s, s + n, 0, None), D ** -0.5,
                              out)
 
-    times = {"kernel": float("inf"), "sdpa": float("inf")}
-    for _ in range(args.repeats):
-        for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
-            times[name] = min(times[name], best_of(fn, 1))
+    fns = {"kernel": lambda: run(False), "sdpa": sdpa}
+    if dtype == torch.bfloat16 and kernels.prefill_attention_amx_runs(D):
+        fns["amx"] = lambda: run(True)  # the default for a bfloat16 cache
+    times = {name: [] for name in fns}
+    for _ in range(args.repeats):  # interleaved rounds: kernel, sdpa, amx, kernel, ...
+        for name, fn in fns.items():
+            times[name].append(best_of(fn, 1))
     flops = sum(n * (n + 1) / 2 for n in lens) * HQ * D * 4 * LAYERS
     print(f"prefill, {args.prompts} prompts of {min(lens)}-{max(lens)} tokens ({total}), "
-          f"{LAYERS} layers:")
-    for name, dt in times.items():
-        print(f"  {name:6s} {dt * 1e3:7.1f} ms  {flops / dt / 1e9:5.0f} GFLOP/s")
-    print(f"  kernel / sdpa time: {times['kernel'] / times['sdpa']:.2f}")
+          f"{LAYERS} layers, {args.kv_cache_dtype} cache (kernel: float32 products; amx: "
+          f"bfloat16 tiles), {args.repeats} rounds:")
+    for name, ts in times.items():
+        ts = sorted(ts)
+        med = ts[len(ts) // 2]
+        print(f"  {name:6s} best {ts[0] * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms "
+              f"(max {ts[-1] * 1e3:7.1f})  {flops / ts[0] / 1e9:5.0f} GFLOP/s at best")
+    best = {name: min(ts) for name, ts in times.items()}
+    print(f"  kernel / sdpa time: {best['kernel'] / best['sdpa']:.2f}")
+    if "amx" in best:
+        print(f"  amx / kernel time: {best['amx'] / best['kernel']:.2f}")
 
 
 def main() -> None:
@@ -106,7 +125,8 @@ def main() -> None:
     p.add_argument("--only", choices=["decode", "prefill"], default=None)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16"],
-                   default="float32", help="the decode kernel's cache")
+                   default="float32",
+                   help="the cache of both: a bfloat16 one adds the AMX prefill kernel")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

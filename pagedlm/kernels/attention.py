@@ -16,6 +16,9 @@ library = typed_library({
     "prefill_attention_f32": ([_p, _p, _i64, _p, _p, _i64, _p, _p, _i, _p, _p, _p, _p, _i, _i,
                                _i, _i, _i, _i, _f, _i, _f, _i], _i),
     "prefill_attention_runs": ([_i], _i),
+    "prefill_attention_bf16_amx": ([_p, _p, _i64, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _i, _i,
+                                    _i, _i, _i, _i, _f, _i, _f, _i], _i),
+    "prefill_attention_amx_runs": ([_i], _i),
 })
 
 
@@ -90,11 +93,18 @@ def prefill_attention_runs(head_dim: int) -> bool:
     return available() and bool(library().prefill_attention_runs(head_dim))
 
 
+def prefill_attention_amx_runs(head_dim: int) -> bool:
+    """Whether `prefill_attention` takes a bfloat16 cache to the AMX kernel
+    (csrc/prefill_attention_amx.c) for this head size: AMX-BF16 in the build and granted to the
+    process (amx_bf16_available, asked once), a head size that is a multiple of 32."""
+    return available() and bool(library().prefill_attention_amx_runs(head_dim))
+
+
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: torch.Tensor,
                       block_tables: torch.Tensor, scale: float, out: torch.Tensor,
                       sliding_window: int | None = None,
-                      logits_soft_cap: float | None = None) -> None:
+                      logits_soft_cap: float | None = None, use_amx: bool = True) -> None:
     """Causal attention of prefill chunks, written into their rows of ``out``.
 
     out [T, Hq, D] float32 contiguous; query [T, Hq, D] and key/value [T, Hkv, D] float32 (the
@@ -104,6 +114,11 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     rows - 1 and its first context_len keys are read from the caches (any of KERNEL_KV_DTYPES,
     widened as they are read) through row c of block_tables [C, max_blocks] int32.
     Indices are not range-checked here (the caller builds them once per step).
+
+    With a bfloat16 cache, where `prefill_attention_amx_runs` and use_amx, the products run on
+    AMX tiles: the queries and the softmax weights are rounded to bfloat16 (and the fresh K/V,
+    which the cache's rounding leaves as they are), sums in float32. Its results are not the
+    float32 kernel's bits; use_amx=False keeps that one.
     """
     lib = library()
     if lib is None or not lib.prefill_attention_runs(query.shape[-1]):
@@ -135,6 +150,18 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if chunks.shape[0] == 0:
         return
     c = chunks.t().contiguous()
+    if use_amx and kv_type == KV_TYPE_CODES[torch.bfloat16] and lib.prefill_attention_amx_runs(
+            head_dim):
+        status = lib.prefill_attention_bf16_amx(
+            out.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),
+            key.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), c[0].data_ptr(),
+            c[1].data_ptr(), c[2].data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            chunks.shape[0], num_q_heads, num_kv_heads, head_dim, k_cache.shape[1],
+            float(scale), int(sliding_window or 0), float(logits_soft_cap or 0.0),
+            torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("prefill attention: could not allocate its scratch buffers")
+        return
     status = lib.prefill_attention_f32(
         out.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),
         key.stride(0),

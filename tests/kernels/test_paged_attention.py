@@ -256,7 +256,16 @@ def test_prefill_kernel_plan_and_tiles(cache_dtype):
         assert (out - _dense_reference(query, dense, 0.125)).abs().max().item() < TOL
     else:  # the reference on the K/V the cache holds (fresh ones rounded as it rounds them)
         rounded = [(k.to(cache_dtype).float(), v.to(cache_dtype).float()) for k, v in dense]
-        assert (out - _dense_reference(query, rounded, 0.125)).abs().max().item() < TOL
+        ref = _dense_reference(query, rounded, 0.125)
+        err = (out - ref).abs().max().item()
+        # Where AMX runs, the bfloat16 cache's prefill rows round Q and the softmax weights to
+        # bfloat16 (test_prefill_attention_amx.py bounds that kernel row by row); the decode
+        # kernel's rows and the float32 kernel's are exact to float32.
+        amx_rows = runs and attn.prefill_attention_amx_runs(64)
+        assert err < (5e-2 if amx_rows else TOL)
+        if amx_rows:
+            exact_rows = torch.cat([torch.arange(0, 1), torch.arange(347, 356)])  # decode kernel
+            assert (out[exact_rows] - ref[exact_rows]).abs().max().item() < TOL
     if not runs:
         return
     threads = torch.get_num_threads()

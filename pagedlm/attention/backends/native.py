@@ -5,9 +5,10 @@ The rows that read the cache (decodes, and prefill chunks of at most KERNEL_MAX_
 tokens with earlier context) go through the kernel in one call per layer: it reads each
 sequence's K/V once, straight from the blocks, instead of gathering a padded copy for SDPA. The
 other prefill chunks go through the prefill kernel (``csrc/prefill_attention.c``), also one call
-per layer for all of them; where it cannot run (no AVX-512 in the build, a head size it does not
-take) they go to SDPA, as in the PyTorch backend. The per-step index tensors are built on first
-use and cached on the metadata object, so the layers of one step share them.
+per layer for all of them (a bfloat16 cache on AMX tiles where the CPU has them,
+``csrc/prefill_attention_amx.c``); where it cannot run (no AVX-512 in the build, a head size it
+does not take) they go to SDPA, as in the PyTorch backend. The per-step index tensors are built on
+first use and cached on the metadata object, so the layers of one step share them.
 
 Deterministic mode (``NativeKernelBackend(deterministic=True)``, from ModelConfig): every row,
 fresh prefill included, goes through the paged kernel over the K/V as stored in the cache
@@ -64,9 +65,13 @@ class NativeKernelBackend(AttentionBackend):
                 # K/V whether it is computed fresh or read back.
                 key = key.to(k_cache.dtype).to(key.dtype)
                 value = value.to(v_cache.dtype).to(value.dtype)
+            # A bfloat16 cache goes to the AMX kernel where it runs (Q and the softmax weights
+            # rounded to bfloat16); the deterministic mode never gets here (the paged kernel
+            # took every row above), and use_amx says it would not take it.
             kernels.attention.prefill_attention(query, key, value, k_cache, v_cache,
                                                 plan.chunks, plan.block_tables, scale, out,
-                                                sliding_window, logits_soft_cap)
+                                                sliding_window, logits_soft_cap,
+                                                use_amx=not self.deterministic)
         for p in plan.sdpa:
             prefill_attention(query, key, value, k_cache, v_cache, p, scale, out,
                               sliding_window, logits_soft_cap)

@@ -30,6 +30,22 @@ int prefill_attention_f32(float *out, const float *query, int64_t q_stride, cons
                           int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                           float scale, int window, float soft_cap, int num_threads);
 
+/* ---------------------------------------------------------------- prefill_attention_amx.c */
+
+/* 1 where the AMX kernel takes this head size: AMX-BF16 available, head_dim a multiple of 32. */
+int prefill_attention_amx_runs(int head_dim);
+/* prefill_attention_f32's job over bfloat16 caches on AMX tiles (Q and the softmax weights
+ * rounded to bfloat16); -2 where it does not run (prefill_attention_amx_runs), -1 out of
+ * memory. */
+int prefill_attention_bf16_amx(float *out, const float *query, int64_t q_stride,
+                               const float *key, const float *value, int64_t kv_stride,
+                               const uint16_t *k_cache, const uint16_t *v_cache,
+                               const int32_t *chunk_start, const int32_t *chunk_len,
+                               const int32_t *chunk_ctx, const int32_t *block_tables,
+                               int max_blocks, int num_chunks, int num_q_heads,
+                               int num_kv_heads, int head_dim, int block_size, float scale,
+                               int window, float soft_cap, int num_threads);
+
 /* ---------------------------------------------------------------- fused_ops.c */
 
 void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_stride,
