@@ -1,6 +1,6 @@
 """The small per-layer float32 ops of a decoder layer, one native call each
 (csrc/fused_ops.c): RMSNorm with the residual add, SiLU-and-mul, rotary embedding, the KV-cache
-write."""
+write; the greedy argmax over the logits."""
 from __future__ import annotations
 
 import ctypes
@@ -16,6 +16,7 @@ library = typed_library({
     "silu_and_mul_f32": ([_p, _p, _i64, _i, _i], None),
     "rotary_f32": ([_p, _i64, _i, _p, _i64, _i, _p, _p, _p, _i, _i, _i], None),
     "write_kv_f32": ([_p, _p, _i, _p, _i64, _p, _i64, _p, _i, _i], None),
+    "argmax_rows_f32": ([_p, _p, _i64, _i, _i], None),
 })
 
 # Callers (the layers) decide once whether a tensor qualifies (pagedlm.kernels.available(),
@@ -90,3 +91,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     library().write_kv_f32(k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPE_CODES[k_cache.dtype],
                            key.data_ptr(), key.stride(0), value.data_ptr(),
                            value.stride(0), slot_mapping.data_ptr(), num_tokens, row)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) of float32 [T, V] logits (rows contiguous): int64 [T], the
+    first index of each row's maximum (of its first NaN if it has one)."""
+    num_rows, vocab = logits.shape
+    out = torch.empty(num_rows, dtype=torch.int64)
+    library().argmax_rows_f32(out.data_ptr(), logits.data_ptr(), _rows(logits), num_rows, vocab)
+    return out

@@ -57,6 +57,7 @@ void rotary_f32(float *q, int64_t q_stride, int Hq, float *k, int64_t k_stride, 
                 int D, int half);
 void write_kv_f32(void *k_cache, void *v_cache, int kv_type, const float *k, int64_t k_stride,
                   const float *v, int64_t v_stride, const int64_t *slots, int T, int row);
+void argmax_rows_f32(int64_t *out, const float *x, int64_t x_stride, int T, int V);
 
 /* ---------------------------------------------------------------- gemv_f32.c */
 
