@@ -6,7 +6,9 @@ the next one runs; the JSON is rewritten after every leg, so a killed run keeps 
 - pagedlm: LLM(device=cuda, bfloat16), warm: one stream of 256 tokens, then 128 requests
   (prompts 32-512 tokens, outputs 16-256, seeded, ignore_eos) handed over at once; each timed
   RUNS times, the median kept. pagedlm_steps8: the same with num_scheduler_steps=8
-  (multi-step decoding).
+  (multi-step decoding); pagedlm_steps8_cublas without the Triton GEMV, pagedlm_steps8_fused
+  with the fused norm/activation GEMVs (PAGEDLM_TRITON_FUSED_NORM_ACT=1; the leg records
+  whether they ran, under "fused_decode").
 - serving, serving_steps8: `pagedlm serve` on the device (the second with
   --num-scheduler-steps 8); Poisson arrivals at 20 requests/s for 15 s, streamed with httpx;
   TTFT p50/p99, TPOT.
@@ -51,8 +53,8 @@ from lib.stats import throughput, write_json  # noqa: E402
 from lib.workload import make_requests, ordinary_token_ids  # noqa: E402
 
 WARM_SEED = 1000  # warm-up requests: seed + this
-LEGS = ("pagedlm", "pagedlm_steps8", "pagedlm_steps8_cublas", "serving", "serving_steps8",
-        "hf_float32", "hf_bfloat16")
+LEGS = ("pagedlm", "pagedlm_steps8", "pagedlm_steps8_cublas", "pagedlm_steps8_fused", "serving",
+        "serving_steps8", "hf_float32", "hf_bfloat16")
 # Seconds each leg may take, start-up included (a leg's process is killed past it).
 LEG_TIMEOUT = {"prepare": 90, "hf_float32": 70, "hf_bfloat16": 80}
 RUNS = 3  # timed runs of each pagedlm workload (the median is kept)
@@ -66,9 +68,13 @@ def leg_steps(leg: str) -> int:
 
 def leg_env(leg: str) -> None:
     """A leg ending in _cublas runs without the Triton GEMV (PAGEDLM_TRITON_GEMV=0): cuBLAS's
-    F.linear on decode-sized batches too."""
+    F.linear on decode-sized batches too. One ending in _fused runs the Llama layers' steps of
+    <= 2 rows with each RMSNorm folded into the GEMV after it and SiLU-and-mul into the down
+    GEMV (PAGEDLM_TRITON_FUSED_NORM_ACT=1: 3 launches fewer a layer, 90 a token here)."""
     if leg.endswith("_cublas"):
         os.environ["PAGEDLM_TRITON_GEMV"] = "0"
+    if leg.endswith("_fused"):
+        os.environ["PAGEDLM_TRITON_FUSED_NORM_ACT"] = "1"
 # Issue 35's targets.
 TARGETS = {"single_tok_s": 1000, "single_ratio": 20, "batch_ratio": 10, "ttft_p99_ms": 100}
 
@@ -167,6 +173,13 @@ def leg_pagedlm(args, size, steps: int) -> dict:
         result["profile"] = profile(run, stream, batch, args.device)
     except Exception as e:  # noqa: BLE001 - a profile must not cost the figures
         result["profile"] = f"failed: {e.__class__.__name__}: {e}"
+    try:  # which fused decode path ran, if any (the _fused leg must show TritonFusedLayers)
+        fused = llm.llm_engine.executor.worker.model.fused_decode
+        result["fused_decode"] = {"stack": type(fused.stack).__name__ if fused.stack else None,
+                                  "off_reason": fused.off_reason,
+                                  "eager_steps": getattr(fused.stack, "steps", 0)}
+    except AttributeError as e:
+        result["fused_decode"] = f"not found: {e}"
     try:  # the one-worker executor's runner (CUDA graphs: helper C's CUDAGraphRunner)
         graphs = llm.llm_engine.executor.worker.runner.cuda_graphs
     except AttributeError as e:

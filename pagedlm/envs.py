@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     PAGEDLM_DEFAULT_MALLOC: bool
     PAGEDLM_ATTENTION_BACKEND: str | None
     PAGEDLM_TRITON_GEMV: bool
+    PAGEDLM_TRITON_FUSED_NORM_ACT: bool
     TRITON_INTERPRET: bool
     PAGEDLM_API_KEY: str | None
     RAY_ADDRESS: str | None
@@ -64,6 +65,13 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # instead of cuBLAS's F.linear, unless this is 0/false/no/off. On by default: on an H200 it
     # made one decode stream 22% and 18% faster in two runs (benchmarks/results/gpu-20261127b,c).
     "PAGEDLM_TRITON_GEMV": _flag_on_unless("PAGEDLM_TRITON_GEMV"),
+    # 1/true/yes: on a GPU, decode steps of at most linear.TRITON_GEMV_MAX_ROWS tokens run the
+    # standard Llama layers with each RMSNorm folded into the GEMV after it (QKV, gate_up) and
+    # SiLU-and-mul into the down projection (kernels/triton/fused_gemv.py; 3 launches fewer a
+    # layer), where PAGEDLM_TRITON_GEMV is on (layers/fused_decode.py's TritonFusedLayers).
+    # Off by default until a GPU run measures it (benchmarks/gpu_bench.py's
+    # pagedlm_steps8_fused leg); read once, at a stage's first step.
+    "PAGEDLM_TRITON_FUSED_NORM_ACT": _flag("PAGEDLM_TRITON_FUSED_NORM_ACT"),
     # Triton's own switch (1/true/yes/on): its kernels run on CPU tensors in its interpreter.
     # Read here only to know whether the Triton attention backend can run on the CPU.
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET", ("1", "true", "yes", "on")),
