@@ -31,6 +31,19 @@ import torch
 from pagedlm.kernels.triton import gemv as _gemv
 
 
+# Where the plain GEMV's configuration (gemv.default_config) spills with the SiLU prologue:
+# ptxas for sm_90 (Triton 3.6, compiled here without a GPU) gave TUNED's 8/64 at 8 rows over
+# K = 1536 255 registers and 4.5 KB of spill stores (24 unrolled steps, each holding gate, up
+# and their product); 4/128 keeps 78 registers and spills none. The layers send at most
+# linear.TRITON_GEMV_MAX_ROWS (2) rows, where TUNED's picks do not spill
+# (tests/kernels/test_triton_fused_gemv.py compiles them). Another BLOCK_K is another sum
+# order: at these shapes the result is the two launches' at this configuration, not gemv's
+# default one.
+SILU_CONFIGS: dict[tuple[int, int, int], _gemv.GemvConfig] = {
+    (8, 576, 1536): _gemv.GemvConfig(4, 128, 1, 4),
+}
+
+
 def _jit():
     # Imported here, not at the top: CPU-only installs need not have Triton.
     from pagedlm.kernels.triton import fused_gemv_jit
@@ -104,7 +117,7 @@ def silu_mul_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((m, n), dtype=torch.float32 if x.is_cpu else x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.to(x.dtype)
-    cfg = _config(m, n, k, x.device, config)
+    cfg = _config(m, n, k, x.device, config or SILU_CONFIGS.get((_gemv.row_bucket(m), n, k)))
     b = bias if bias is not None else y
     _jit().silu_mul_gemv_kernel[(_gemv._cdiv(n, cfg.block_n),)](
         x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
