@@ -30,6 +30,9 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     if DEVICE == "cpu":  # the interpreter: the two-launch path's bits
         assert torch.equal(got, want), f"max diff {(got.float() - want.float()).abs().max()}"
         return
+    if got.dtype == torch.float32:  # no rounding absorbs 1/rms's last bit: every value moves
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
     err = (got.float() - want.float()).abs()
     assert bool((err <= ULP[got.dtype] * want.float().abs() + 1e-3).all()), err.max()
     assert (got == want).float().mean().item() >= 0.98
