@@ -26,6 +26,8 @@
  * like the keys, measured slower (171 against 177-184 GFLOP/s). In the 128-request run
  * (benchmarks/throughput.py, in one process) the prompts' attention took 2.2 s against 4.3-4.5
  * through SDPA.
+ * A bfloat16 cache goes to prefill_attention_amx.c instead where the CPU has AMX (the products
+ * on tiles, Q and the softmax weights rounded to bfloat16); this kernel keeps every other case.
  */
 #include <limits.h>
 #include <stddef.h>

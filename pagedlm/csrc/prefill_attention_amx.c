@@ -2,9 +2,9 @@
  *
  * The same job, arguments and layout as prefill_attention_f32 (prefill_attention.c, whose header
  * gives the causal and context rules), for a bfloat16 cache: K and V are bfloat16 values
- * already (the cache's rows as they lie; the fresh rows, which the backend has rounded as the
- * cache rounds them, are rounded again here, which leaves them as they are), so both products
- * run on tiles:
+ * already (the cache's rows as they lie; the fresh float32 rows are rounded here as the cache
+ * rounds them, to nearest even; a rounded row passes unchanged), so both products run on
+ * tiles:
  *   - K of a (chunk, kv head) is packed once into B tiles for Q K^T: 16 keys a tile, row j =
  *     (K[c][2j], K[c][2j+1]) for the 16 keys c; V into B tiles for P V: 32 keys a tile, row j =
  *     (V[2j][d], V[2j+1][d]) for 16 columns d. Keys past the chunk's are zero.
@@ -24,8 +24,21 @@
  * kernel's, so the deterministic mode (which does not call a prefill kernel at all: the paged
  * kernel takes every row there) keeps to that.
  *
- * Measured: see benchmarks/attention.py --kv-cache-dtype bfloat16 and the comment on
- * prefill_attention_bf16_amx below.
+ * Measured on the project's 2-vCPU Sapphire Rapids-class Xeon while other jobs kept it at a load
+ * of 7-8 (so every figure is 2-4x below an idle machine's; ratios from interleaved rounds):
+ * SmolLM2-135M's 9 query heads over 3 kv heads of 64, 8 fresh prompts of 96-464 tokens,
+ * - benchmarks/attention.py --only prefill --kv-cache-dtype bfloat16 (30 layers, 2 threads,
+ *   5 rounds): float32 kernel best 552 / median 625 ms, this one 345 / 436 ms (0.62x);
+ * - one layer, 1 thread, 9 rounds of 5 calls: 14.5 ms median (13.4 best) against 7.5 (6.9).
+ * perf (1 thread): the float32 softmax pass (scale, mask, exp, rounding) is about 40% of this
+ * kernel, the two tile products about 15% each, rounding Q 8%, packing K/V 3% of the call: the
+ * products were the float32 kernel's bulk, the softmax is now.
+ * In the 128-request run with its outputs cut to 16-32 tokens (the same 33495 prompt tokens;
+ * benchmarks/throughput.py --dtype bfloat16 --temperature 0 --op-times, 2 interleaved rounds,
+ * load 6-10): "attention, steps with prefill rows" 38.2 / 54.2 s with the float32 kernel against
+ * 33.0 / 25.3 s here, i.e. 0.98 / 1.16 of the same run's ">128 rows" linears' time against
+ * 0.67 / 0.62. That figure includes the backend's rounding of the step's fresh K/V, which this
+ * kernel does itself as it packs them (attention/backends/native.py).
  */
 #include <limits.h>
 #include <stddef.h>

@@ -181,3 +181,16 @@ def test_amx_prefill_is_taken_and_differs_from_float32():
     amx_out, f32_out = _run(case, 2), _run(case, 2, use_amx=False)
     assert not torch.equal(amx_out, f32_out)
     assert (amx_out - f32_out).abs().max().item() < 0.05
+
+
+@needs_kernels
+@amx
+def test_amx_prefill_rounds_fresh_rows_as_the_cache():
+    """The backend hands the AMX kernel its fresh K/V unrounded (the cast of the step's whole K
+    and V was a cost of its own): rounding them first, as the cache does, gives the same bits."""
+    case = _case(4, [(0, 70), (33, 100)], 3, 32)
+    query, key, value, k_cache, v_cache, chunks, tables, _ = case
+    rk, rv = key.to(torch.bfloat16).float(), value.to(torch.bfloat16).float()
+    assert not torch.equal(rk, key)
+    rounded = _run((query, rk, rv, k_cache, v_cache, chunks, tables, None), 2)
+    assert torch.equal(_run(case, 2), rounded)

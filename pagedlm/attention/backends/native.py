@@ -60,14 +60,20 @@ class NativeKernelBackend(AttentionBackend):
             return out
         plan = prefill_plan(meta, query, key, value, k_cache)
         if plan.chunks.shape[0]:
-            if k_cache.dtype != key.dtype:
-                # Round as the cache does, as the SDPA path does: a prompt attends to the same
-                # K/V whether it is computed fresh or read back.
-                key = key.to(k_cache.dtype).to(key.dtype)
-                value = value.to(v_cache.dtype).to(value.dtype)
             # A bfloat16 cache goes to the AMX kernel where it runs (Q and the softmax weights
             # rounded to bfloat16); the deterministic mode never gets here (the paged kernel
             # took every row above), and use_amx says it would not take it.
+            amx = (k_cache.dtype == torch.bfloat16 and not self.deterministic
+                   and kernels.attention.prefill_attention_amx_runs(query.shape[-1]))
+            if k_cache.dtype != key.dtype and not amx:
+                # Round as the cache does, as the SDPA path does: a prompt attends to the same
+                # K/V whether it is computed fresh or read back. The AMX kernel rounds the
+                # fresh rows itself as it packs them, to the same products (tdpbf16ps reads
+                # a subnormal as zero, the one case where its rounding and torch's differ):
+                # these two casts of the step's whole K and V took 1-2.5 ms a layer on the
+                # 128-request run's prefill steps (2048 rows, strided views, 2 loaded cores).
+                key = key.to(k_cache.dtype).to(key.dtype)
+                value = value.to(v_cache.dtype).to(value.dtype)
             kernels.attention.prefill_attention(query, key, value, k_cache, v_cache,
                                                 plan.chunks, plan.block_tables, scale, out,
                                                 sliding_window, logits_soft_cap,
