@@ -129,13 +129,13 @@ def _check(query, chunks, seqs, out, scale, window=0, soft_cap=0.0):
     return worst
 
 
-def _run(case, threads, use_amx=True, **kw):
+def _run(case, threads, use_amx=True, scale=0.125, **kw):
     query, key, value, k_cache, v_cache, chunks, tables, _ = case
     out = torch.full(query.shape, float("nan"))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        attn.prefill_attention(query, key, value, k_cache, v_cache, chunks, tables, 0.125, out,
+        attn.prefill_attention(query, key, value, k_cache, v_cache, chunks, tables, scale, out,
                                use_amx=use_amx, **kw)
     finally:
         torch.set_num_threads(before)
@@ -165,11 +165,16 @@ def test_amx_prefill_matches_references(chunks, group, block_size):
 
 @needs_kernels
 @amx
-@pytest.mark.parametrize("window,soft_cap", [(24, 0.0), (0, 5.0), (40, 3.0)])
-def test_amx_prefill_window_and_soft_cap(window, soft_cap):
+@pytest.mark.parametrize("window,soft_cap,scale", [(24, 0.0, 0.125), (0, 5.0, 0.125),
+                                                   (40, 3.0, 0.125), (0, 0.0, 0.0917),
+                                                   (0, 5.0, 0.0917)])
+def test_amx_prefill_window_soft_cap_and_scale(window, soft_cap, scale):
+    """Windows, soft caps and a scale that is not a power of two (the kernel scales the scores
+    in float32 as it takes the exponent; 1/8 multiplies exactly)."""
     case = _case(7, [(0, 70), (50, 45), (9, 300)], 3, 16)
-    out = _run(case, 2, sliding_window=window or None, logits_soft_cap=soft_cap or None)
-    _check(case[0], case[5], case[7], out, 0.125, window, soft_cap)
+    out = _run(case, 2, scale=scale, sliding_window=window or None,
+               logits_soft_cap=soft_cap or None)
+    _check(case[0], case[5], case[7], out, scale, window, soft_cap)
 
 
 @needs_kernels
