@@ -18,6 +18,13 @@
  *     thread passes over it: each panel is then read from memory once a chunk, not once a
  *     32-row block); a thread takes one run of whole panels, so each weight byte is read by
  *     one thread;
+ *   - while a panel's blocks run, the next panel's lines (of the k range) are prefetched into
+ *     L2 (prefetcht1), spread evenly over the panel's k steps: the model's weights (SmolLM2-
+ *     135M: 212 MB of bfloat16 over its 30 layers) never stay in cache between steps, and a
+ *     B tile load that waits on memory stalls the tile unit;
+ *   - when y is NT_MIN_BYTES or more, its full 32 x 32 blocks go through a buffer in L1 and on
+ *     to y with non-temporal stores (y's rows 64-byte aligned): such a y does not stay in the
+ *     caches anyway, and a tile store into it first read each line from memory;
  *   - K past KBLOCK (the 1B model's 8192) goes in blocks of KBLOCK, the C tiles stored to a
  *     padded float32 scratch and loaded back between blocks (exact: the same sums), so that a
  *     chunk still holds 128 rows rather than 32.
@@ -35,24 +42,41 @@
  * kernel's nor vdpbf16ps's, so its bits differ from gemm_panels_bf16's: the deterministic mode
  * (one path at every row count) does not use it.
  *
- * Measured on this project's Sapphire Rapids-class Xeon (2 vCPUs; other jobs often loaded it
- * to 3-5 runnable threads, and runs they hit, up to tenfold slower, were discarded), 2 threads,
- * k-pair panels, medians of 5 interleaved rounds, ms (GFLOP/s): this kernel on k-pairs / on
- * plain panels (a variant that paired them per thread, since removed: AMX builds always pack
- * k-pairs) / the widening panel kernel / torch's bfloat16 F.linear (oneDNN on AMX, x
- * already bfloat16). SmolLM2-135M's four matrix shapes once each (576x576, 192x576, 1536x576,
- * 576x1536):
- *   16 rows 0.132 / 0.193 / 0.208 / 0.220; 32: 0.161 (877) / 0.223 / 0.377 (376) / 0.247 (572);
- *   128: 0.399 (1419) / 0.453 / 1.458 (388) / 0.482 (1174);
- *   512: 1.496 (1514) / 1.572 / 5.828 (389) / 1.148 (1973);
- *   2048: 5.722 (1583) / 6.008 / 23.779 (381) / 3.505 (2585).
- * The 1B model's shapes (3 rounds), this kernel / panels / torch: 3072x2048 at 100 rows 0.64 /
- * 3.11 / 0.85, at 512 2.87 (2242) / 15.92 / 2.86; 2048x8192 (K blocks) at 100 2.05 / 8.41 /
- * 2.35, at 512 8.89 (1932) / 43.75 / 8.69; 16384x2048 at 512 26.8 / 98.6 / 15.5.
- * oneDNN stays ahead from 512 rows on SmolLM2's shapes (1.3-1.6x) and the 1B's 16384x2048
- * (1.7x), level on its 3072x2048 and 2048x8192; why was not investigated. MCHUNK_BYTES of 64 KiB /
- * 256 KiB / 512 KiB / 1 MiB: 966 / 1195 / 1454 / 1479 GFLOP/s at 2048 rows (plain panels),
- * 2 MiB and 4 MiB no better (one noisy round each).
+ * Measured on this project's Xeon (2 vCPUs, a Sapphire Rapids-class core: L1d 48 KiB, L2
+ * 2 MiB) with benchmarks/amx_gemm.py: a pass multiplies M rows by SmolLM2-135M's four shapes
+ * (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) in each of 30 layers, "cold" with
+ * 30 layers' distinct weights (212 MB, as the model reads them), "warm" with one layer's (7 MB)
+ * repeated. Other jobs kept the machine at a load average of 7-8, which made 2-thread wall
+ * times swing tenfold, so: 1 thread on its own CPU time (--threads 1 --clock thread --torch),
+ * medians of 5 interleaved rounds, ms a pass (GFLOP/s), before the prefetch and non-temporal
+ * stores / after / torch's bfloat16 F.linear (oneDNN; x already bfloat16, y bfloat16):
+ *   cold 16 rows 20.4 (167) / 19.0 (178) / 40.6; 32: 26.4 (257) / 22.4 (303) / 44.0;
+ *   64: 34.5 (394) / 30.9 (440) / 55.3; 128: 52.6 (516) / 43.2 (629) / 68.4 (398);
+ *   512: 191 (568) / 139 (782) / 150 (723); 2048: 740 (588) / 506 (859) / 352 (1235);
+ *   warm 16 rows 9.9 (343) / 10.2 (332) / 23.1; 32: 12.4 / 11.1 / 26.1; 64: 18.8 / 16.8 / 36.2;
+ *   128: 33.7 (808) / 28.9 (939) / 47.1; 512: 145 (749) / 117 (930) / 123 (886);
+ *   2048: 698 (623) / 481 (905) / 318 (1367).
+ * The prefetch alone (an earlier run at load 4-5, same clock and passes) gave cold 16 rows
+ * 191 -> 207 GFLOP/s, 128: 714 -> 813, 512: 888 -> 995; warm 16 rows lost 3% (its lines are
+ * already in L2: 32 prefetches a k step for nothing), which the model's steps never see.
+ * Prefetching one panel ahead beat two panels ahead and prefetcht0 (which evicted the panel
+ * in use from L1); prefetching A's next k step into L1, loading tiles interleaved with the
+ * TMULs, and rounding each row chunk just before its panels use it did not help.
+ * At 2048 rows (4 layers, 3 rounds, against the build with the prefetch alone) the y stores
+ * took 40% of the time: storing the tiles to a scratch instead of y ran 1234 GFLOP/s against
+ * 762. Non-temporal stores from 4 MiB of y
+ * (16 MiB: 816 GFLOP/s) give 862 against 631 at 2048 rows and 843 against 787 at 1024;
+ * at 512 rows (only gate_up's 6.3 MB y streams) 892 against 912, at 128 and 512 with every
+ * y streamed 687 / 836 against 781 / 900 (the L1 copy and a y the next op then reads from
+ * memory), hence a threshold; plain stores through the same buffer were slower still.
+ * oneDNN stays ahead from 512 rows (1.4-1.5x at 2048; it writes bfloat16 y, half the bytes);
+ * why beyond that was not found.
+ * Before the prefetch and stores (2 threads, a quiet machine), the 1B model's shapes, this
+ * kernel / widening panel kernel / torch: 3072x2048 at 100 rows 0.64 / 3.11 / 0.85 ms, at 512
+ * 2.87 (2242 GFLOP/s) / 15.92 / 2.86; 2048x8192 (K blocks) at 100 2.05 / 8.41 / 2.35, at 512
+ * 8.89 (1932) / 43.75 / 8.69; 16384x2048 at 512 26.8 / 98.6 / 15.5. MCHUNK_BYTES of 64 KiB /
+ * 256 KiB / 512 KiB / 1 MiB: 966 / 1195 / 1454 / 1479 GFLOP/s at 2048 rows, 2 MiB and 4 MiB no
+ * better.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -81,6 +105,11 @@
 /* K is taken in blocks of at most this many (see amx_thread). */
 #ifndef KBLOCK
 #define KBLOCK 2048
+#endif
+/* From this many bytes of y the full blocks go to y with non-temporal stores (see
+ * store_block). */
+#ifndef NT_MIN_BYTES
+#define NT_MIN_BYTES (4L << 20)
 #endif
 /* Below this many multiply-adds one thread does the whole call (an OpenMP team costs a few
  * microseconds to wake, which is what 2^21 take on the tile unit). */
@@ -137,11 +166,27 @@ static void round_rows(uint16_t *xb, const float *x, int M, int K, int lo, int h
 
 /* C tiles of the block at rows m0.. (rows: 16 or 32 of them valid in the scratch, fewer in y's
  * M) and columns n0.. (cols of them in y) to y (rows N floats apart); through a buffer when the
- * block is ragged. */
+ * block is ragged, or where stream (a y of NT_MIN_BYTES or more), a full block whose rows are
+ * 64-byte aligned goes through one and on with non-temporal stores (the caller's sfence
+ * orders them). */
 static inline __attribute__((always_inline)) void store_block(
-        float *y, int M, int N, int m0, int n0, int cols, int rows) {
+        float *y, int M, int N, int m0, int n0, int cols, int rows, int stream) {
     const int valid = M - m0 < rows ? M - m0 : rows;
     float *yb = y + (size_t)m0 * N + n0;
+    if (stream && valid == rows && cols == 32 && (((uintptr_t)yb | (size_t)N * 4) & 63) == 0) {
+        float buf[32 * 32] __attribute__((aligned(64)));
+        _tile_stored(0, buf, 128);
+        _tile_stored(1, buf + 16, 128);
+        if (rows == 32) {
+            _tile_stored(2, buf + 16 * 32, 128);
+            _tile_stored(3, buf + 16 * 32 + 16, 128);
+        }
+        for (int m = 0; m < rows; m++) {
+            _mm512_stream_ps(yb + (size_t)m * N, _mm512_load_ps(buf + m * 32));
+            _mm512_stream_ps(yb + (size_t)m * N + 16, _mm512_load_ps(buf + m * 32 + 16));
+        }
+        return;
+    }
     if (valid == rows && cols == 32) {
         _tile_stored(0, yb, (size_t)N * 4);
         _tile_stored(1, yb + 16, (size_t)N * 4);
@@ -162,21 +207,32 @@ static inline __attribute__((always_inline)) void store_block(
         memcpy(yb + (size_t)m * N, buf + m * 32, (size_t)cols * sizeof(float));
 }
 
+/* Prefetches the next `n` lines of the stream [*pf, end) into L2 (see amx_panels). */
+static inline __attribute__((always_inline)) void prefetch_lines(const char **pf,
+                                                                 const char *end, int n) {
+    for (int i = 0; i < n && *pf < end; i++, *pf += 64) _mm_prefetch(*pf, _MM_HINT_T1);
+}
+
 /* Panels [lo, hi), k in [k0, k1), against the scratch's M16 rows (a multiple of 16; K a row),
  * in row chunks, into y (My rows, ldy floats apart; columns past N are not stored): each C
  * tile starts at zero, or where accumulate, from y (then a K-blocked call's padded scratch,
- * which a float32 store and load keep exactly: the sums are the unblocked ones). */
+ * which a float32 store and load keep exactly: the sums are the unblocked ones). The next
+ * panel's k range is prefetched over this panel's k steps in all its blocks: 32 lines a step
+ * at one block, 8 at four; the last panel of the run prefetches nothing. */
 static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, const uint16_t *wp,
-                       int M16, int K, int k0, int k1, int lo, int hi, int accumulate) {
+                       int M16, int K, int k0, int k1, int lo, int hi, int accumulate,
+                       int stream) {
     const size_t lda = (size_t)K * 2, panel_bytes = (size_t)K * 64, ldc = (size_t)ldy * 4;
     const int kn = k1 - k0;
     int chunk = (int)(MCHUNK_BYTES / ((size_t)kn * 2)) / 32 * 32;
     if (chunk < 32) chunk = 32;
     for (int c0 = 0; c0 < M16; c0 += chunk) {
         const int c1 = M16 - c0 < chunk ? M16 : c0 + chunk;
+        const int blocks = (c1 - c0 + 31) / 32, per_step = (32 + blocks - 1) / blocks;
         for (int p = lo; p < hi; p++) {
             const char *w = (const char *)wp + (size_t)p * panel_bytes + (size_t)k0 * 64;
             const int n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
+            const char *pf = w + panel_bytes, *pf_end = p + 1 < hi ? pf + (size_t)kn * 64 : pf;
             int m0 = c0;
             for (; m0 + 32 <= c1; m0 += 32) {
                 const char *a = (const char *)(xb + (size_t)m0 * K + k0);
@@ -193,6 +249,7 @@ static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, con
                     _tile_zero(3);
                 }
                 for (int k = 0; k < kn; k += 32) {
+                    prefetch_lines(&pf, pf_end, per_step);
                     _tile_loadd(6, w + (size_t)k * 64, 128);
                     _tile_loadd(7, w + (size_t)k * 64 + 64, 128);
                     _tile_loadd(4, a + (size_t)k * 2, lda);
@@ -202,7 +259,7 @@ static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, con
                     _tile_dpbf16ps(2, 5, 6);
                     _tile_dpbf16ps(3, 5, 7);
                 }
-                store_block(y, My, ldy, m0, n0, cols, 32);
+                store_block(y, My, ldy, m0, n0, cols, 32, stream);
             }
             if (m0 < c1) { /* 16 rows left (c1 - c0 is a multiple of 16) */
                 const char *a = (const char *)(xb + (size_t)m0 * K + k0);
@@ -215,13 +272,14 @@ static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, con
                     _tile_zero(1);
                 }
                 for (int k = 0; k < kn; k += 32) {
+                    prefetch_lines(&pf, pf_end, per_step);
                     _tile_loadd(6, w + (size_t)k * 64, 128);
                     _tile_loadd(7, w + (size_t)k * 64 + 64, 128);
                     _tile_loadd(4, a + (size_t)k * 2, lda);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(1, 4, 7);
                 }
-                store_block(y, My, ldy, m0, n0, cols, 16);
+                store_block(y, My, ldy, m0, n0, cols, 16, stream);
             }
         }
     }
@@ -242,12 +300,14 @@ static void amx_thread(float *y, float *ys, const uint16_t *xb, const uint16_t *
                        int M16, int N, int K, int lo, int hi) {
     load_tiles();
     if (ys == NULL) {
-        amx_panels(y, M, N, N, xb, wp, M16, K, 0, K, lo, hi, 0);
+        amx_panels(y, M, N, N, xb, wp, M16, K, 0, K, lo, hi, 0,
+                   (size_t)M * N * sizeof(float) >= NT_MIN_BYTES);
+        _mm_sfence(); /* the non-temporal stores seen before the caller's (barrier's) */
     } else {
         const int ldy = (N + 31) / 32 * 32;
         for (int k0 = 0; k0 < K; k0 += KBLOCK)
             amx_panels(ys, M16, ldy, ldy, xb, wp, M16, K, k0,
-                       K - k0 < KBLOCK ? K : k0 + KBLOCK, lo, hi, k0 > 0);
+                       K - k0 < KBLOCK ? K : k0 + KBLOCK, lo, hi, k0 > 0, 0);
         const int n0 = lo * 32, n1 = hi * 32 < N ? hi * 32 : N;
         for (int m = 0; m < M && n0 < n1; m++)
             memcpy(y + (size_t)m * N + n0, ys + (size_t)m * ldy + n0,

@@ -7,7 +7,8 @@ in an order the SDM does not pin down bit for bit, so it is held to:
   bit, over ragged M (1..70, padded rows), ragged N (37, 1000, 40: a padded last panel), K 32,
   576 and 1536 (row chunks of 448 and 160 rows) and 2144 (K blocks of 2048 and 96, summed
   through a float32 scratch), k-pair panels, 1 and 2 threads: any
-  indexing, padding or layout error shows;
+  indexing, padding or layout error shows; and a y of 4 MiB or more (csrc NT_MIN_BYTES), whose
+  full blocks go out with non-temporal stores where its rows are 64-byte aligned;
 - random values: a float64 matmul of bfloat16-rounded x and the weight, within the bound of a
   float32 sum of K exact products in any order, gamma_K * sum |x_k w_k| (gamma_K = K u / (1 -
   K u), u = 2^-24), plus K times the smallest normal for flushed subnormals;
@@ -70,6 +71,20 @@ def test_small_integers_give_the_exact_matmul(n, k, layout, threads):
         x = torch.randint(-8, 9, (m, k), generator=g).float()
         expected = (x.double() @ w.double().T).float()  # |sum| <= 64 K < 2^24: exact
         assert torch.equal(amx.gemm_panels(x, panels, n), expected), (m, n, k)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("n,k,m", [(3072, 64, 350), (1000, 32, 1100), (2080, 96, 531)])
+def test_a_large_y_streamed_gives_the_exact_matmul(n, k, m, threads):
+    """y of 4.3, 4.4 and 4.4 MB: full blocks streamed (3072 and 2080 columns: rows 64-byte
+    aligned), the ragged ones (531 rows, 1000 columns: rows 4000 bytes apart, unaligned) stored
+    as below the threshold; small integers, so the result is exact."""
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randint(-8, 9, (n, k), generator=g).bfloat16()
+    x = torch.randint(-8, 9, (m, k), generator=g).float()
+    assert m * n * 4 >= 4 << 20
+    expected = (x.double() @ w.double().T).float()
+    assert torch.equal(amx.gemm_panels(x, _pairs(w), n), expected)
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
