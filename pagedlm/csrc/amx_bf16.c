@@ -69,6 +69,12 @@
  * at 512 rows (only gate_up's 6.3 MB y streams) 892 against 912, at 128 and 512 with every
  * y streamed 687 / 836 against 781 / 900 (the L1 copy and a y the next op then reads from
  * memory), hence a threshold; plain stores through the same buffer were slower still.
+ * End to end (benchmarks/throughput.py --dtype bfloat16 --num-prompts 128, quiet machine, 2
+ * rounds each) they take the prompt linears from 5.39 / 5.30 s to 5.04 / 4.93 and the LM
+ * head's 65-128 rows from 0.90 to 0.74 / 0.68, but the rest of the forward (the ops that then
+ * read y from memory) from 4.93 / 4.73 to 5.14 / 4.97: elapsed 30.75 / 30.14 s against
+ * 30.90 / 30.02, a wash there. What the run gains is the prefetch's: its decode linears
+ * (9-128 rows) took 5.86 / 5.87 s before this change and 5.28 / 5.07 after it.
  * oneDNN stays ahead from 512 rows (1.4-1.5x at 2048; it writes bfloat16 y, half the bytes);
  * why beyond that was not found.
  * Before the prefetch and stores (2 threads, a quiet machine), the 1B model's shapes, this
