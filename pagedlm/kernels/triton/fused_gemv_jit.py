@@ -20,6 +20,8 @@ round trip through memory saved.
 import triton
 import triton.language as tl
 
+from pagedlm.kernels.triton.gemv_jit import gemv_store, gemv_tile
+
 
 # m is not specialised on (gemv_jit.gemv_kernel: its bucket BLOCK_M is the constexpr).
 @triton.jit(do_not_specialize=["m"])
@@ -31,12 +33,8 @@ def rms_norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, y_pt
     # y[m, n] = W @ rmsnorm(h) (+ b) with h = x + residual (HAS_RESIDUAL; else h = x); h is
     # written to res_out by the programs of the first feature block only (each row once).
     # Rows of x, residual and res_out are contiguous (stride 1 along K); BLOCK_H >= k.
-    pid_n = tl.program_id(0)
-    r = tl.arange(0, BLOCK_M * BLOCK_N)
-    rm = r // BLOCK_N
-    rn = pid_n * BLOCK_N + r % BLOCK_N
+    rm, rn, row_mask = gemv_tile(m, n, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    row_mask = (rm < m) & (rn < n)
 
     # Each row's 1 / rms, as rms_norm_kernel computes it: the whole row (BLOCK_H wide) in one
     # reduction, from h rounded to the activations' dtype.
@@ -48,7 +46,7 @@ def rms_norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, y_pt
         if HAS_RESIDUAL:
             rr = tl.load(res_ptr + j * stride_rm + cols, mask=hmask, other=0.0)
             h = (h.to(tl.float32) + rr.to(tl.float32)).to(rr.dtype)
-            tl.store(res_out_ptr + j * stride_om + cols, h, mask=hmask & (pid_n == 0))
+            tl.store(res_out_ptr + j * stride_om + cols, h, mask=hmask & (tl.program_id(0) == 0))
         hf = h.to(tl.float32)
         rstd_j = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / k + eps)
         rstd = tl.where(rm == j, rstd_j, rstd)
@@ -71,10 +69,7 @@ def rms_norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, b_ptr, y_pt
         at = (at * nw.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
         wt = tl.load(w_rows + kk[None, :], mask=mask, other=0.0)
         acc += at.to(tl.float32) * wt.to(tl.float32)
-    out = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rm * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=row_mask)
+    gemv_store(tl.sum(acc, axis=1), b_ptr, y_ptr, rm, rn, row_mask, stride_ym, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -82,12 +77,8 @@ def silu_mul_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          K_STEPS: tl.constexpr, HAS_BIAS: tl.constexpr):
     # y[m, n] = W @ (silu(x[:, :k]) * x[:, k:2k]) (+ b); x's rows contiguous.
-    pid_n = tl.program_id(0)
-    r = tl.arange(0, BLOCK_M * BLOCK_N)
-    rm = r // BLOCK_N
-    rn = pid_n * BLOCK_N + r % BLOCK_N
+    rm, rn, row_mask = gemv_tile(m, n, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    row_mask = (rm < m) & (rn < n)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M * BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -102,7 +93,4 @@ def silu_mul_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_
         at = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
         wt = tl.load(w_rows + kk[None, :], mask=mask, other=0.0)
         acc += at.to(tl.float32) * wt.to(tl.float32)
-    out = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rm * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=row_mask)
+    gemv_store(tl.sum(acc, axis=1), b_ptr, y_ptr, rm, rn, row_mask, stride_ym, HAS_BIAS)

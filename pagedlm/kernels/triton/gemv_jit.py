@@ -25,6 +25,25 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def gemv_tile(m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program pid_n's tile rows: (batch row rm, feature rn, valid) of each of its
+    BLOCK_M * BLOCK_N outputs (see the module docstring's layout). Shared with
+    fused_gemv_jit's kernels, whose tiles must be this one."""
+    r = tl.arange(0, BLOCK_M * BLOCK_N)
+    rm = r // BLOCK_N
+    rn = tl.program_id(0) * BLOCK_N + r % BLOCK_N
+    return rm, rn, (rm < m) & (rn < n)
+
+
+@triton.jit
+def gemv_store(out, b_ptr, y_ptr, rm, rn, row_mask, stride_ym, HAS_BIAS: tl.constexpr):
+    """y[rm, rn] = the tile's float32 sums (+ b), rounded once to y's dtype."""
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rm * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
 # m, the batch's row count, is not specialised on: its bucket BLOCK_M is the constexpr that
 # shapes the tiles, and a bucket sees only counts above the next smaller one (bucket 1 only
 # m = 1), so no row count compiles a variant that warm-up (CUDA-graph capture at 1, 2, 4 and 8
@@ -40,13 +59,9 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k,
     # [pid_s * K_STEPS * BLOCK_K, +K_STEPS * BLOCK_K) (its tail past k masked). PARTIAL
     # (split-K): the float32 sums go to y[pid_s, m, n] (stride_ys apart) for
     # splitk_reduce_kernel; otherwise y = sum + b, rounded once to y's dtype.
-    pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    r = tl.arange(0, BLOCK_M * BLOCK_N)
-    rm = r // BLOCK_N
-    rn = pid_n * BLOCK_N + r % BLOCK_N
+    rm, rn, row_mask = gemv_tile(m, n, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    row_mask = (rm < m) & (rn < n)
     # int64 row offsets: N * K may pass 2^31 for a large matrix.
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
@@ -62,9 +77,7 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k,
     if PARTIAL:
         tl.store(y_ptr + pid_s * stride_ys + rm * stride_ym + rn, out, mask=row_mask)
     else:
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rn, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rm * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=row_mask)
+        gemv_store(out, b_ptr, y_ptr, rm, rn, row_mask, stride_ym, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["m"])
