@@ -170,6 +170,16 @@ static void round_rows(uint16_t *xb, const float *x, int M, int K, int lo, int h
     }
 }
 
+/* C tiles 0-1 (and 2-3 for 32 rows) to dst, rows ld bytes apart. */
+static inline __attribute__((always_inline)) void store_tiles(float *dst, size_t ld, int rows) {
+    _tile_stored(0, dst, ld);
+    _tile_stored(1, dst + 16, ld);
+    if (rows == 32) {
+        _tile_stored(2, (char *)dst + 16 * ld, ld);
+        _tile_stored(3, (char *)dst + 16 * ld + 64, ld);
+    }
+}
+
 /* C tiles of the block at rows m0.. (rows: 16 or 32 of them valid in the scratch, fewer in y's
  * M) and columns n0.. (cols of them in y) to y (rows N floats apart); through a buffer when the
  * block is ragged, or where stream (a y of NT_MIN_BYTES or more), a full block whose rows are
@@ -181,12 +191,7 @@ static inline __attribute__((always_inline)) void store_block(
     float *yb = y + (size_t)m0 * N + n0;
     if (stream && valid == rows && cols == 32 && (((uintptr_t)yb | (size_t)N * 4) & 63) == 0) {
         float buf[32 * 32] __attribute__((aligned(64)));
-        _tile_stored(0, buf, 128);
-        _tile_stored(1, buf + 16, 128);
-        if (rows == 32) {
-            _tile_stored(2, buf + 16 * 32, 128);
-            _tile_stored(3, buf + 16 * 32 + 16, 128);
-        }
+        store_tiles(buf, 128, rows);
         for (int m = 0; m < rows; m++) {
             _mm512_stream_ps(yb + (size_t)m * N, _mm512_load_ps(buf + m * 32));
             _mm512_stream_ps(yb + (size_t)m * N + 16, _mm512_load_ps(buf + m * 32 + 16));
@@ -194,21 +199,11 @@ static inline __attribute__((always_inline)) void store_block(
         return;
     }
     if (valid == rows && cols == 32) {
-        _tile_stored(0, yb, (size_t)N * 4);
-        _tile_stored(1, yb + 16, (size_t)N * 4);
-        if (rows == 32) {
-            _tile_stored(2, yb + (size_t)16 * N, (size_t)N * 4);
-            _tile_stored(3, yb + (size_t)16 * N + 16, (size_t)N * 4);
-        }
+        store_tiles(yb, (size_t)N * 4, rows);
         return;
     }
     float buf[32 * 32] __attribute__((aligned(64)));
-    _tile_stored(0, buf, 128);
-    _tile_stored(1, buf + 16, 128);
-    if (rows == 32) {
-        _tile_stored(2, buf + 16 * 32, 128);
-        _tile_stored(3, buf + 16 * 32 + 16, 128);
-    }
+    store_tiles(buf, 128, rows);
     for (int m = 0; m < valid; m++)
         memcpy(yb + (size_t)m * N, buf + m * 32, (size_t)cols * sizeof(float));
 }
