@@ -150,7 +150,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if chunks.shape[0] == 0:
         return
     c = chunks.t().contiguous()
-    if use_amx and kv_type == KV_TYPE_CODES[torch.bfloat16] and lib.prefill_attention_amx_runs(
+    # The one decision (the backend asks the same function whether to skip its K/V cast).
+    if use_amx and kv_type == KV_TYPE_CODES[torch.bfloat16] and prefill_attention_amx_runs(
             head_dim):
         status = lib.prefill_attention_bf16_amx(
             out.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pagedlm import kernels
 from pagedlm.attention.backends import NativeKernelBackend, TorchSDPABackend, paged_attention
+from pagedlm.attention.backends.native import prefill_plan
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -163,8 +164,17 @@ def test_attention_over_narrow_cache(cache_dtype, backend, case, head_dim):
     out = paged_attention(query, key, value, k_cache, v_cache, meta, scale,
                           backend=backend())
     assert k_cache.dtype == cache_dtype and out.dtype == torch.float32
-    torch.testing.assert_close(out, _dense_reference(query, dense, scale), rtol=2e-5,
-                               atol=2e-5)
+    ref = _dense_reference(query, dense, scale)
+    exact = torch.ones(out.shape[0], dtype=torch.bool)
+    if (backend is NativeKernelBackend and cache_dtype == torch.bfloat16
+            and kernels.attention.prefill_attention_amx_runs(head_dim)):
+        # The fresh prompt chunks go to the AMX prefill kernel here, which rounds Q and the
+        # softmax weights to bfloat16 (test_prefill_attention_amx.py holds it to references
+        # row by row): a bfloat16-sized bound for its rows, float32's for the rest.
+        for start, length, _ in prefill_plan(meta, query, key, value, k_cache).chunks.tolist():
+            exact[start:start + length] = False
+        torch.testing.assert_close(out[~exact], ref[~exact], rtol=0, atol=5e-2)
+    torch.testing.assert_close(out[exact], ref[exact], rtol=2e-5, atol=2e-5)
     # What this step wrote is the step's K/V rounded to the cache dtype.
     kv_heads, head_dim = k_cache.shape[-2:]
     written = k_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping]
