@@ -15,6 +15,7 @@ import torch
 
 from pagedlm.kernels.triton import fused_gemv, fused_ops
 from pagedlm.kernels.triton import gemv as tg
+from tests.kernels.sm90 import sm90_report
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N = 90
@@ -189,19 +190,8 @@ def test_compiles_for_sm90_without_spills():
     # shapes at the configurations the layers' rows get compile for sm_90, keep their tiles in
     # registers (TUNED's 8-row pick for the down GEMV spilled with the SiLU prologue:
     # SILU_CONFIGS), and read x and W with 16-byte loads.
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".triton", "cache")
-    out = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.split("\n")[:-1]
-    assert len(lines) == 9, out.stdout
+    lines = sm90_report(_SM90_SCRIPT)
+    assert len(lines) == 9, lines
     for line in lines:
         *_, regs, spill, wide, narrow = line.split()
         assert spill == "0" and int(regs) <= 255 and int(wide) > 0 and narrow == "0", line

@@ -13,6 +13,7 @@ from torch import nn
 from pagedlm.kernels.triton import gemv as tg
 from pagedlm.model_executor.layers import linear
 from pagedlm.model_executor.layers.linear import ReplicatedLinear
+from tests.kernels.sm90 import sm90_report
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N = 96
@@ -207,19 +208,8 @@ def test_compiles_for_sm90_without_spills():
     # keeps its tile in registers (a spill would put the accumulators in local memory: 16 x
     # 128 tiles at 8 rows spilled), and reads x and W with 16-byte loads (scalar 2-byte loads,
     # as when x's alignment was not specialised on, issue 8x the load instructions).
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".triton", "cache")
-    out = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.split("\n")[:-1]
-    assert len(lines) == 13
+    lines = sm90_report(_SM90_SCRIPT)
+    assert len(lines) == 13, lines
     for line in lines:
         *_, bias, regs, spill, wide, narrow = line.split()
         # 2-byte loads only for the bias (an element per output feature), never for x or W.
