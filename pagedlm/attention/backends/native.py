@@ -61,9 +61,9 @@ class NativeKernelBackend(AttentionBackend):
         plan = prefill_plan(meta, query, key, value, k_cache)
         if plan.chunks.shape[0]:
             # A bfloat16 cache goes to the AMX kernel where it runs (Q and the softmax weights
-            # rounded to bfloat16); the deterministic mode never gets here (the paged kernel
-            # took every row above), and use_amx says it would not take it.
-            amx = (k_cache.dtype == torch.bfloat16 and not self.deterministic
+            # rounded to bfloat16), decided here once for both the cast below and the kernel;
+            # the deterministic mode never gets here (the paged kernel took every row above).
+            amx = (k_cache.dtype == torch.bfloat16
                    and kernels.attention.prefill_attention_amx_runs(query.shape[-1]))
             if k_cache.dtype != key.dtype and not amx:
                 # Round as the cache does, as the SDPA path does: a prompt attends to the same
@@ -77,7 +77,7 @@ class NativeKernelBackend(AttentionBackend):
             kernels.attention.prefill_attention(query, key, value, k_cache, v_cache,
                                                 plan.chunks, plan.block_tables, scale, out,
                                                 sliding_window, logits_soft_cap,
-                                                use_amx=not self.deterministic)
+                                                use_amx=amx)
         for p in plan.sdpa:
             prefill_attention(query, key, value, k_cache, v_cache, p, scale, out,
                               sliding_window, logits_soft_cap)
