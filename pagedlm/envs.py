@@ -46,7 +46,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # 1/true/yes: never build or load the native kernels; every op takes its PyTorch path
     # (attention: Torch SDPA; linear layers: their GEMM path; no fused decode).
     "PAGEDLM_DISABLE_KERNELS": _flag("PAGEDLM_DISABLE_KERNELS"),
-    # 1/true/yes: decode runs layer by layer instead of through the fused native decode stack.
+    # 1/true/yes: decode runs layer by layer instead of through the fused native decode stack
+    # (CPU) or the fused Triton layers (GPU, PAGEDLM_TRITON_FUSED_NORM_ACT).
     "PAGEDLM_DISABLE_FUSED_DECODE": _flag("PAGEDLM_DISABLE_FUSED_DECODE"),
     # 1: bfloat16 k-pair panels (AVX512-BF16 builds) multiply with vdpbf16ps, rounding x to
     # bfloat16, instead of widening the pairs to float32 FMAs (kernels/gemv.py's bf16_dpbf16).

@@ -190,6 +190,12 @@ def test_flag_off_leaves_the_layers_alone(gpu_path, calls, monkeypatch):
     fused = FusedDecode(layers)
     assert fused.run(x, None, positions, kv, meta) is None
     assert fused.off_reason == "PAGEDLM_TRITON_GEMV is off: the linear layers run cuBLAS"
+    # The switch that sends the CPU's decode layer by layer does the same here.
+    monkeypatch.setenv("PAGEDLM_TRITON_GEMV", "1")
+    monkeypatch.setenv("PAGEDLM_DISABLE_FUSED_DECODE", "1")
+    fused = FusedDecode(layers)
+    assert fused.run(x, None, positions, kv, meta) is None
+    assert fused.off_reason == "PAGEDLM_DISABLE_FUSED_DECODE is set"
     assert not calls
 
 

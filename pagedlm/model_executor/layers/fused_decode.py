@@ -325,6 +325,8 @@ class TritonFusedLayers:
         are none."""
         if not envs.PAGEDLM_TRITON_FUSED_NORM_ACT:
             return "PAGEDLM_TRITON_FUSED_NORM_ACT is not set"
+        if envs.PAGEDLM_DISABLE_FUSED_DECODE:  # layer by layer, as on the CPU
+            return "PAGEDLM_DISABLE_FUSED_DECODE is set"
         if not envs.PAGEDLM_TRITON_GEMV:
             return "PAGEDLM_TRITON_GEMV is off: the linear layers run cuBLAS"
         if not layers:
@@ -345,7 +347,7 @@ class TritonFusedLayers:
     def _parts_reason(p: DecoderLayerParts, dtype: torch.dtype | None) -> str | None:
         norms = (p.input_norm, p.post_attention_norm)
         dtype = dtype or norms[0].weight.dtype
-        if dtype not in _linear._TRITON_GEMV_DTYPES:  # the layers' path this replaces
+        if dtype not in _linear.TRITON_GEMV_DTYPES:  # the layers' path this replaces
             return f"its weights are {dtype}; the Triton GEMV takes bfloat16 and float16"
         if any(type(n) is not RMSNorm or n.weight.dtype != dtype or not _triton_device(n.weight)
                or n.weight.dim() != 1 or n.weight.stride(0) != 1 for n in norms):

@@ -122,7 +122,7 @@ AMX_MIN_ROWS = 12
 assert AMX_MIN_ROWS > gemv.GEMV_MAX_ROWS
 
 # The dtypes the Triton GEMV takes (UnquantizedLinearMethod.apply, PAGEDLM_TRITON_GEMV).
-_TRITON_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+TRITON_GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # The most rows the layers send it. On an H200 (SmolLM2-135M's four shapes x 30 layers, per
 # call in CUDA graphs; benchmarks/results/gpu-20261127c/gpu_gemv.json) it took 416 us a token
 # against cuBLAS's 530 at 1 row and 451 against 530 at 2, tied at 4 (523 / 521) and lost at 8
@@ -296,7 +296,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         if (x.is_cuda and x.dim() == 2 and x.shape[0] <= TRITON_GEMV_MAX_ROWS
-                and x.dtype in _TRITON_GEMV_DTYPES and layer.weight.dtype == x.dtype
+                and x.dtype in TRITON_GEMV_DTYPES and layer.weight.dtype == x.dtype
                 and envs.PAGEDLM_TRITON_GEMV):
             # Decode-sized batches on the GPU: cuBLAS runs these shapes on a few CTAs
             # (kernels/triton/gemv.py). CPU calls pay one check (is_cuda); the env var (on
