@@ -21,9 +21,9 @@ which only the caches it shares with other jobs still move (--clock thread with 
 would count the calling thread's share alone).
 
 --check compares this tree's outputs with the other build's bit for bit on random inputs (the
-shapes and rows of tests/kernels/test_amx_bf16.py, plus the model's shapes at 128, 300 and 2048
-rows), at 1 and 2 threads: a change that keeps each output's float32 sum and its k order keeps
-them equal.
+shapes and rows of tests/kernels/test_amx_bf16.py, plus the model's shapes at 128, 300, 1000
+and 2048 rows: several row chunks, ragged at 1000), at 1 and 2 threads: a change that keeps
+each output's float32 sum and its k order keeps them equal.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def check(libs: dict, threads_list=(1, 2)) -> None:
     cases = 0
     for n, k in CHECK_SHAPES + SHAPES:
         panels = pairs(torch.randn(n, k, generator=g).bfloat16())
-        for m in CHECK_ROWS + ([2048] if (n, k) in SHAPES else []):
+        for m in CHECK_ROWS + ([1000, 2048] if (n, k) in SHAPES else []):
             x = torch.randn(m, k, generator=g) * 3
             for threads in threads_list:
                 a, b = torch.empty(m, n), torch.empty(m, n)

@@ -8,7 +8,10 @@
  * Then:
  *   - x's rows are rounded to bfloat16 once per call (vcvtne2ps2bf16: to nearest even, a
  *     subnormal read as zero) into a per-call scratch, rows padded with zeros to a multiple
- *     of 16; an A tile is 16 of its rows, 32 k (64 bytes) each;
+ *     of 16; an A tile is 16 of its rows, 32 k (64 bytes) each. One thread rounds the first
+ *     row chunk (below) up front and each next one while the chunk before it runs, a few 32-k
+ *     segments per k step, so that reading x (float32, from memory) overlaps the tile unit's
+ *     work; a team rounds all rows first, split by rows, then meets at a barrier;
  *   - a B tile is 16 pair rows of a panel at stride 128 bytes, columns 0-15 at +0 and 16-31 at
  *     +64; a C tile is 16 x 16 float32;
  *   - a block is 2 A tiles (32 rows) x 2 B tiles (one panel) -> 4 C tiles, over K in steps of
@@ -22,9 +25,11 @@
  *     L2 (prefetcht1), spread evenly over the panel's k steps: the model's weights (SmolLM2-
  *     135M: 212 MB of bfloat16 over its 30 layers) never stay in cache between steps, and a
  *     B tile load that waits on memory stalls the tile unit;
- *   - when y is NT_MIN_BYTES or more, its full 32 x 32 blocks go through a buffer in L1 and on
- *     to y with non-temporal stores (y's rows 64-byte aligned): such a y does not stay in the
- *     caches anyway, and a tile store into it first read each line from memory;
+ *   - a block's C tiles go to a buffer in L1 at its end, and on to y a few rows per k step of
+ *     the next block (masked stores for a ragged block's columns): y's lines miss the caches,
+ *     and 4 KiB of them stored at once held the tile unit up; when y is NT_MIN_BYTES or more,
+ *     full rows (64-byte aligned) go with non-temporal stores: such a y does not stay in the
+ *     caches anyway, and a store into it first read each line from memory;
  *   - K past KBLOCK (the 1B model's 8192) goes in blocks of KBLOCK, the C tiles stored to a
  *     padded float32 scratch and loaded back between blocks (exact: the same sums), so that a
  *     chunk still holds 128 rows rather than 32.
@@ -170,6 +175,28 @@ static void round_rows(uint16_t *xb, const float *x, int M, int K, int lo, int h
     }
 }
 
+/* Rows [row, end) of x still to round into the scratch, one 32-k segment at a time: the next
+ * row chunk's, spread over the k steps of the chunk in use (see amx_panels). */
+struct rounder {
+    const float *x;
+    uint16_t *xb;
+    int M, K, row, end, k, per_step;
+};
+
+static inline __attribute__((always_inline)) void round_some(struct rounder *r, int n) {
+    for (int i = 0; i < n && r->row < r->end; i++) {
+        uint16_t *out = r->xb + (size_t)r->row * r->K + r->k;
+        if (r->row < r->M) {
+            const float *xr = r->x + (size_t)r->row * r->K + r->k;
+            _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16),
+                                                                  _mm512_loadu_ps(xr)));
+        } else {
+            _mm512_storeu_si512(out, _mm512_setzero_si512());
+        }
+        if ((r->k += 32) == r->K) r->k = 0, r->row++;
+    }
+}
+
 /* C tiles 0-1 (and 2-3 for 32 rows) to dst, rows ld bytes apart. */
 static inline __attribute__((always_inline)) void store_tiles(float *dst, size_t ld, int rows) {
     _tile_stored(0, dst, ld);
@@ -180,32 +207,55 @@ static inline __attribute__((always_inline)) void store_tiles(float *dst, size_t
     }
 }
 
-/* C tiles of the block at rows m0.. (rows: 16 or 32 of them valid in the scratch, fewer in y's
- * M) and columns n0.. (cols of them in y) to y (rows N floats apart); through a buffer when the
- * block is ragged, or where stream (a y of NT_MIN_BYTES or more), a full block whose rows are
- * 64-byte aligned goes through one and on with non-temporal stores (the caller's sfence
- * orders them). */
-static inline __attribute__((always_inline)) void store_block(
-        float *y, int M, int N, int m0, int n0, int cols, int rows, int stream) {
-    const int valid = M - m0 < rows ? M - m0 : rows;
-    float *yb = y + (size_t)m0 * N + n0;
-    if (stream && valid == rows && cols == 32 && (((uintptr_t)yb | (size_t)N * 4) & 63) == 0) {
-        float buf[32 * 32] __attribute__((aligned(64)));
-        store_tiles(buf, 128, rows);
-        for (int m = 0; m < rows; m++) {
-            _mm512_stream_ps(yb + (size_t)m * N, _mm512_load_ps(buf + m * 32));
-            _mm512_stream_ps(yb + (size_t)m * N + 16, _mm512_load_ps(buf + m * 32 + 16));
-        }
-        return;
-    }
-    if (valid == rows && cols == 32) {
-        store_tiles(yb, (size_t)N * 4, rows);
-        return;
-    }
+/* A block's C tiles, stored to an L1 buffer at the block's end and copied on to y a few rows
+ * per k step of the next block (see amx_panels). */
+struct pending {
     float buf[32 * 32] __attribute__((aligned(64)));
-    store_tiles(buf, 128, rows);
-    for (int m = 0; m < valid; m++)
-        memcpy(yb + (size_t)m * N, buf + m * 32, (size_t)cols * sizeof(float));
+    float *dst;         /* y at the block's first row and column */
+    size_t ld;          /* y's row stride in floats */
+    int next, rows;     /* the next row to copy, the rows to copy (those in y) */
+    int per_step;       /* rows copied per k step */
+    __mmask16 lo, hi;   /* the columns in y of the row's two halves */
+    int stream;         /* full, 64-byte aligned rows: non-temporal stores */
+};
+
+/* Copies up to n more of the pending rows to y. */
+static inline __attribute__((always_inline)) void drain(struct pending *pd, int n) {
+    const int end = pd->rows - pd->next < n ? pd->rows : pd->next + n;
+    for (int m = pd->next; m < end; m++) {
+        float *d = pd->dst + (size_t)m * pd->ld;
+        const __m512 a = _mm512_load_ps(pd->buf + m * 32);
+        const __m512 b = _mm512_load_ps(pd->buf + m * 32 + 16);
+        if (pd->stream) {
+            _mm512_stream_ps(d, a);
+            _mm512_stream_ps(d + 16, b);
+        } else {
+            _mm512_mask_storeu_ps(d, pd->lo, a);
+            _mm512_mask_storeu_ps(d + 16, pd->hi, b);
+        }
+    }
+    pd->next = end;
+}
+
+/* The C tiles of the block at rows m0.. (rows: 16 or 32 of them valid in the scratch, fewer in
+ * y's M) and columns n0.. (cols of them in y) become pending for y (rows ldy floats apart),
+ * after the previous block's rows left; where stream (a y of NT_MIN_BYTES or more), full rows
+ * at 64-byte aligned addresses go with non-temporal stores (the caller's sfence orders them).
+ * ksteps: the next block's k steps, over which the rows are spread. */
+static inline __attribute__((always_inline)) void store_block(
+        struct pending *pd, float *y, int M, int ldy, int m0, int n0, int cols, int rows,
+        int stream, int ksteps) {
+    drain(pd, 32);
+    const int valid = M - m0 < rows ? M - m0 : rows;
+    store_tiles(pd->buf, 128, rows);
+    pd->dst = y + (size_t)m0 * ldy + n0;
+    pd->ld = (size_t)ldy;
+    pd->next = 0;
+    pd->rows = valid;
+    pd->per_step = (valid + ksteps - 1) / ksteps;
+    pd->lo = (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1);
+    pd->hi = (__mmask16)(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
+    pd->stream = stream && cols == 32 && (((uintptr_t)pd->dst | pd->ld * 4) & 63) == 0;
 }
 
 /* Prefetches the next `n` lines of the stream [*pf, end) into L2 (see amx_panels). */
@@ -219,17 +269,30 @@ static inline __attribute__((always_inline)) void prefetch_lines(const char **pf
  * tile starts at zero, or where accumulate, from y (then a K-blocked call's padded scratch,
  * which a float32 store and load keep exactly: the sums are the unblocked ones). The next
  * panel's k range is prefetched over this panel's k steps in all its blocks: 32 lines a step
- * at one block, 8 at four; the last panel of the run prefetches nothing. */
-static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, const uint16_t *wp,
+ * at one block, 8 at four; the last panel of the run prefetches nothing. Where x is given
+ * (one thread, k the whole K: x's M rows, float32), this call rounds them into the scratch,
+ * chunk by chunk ahead of use; otherwise the scratch holds them already. */
+static void amx_panels(float *y, int My, int ldy, int N, uint16_t *xb, const uint16_t *wp,
                        int M16, int K, int k0, int k1, int lo, int hi, int accumulate,
-                       int stream) {
+                       int stream, const float *x, int M) {
     const size_t lda = (size_t)K * 2, panel_bytes = (size_t)K * 64, ldc = (size_t)ldy * 4;
-    const int kn = k1 - k0;
+    const int kn = k1 - k0, ksteps = kn / 32;
+    struct pending pd = {.next = 0, .rows = 0, .per_step = 0};
     int chunk = (int)(MCHUNK_BYTES / ((size_t)kn * 2)) / 32 * 32;
     if (chunk < 32) chunk = 32;
+    struct rounder rd = {.x = x, .xb = xb, .M = M, .K = K, .row = 0, .end = 0, .k = 0};
+    if (x != NULL) round_rows(xb, x, M, K, 0, M16 < chunk ? M16 : chunk);
     for (int c0 = 0; c0 < M16; c0 += chunk) {
         const int c1 = M16 - c0 < chunk ? M16 : c0 + chunk;
         const int blocks = (c1 - c0 + 31) / 32, per_step = (32 + blocks - 1) / blocks;
+        if (x != NULL) {
+            round_some(&rd, 1 << 30); /* this chunk's rows all rounded */
+            rd.row = c1;
+            rd.end = M16 - c1 < chunk ? M16 : c1 + chunk;
+            const long segs = (long)(rd.end - rd.row) * (K / 32);
+            const long steps = (long)(hi - lo) * blocks * (kn / 32);
+            rd.per_step = (int)((segs + steps - 1) / steps);
+        }
         for (int p = lo; p < hi; p++) {
             const char *w = (const char *)wp + (size_t)p * panel_bytes + (size_t)k0 * 64;
             const int n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
@@ -251,6 +314,8 @@ static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, con
                 }
                 for (int k = 0; k < kn; k += 32) {
                     prefetch_lines(&pf, pf_end, per_step);
+                    drain(&pd, pd.per_step);
+                    round_some(&rd, rd.per_step);
                     _tile_loadd(6, w + (size_t)k * 64, 128);
                     _tile_loadd(7, w + (size_t)k * 64 + 64, 128);
                     _tile_loadd(4, a + (size_t)k * 2, lda);
@@ -260,7 +325,7 @@ static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, con
                     _tile_dpbf16ps(2, 5, 6);
                     _tile_dpbf16ps(3, 5, 7);
                 }
-                store_block(y, My, ldy, m0, n0, cols, 32, stream);
+                store_block(&pd, y, My, ldy, m0, n0, cols, 32, stream, ksteps);
             }
             if (m0 < c1) { /* 16 rows left (c1 - c0 is a multiple of 16) */
                 const char *a = (const char *)(xb + (size_t)m0 * K + k0);
@@ -274,16 +339,20 @@ static void amx_panels(float *y, int My, int ldy, int N, const uint16_t *xb, con
                 }
                 for (int k = 0; k < kn; k += 32) {
                     prefetch_lines(&pf, pf_end, per_step);
+                    drain(&pd, pd.per_step);
+                    round_some(&rd, rd.per_step);
                     _tile_loadd(6, w + (size_t)k * 64, 128);
                     _tile_loadd(7, w + (size_t)k * 64 + 64, 128);
                     _tile_loadd(4, a + (size_t)k * 2, lda);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(1, 4, 7);
                 }
-                store_block(y, My, ldy, m0, n0, cols, 16, stream);
+                store_block(&pd, y, My, ldy, m0, n0, cols, 16, stream, ksteps);
             }
         }
     }
+    drain(&pd, 32);
+    round_some(&rd, 1 << 30);
 }
 
 static void *alloc64(size_t bytes) {
@@ -297,18 +366,19 @@ static void *alloc64(size_t bytes) {
  * K past KBLOCK goes in blocks of KBLOCK into ys, the call's [M16, P * 32] float32 scratch,
  * whose valid part is then copied to y (without blocks, K = 8192 held a chunk to 32 rows, and
  * each 512 KiB panel was read from memory once per 32 rows). */
-static void amx_thread(float *y, float *ys, const uint16_t *xb, const uint16_t *wp, int M,
-                       int M16, int N, int K, int lo, int hi) {
+static void amx_thread(float *y, float *ys, uint16_t *xb, const float *x,
+                       const uint16_t *wp, int M, int M16, int N, int K, int lo, int hi) {
     load_tiles();
     if (ys == NULL) {
         amx_panels(y, M, N, N, xb, wp, M16, K, 0, K, lo, hi, 0,
-                   (size_t)M * N * sizeof(float) >= NT_MIN_BYTES);
+                   (size_t)M * N * sizeof(float) >= NT_MIN_BYTES, x, M);
         _mm_sfence(); /* the non-temporal stores seen before the caller's (barrier's) */
     } else {
         const int ldy = (N + 31) / 32 * 32;
+        if (x != NULL) round_rows(xb, x, M, K, 0, M16);
         for (int k0 = 0; k0 < K; k0 += KBLOCK)
             amx_panels(ys, M16, ldy, ldy, xb, wp, M16, K, k0,
-                       K - k0 < KBLOCK ? K : k0 + KBLOCK, lo, hi, k0 > 0, 0);
+                       K - k0 < KBLOCK ? K : k0 + KBLOCK, lo, hi, k0 > 0, 0, NULL, M);
         const int n0 = lo * 32, n1 = hi * 32 < N ? hi * 32 : N;
         for (int m = 0; m < M && n0 < n1; m++)
             memcpy(y + (size_t)m * N + n0, ys + (size_t)m * ldy + n0,
@@ -323,8 +393,7 @@ static void gemm_amx(float *y, const float *x, const uint16_t *wp, int M, int N,
     uint16_t *xb = alloc64((size_t)M16 * K * 2);
     float *ys = K > KBLOCK ? alloc64((size_t)M16 * P * 32 * sizeof(float)) : NULL;
     if ((long)M * N * K < PAR_MIN_MACS || nthreads < 2 || P < 2) {
-        round_rows(xb, x, M, K, 0, M16);
-        amx_thread(y, ys, xb, wp, M, M16, N, K, 0, P);
+        amx_thread(y, ys, xb, x, wp, M, M16, N, K, 0, P);
     } else {
 #pragma omp parallel num_threads(nthreads < P ? nthreads : P)
         {
@@ -333,7 +402,7 @@ static void gemm_amx(float *y, const float *x, const uint16_t *wp, int M, int N,
             round_rows(xb, x, M, K, lo, hi);
 #pragma omp barrier
             omp_thread_rows(P, 1, &lo, &hi);
-            amx_thread(y, ys, xb, wp, M, M16, N, K, lo, hi);
+            amx_thread(y, ys, xb, NULL, wp, M, M16, N, K, lo, hi);
         }
     }
     free(ys);

@@ -74,6 +74,23 @@ def test_small_integers_give_the_exact_matmul(n, k, layout, threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("n,k,m", [(100, 1536, 497), (70, 576, 1000), (37, 1536, 161),
+                                   (2080, 576, 520)])
+def test_rows_rounded_a_chunk_ahead_give_the_exact_matmul(n, k, m, threads):
+    """One thread rounds each row chunk of x (448 rows at K = 576, 160 at 1536) while the chunk
+    before it runs: chunks of 160 + 160 + 160 + 32 rows (the last 15 padding), 448 + 448 + 112
+    (a 16-row block at the end), 160 + 16 (one row, 15 padding), and 448 + 80 (8 padding) into a
+    y of 4.1 MiB, streamed; any row rounded late, twice or into the wrong place shows in small
+    integers' exact results. At 2 threads x is rounded before the panels run, as a check that
+    both paths agree with the reference."""
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randint(-8, 9, (n, k), generator=g).bfloat16()
+    x = torch.randint(-8, 9, (m, k), generator=g).float()
+    expected = (x.double() @ w.double().T).float()
+    assert torch.equal(amx.gemm_panels(x, _pairs(w), n), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("n,k,m", [(3072, 64, 350), (1000, 32, 1100), (2080, 96, 531)])
 def test_a_large_y_streamed_gives_the_exact_matmul(n, k, m, threads):
     """y of 4.3, 4.4 and 4.4 MB: full blocks streamed (3072 and 2080 columns: rows 64-byte
