@@ -11,7 +11,7 @@
  *     of 16; an A tile is 16 of its rows, 32 k (64 bytes) each. One thread rounds the first
  *     row chunk (below) up front and each next one while the chunk before it runs, a few 32-k
  *     segments per k step, so that reading x (float32, from memory) overlaps the tile unit's
- *     work; a team rounds all rows first, split by rows, then meets at a barrier;
+ *     work;
  *   - a B tile is 16 pair rows of a panel at stride 128 bytes, columns 0-15 at +0 and 16-31 at
  *     +64; a C tile is 16 x 16 float32;
  *   - a block is 2 A tiles (32 rows) x 2 B tiles (one panel) -> 4 C tiles, over K in steps of
@@ -19,8 +19,12 @@
  *     columns run past y's go through a 32 x 32 buffer;
  *   - rows go in chunks of about MCHUNK_BYTES of scratch (kept in L2 while every panel of the
  *     thread passes over it: each panel is then read from memory once a chunk, not once a
- *     32-row block); a thread takes one run of whole panels, so each weight byte is read by
- *     one thread;
+ *     32-row block). A team splits the rows (runs of 32) where there are more than (threads -
+ *     1) chunks of them: each thread rounds its own rows as one thread does and runs every
+ *     panel, and reads no more weight bytes in all than a panel split's ceil(M / chunk)
+ *     passes (at 2 threads, from 1 to 2 chunks: 2 passes either way), with no barrier.
+ *     Fewer rows: each thread takes one run of whole panels, so each weight byte is read by
+ *     one thread, after the team has rounded the rows (split by rows) and met at a barrier;
  *   - while a panel's blocks run, the next panel's lines (of the k range) are prefetched into
  *     L2 (prefetcht1), spread evenly over the panel's k steps: the model's weights (SmolLM2-
  *     135M: 212 MB of bfloat16 over its 30 layers) never stay in cache between steps, and a
@@ -264,6 +268,12 @@ static inline __attribute__((always_inline)) void prefetch_lines(const char **pf
     for (int i = 0; i < n && *pf < end; i++, *pf += 64) _mm_prefetch(*pf, _MM_HINT_T1);
 }
 
+/* Rows of a chunk at kn k: about MCHUNK_BYTES of scratch, a multiple of 32. */
+static int chunk_rows(int kn) {
+    const int chunk = (int)(MCHUNK_BYTES / ((size_t)kn * 2)) / 32 * 32;
+    return chunk < 32 ? 32 : chunk;
+}
+
 /* Panels [lo, hi), k in [k0, k1), against the scratch's M16 rows (a multiple of 16; K a row),
  * in row chunks, into y (My rows, ldy floats apart; columns past N are not stored): each C
  * tile starts at zero, or where accumulate, from y (then a K-blocked call's padded scratch,
@@ -278,8 +288,7 @@ static void amx_panels(float *y, int My, int ldy, int N, uint16_t *xb, const uin
     const size_t lda = (size_t)K * 2, panel_bytes = (size_t)K * 64, ldc = (size_t)ldy * 4;
     const int kn = k1 - k0, ksteps = kn / 32;
     struct pending pd = {.next = 0, .rows = 0, .per_step = 0};
-    int chunk = (int)(MCHUNK_BYTES / ((size_t)kn * 2)) / 32 * 32;
-    if (chunk < 32) chunk = 32;
+    const int chunk = chunk_rows(kn);
     struct rounder rd = {.x = x, .xb = xb, .M = M, .K = K, .row = 0, .end = 0, .k = 0};
     if (x != NULL) round_rows(xb, x, M, K, 0, M16 < chunk ? M16 : chunk);
     for (int c0 = 0; c0 < M16; c0 += chunk) {
@@ -367,11 +376,11 @@ static void *alloc64(size_t bytes) {
  * whose valid part is then copied to y (without blocks, K = 8192 held a chunk to 32 rows, and
  * each 512 KiB panel was read from memory once per 32 rows). */
 static void amx_thread(float *y, float *ys, uint16_t *xb, const float *x,
-                       const uint16_t *wp, int M, int M16, int N, int K, int lo, int hi) {
+                       const uint16_t *wp, int M, int M16, int N, int K, int lo, int hi,
+                       int stream) {
     load_tiles();
     if (ys == NULL) {
-        amx_panels(y, M, N, N, xb, wp, M16, K, 0, K, lo, hi, 0,
-                   (size_t)M * N * sizeof(float) >= NT_MIN_BYTES, x, M);
+        amx_panels(y, M, N, N, xb, wp, M16, K, 0, K, lo, hi, 0, stream, x, M);
         _mm_sfence(); /* the non-temporal stores seen before the caller's (barrier's) */
     } else {
         const int ldy = (N + 31) / 32 * 32;
@@ -392,8 +401,20 @@ static void gemm_amx(float *y, const float *x, const uint16_t *wp, int M, int N,
     const int P = (N + 31) / 32, M16 = (M + 15) / 16 * 16;
     uint16_t *xb = alloc64((size_t)M16 * K * 2);
     float *ys = K > KBLOCK ? alloc64((size_t)M16 * P * 32 * sizeof(float)) : NULL;
+    const int stream = (size_t)M * N * sizeof(float) >= NT_MIN_BYTES;
     if ((long)M * N * K < PAR_MIN_MACS || nthreads < 2 || P < 2) {
-        amx_thread(y, ys, xb, x, wp, M, M16, N, K, 0, P);
+        amx_thread(y, ys, xb, x, wp, M, M16, N, K, 0, P, stream);
+    } else if (ys == NULL && M16 > (nthreads - 1) * chunk_rows(K)) {
+        /* Rows split (see the top): a thread's rows are a call of their own, each row's sums
+         * the same as in any other split. */
+#pragma omp parallel num_threads(nthreads)
+        {
+            int lo, hi;
+            omp_thread_rows(M16, 32, &lo, &hi);
+            if (lo < hi)
+                amx_thread(y + (size_t)lo * N, NULL, xb + (size_t)lo * K, x + (size_t)lo * K, wp,
+                           (M < hi ? M : hi) - lo, hi - lo, N, K, 0, P, stream);
+        }
     } else {
 #pragma omp parallel num_threads(nthreads < P ? nthreads : P)
         {
@@ -402,7 +423,7 @@ static void gemm_amx(float *y, const float *x, const uint16_t *wp, int M, int N,
             round_rows(xb, x, M, K, lo, hi);
 #pragma omp barrier
             omp_thread_rows(P, 1, &lo, &hi);
-            amx_thread(y, ys, xb, NULL, wp, M, M16, N, K, lo, hi);
+            amx_thread(y, ys, xb, NULL, wp, M, M16, N, K, lo, hi, stream);
         }
     }
     free(ys);

@@ -81,8 +81,8 @@ def test_rows_rounded_a_chunk_ahead_give_the_exact_matmul(n, k, m, threads):
     before it runs: chunks of 160 + 160 + 160 + 32 rows (the last 15 padding), 448 + 448 + 112
     (a 16-row block at the end), 160 + 16 (one row, 15 padding), and 448 + 80 (8 padding) into a
     y of 4.1 MiB, streamed; any row rounded late, twice or into the wrong place shows in small
-    integers' exact results. At 2 threads x is rounded before the panels run, as a check that
-    both paths agree with the reference."""
+    integers' exact results. At 2 threads (more than one chunk of rows) each thread takes a run
+    of rows as a call of its own: 256 + 256, 512 + 496, 96 + 80 (65 in x) and 288 + 240."""
     g = torch.Generator().manual_seed(n + k + m)
     w = torch.randint(-8, 9, (n, k), generator=g).bfloat16()
     x = torch.randint(-8, 9, (m, k), generator=g).float()
