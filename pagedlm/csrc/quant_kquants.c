@@ -47,9 +47,27 @@
  * q4_k's time per weight; unpacked in registers, on the AVX-512 Xeon at [1, 2048] x [2048, 2048]
  * from cache, one thread (medians): q3_k 712 -> 196 us (2.5 -> 9.2 GB/s of blocks), q2_k
  * 505 -> 176 us (2.7 -> 7.8 GB/s), q4_k 108-132 us (18-22 GB/s), so 1.3-1.8x q4_k's time per
- * weight; at M = 8 q3_k 2.9x and q2_k 1.7x faster than before; two threads the same ratios. As in
- * quant_matmul.c, the kernel is 256-bit code in AVX-512 builds too; with VNNI the c = 1 dots
- * take vpdpbusd, the same integers, so the same bits (tests/kernels/test_quant_vnni.py).
+ * weight; at M = 8 q3_k 2.9x and q2_k 1.7x faster than before; two threads the same ratios.
+ * With VNNI the c = 1 dots take vpdpbusd, the same integers, so the same bits
+ * (tests/kernels/test_quant_vnni.py).
+ *
+ * AVX-512 (F, BW, DQ, VL): q4_k, q5_k and q6_k put two weight rows in one zmm (kq_pair_block:
+ * row r in lanes 0..7, row r + 1 in 8..15, the x block broadcast to both halves, each half's S
+ * picked by vpermps), so every row keeps exactly the 256-bit lanes, integers and FMA chain
+ * (tests/kernels/test_kquant_kernels.py: the build without AVX-512 gives the same bits); q4_k's
+ * 6-bit scales of both rows unpack in one ymm (scalar, as k4_scales, they were 60 of the 140
+ * instructions of a pair of blocks), q6_k's high bits merge by one shift and a vpternlog.
+ * Intel runs 512-bit vector ops on 2 ports where 256-bit ones have 3 (Zen 4 splits them in
+ * two), so the gain is the fewer instructions, far from 2x. On the 2-core AVX-512 Xeon (load
+ * average 4-5 from other work), one thread, thread CPU time, medians of 7 interleaved rounds
+ * against the 256-bit code, from cache: q4_k [1, 2048] x [8192, 2048] 488 -> 441 us (19.3 ->
+ * 21.4 GB/s of blocks), [1, 8192] x [2048, 8192] 536 -> 470 us (17.6 -> 20.1), M = 8
+ * 1.12-1.17x; q6_k 1.04-1.18x at M = 1, 1.04-1.11x at M = 8. From memory (110 MB of distinct
+ * weights) one thread reads 8-9 GB/s of blocks either way (0.95-1.11x, within the noise): one
+ * core's memory stream, not the arithmetic, is the limit there. Tried and dropped: 8 rows in
+ * flight (4 zmm chains: slower), q6_k by vpdpbusd and the scale as an exact float product (no
+ * faster than vpmaddubsw + vpmaddwd), prefetching 2 or 4 groups ahead or into L2 (within the
+ * noise). The other formats stay 256-bit.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -68,6 +86,10 @@
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define KQ_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#define KQ_AVX512 1
+#endif
 #endif
 
 enum { F_Q4_K, F_Q5_K, F_Q6_K, F_Q3_K, F_Q2_K, F_Q5_0, F_Q5_1, F_IQ4_NL };
@@ -409,6 +431,141 @@ static inline __attribute__((always_inline)) void kq_block(
 }
 #endif
 
+#ifdef KQ_AVX512
+/* 32 bytes at p (low half) and at p + row_bytes (high half) */
+static inline __m512i pair256(const uint8_t *p, size_t row_bytes) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                              _mm256_loadu_si256((const __m256i *)(p + row_bytes)), 1);
+}
+
+/* dot32 for two rows: 32-block j of the block (first 32-block gb0) in w, int16 multipliers
+ * *sc16 (NULL: all 1) as dot32's per row, against x rows xr .. xr+mt-1: acc[m] += S_j * lanes,
+ * S[m] holding the 8 S of row r (lanes 0..7) and of row r + 1 (8..15). */
+static inline __attribute__((always_inline)) void dot32_pair(
+        __m512 *acc, const int mt, const qx_t *X, int xr, int gb0, const __m512 *S, int j,
+        __m512i w, const __m512i *sc16) {
+    const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(j), _mm256_set1_epi32(8 + j), 1);
+    for (int m = 0; m < mt; m++) {
+        const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(
+            X->q + (size_t)(xr + m) * X->K + (size_t)(gb0 + j) * QK)));
+        const __m512i i = sc16 ? _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), *sc16)
+                               : dot_u8s8_512(w, x);
+        acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, S[m]), _mm512_cvtepi32_ps(i),
+                                 acc[m]);
+    }
+}
+
+/* q4_k, q5_k on 512 bits: weight rows r (lanes 0..7) and r + 1 (lanes 8..15) in one zmm, each
+ * half the very lanes of kq_block's 256-bit code (the x block broadcast to both halves, S per
+ * half), so each row keeps its own chain of integer sums and FMAs in kq_block's order. Block
+ * b0 of row r, b0 + row_bytes of row r + 1, against x rows xr .. xr+mt-1. */
+static inline __attribute__((always_inline)) void kq_pair_block(
+        __m512 *acc, __m512 *summ, const qx_t *X, int xr, const int mt, const uint8_t *b0,
+        size_t row_bytes, int gb0, const int fmt) {
+    const int nbx = X->K / QK;
+    const uint8_t *b1 = b0 + row_bytes;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    /* bytes 0..15 of both blocks (row r's in the low 128 bits): d, dmin, then k4_scales'
+     * words s0, s1, s2 (dwords 1..3), unpacked as there, both rows at once: dwords
+     * (sc 0..3, sc 4..7, mn 0..3, mn 4..7) of each row */
+    const __m256i hd = _mm256_inserti128_si256(_mm256_castsi128_si256(
+        _mm_loadu_si128((const __m128i *)b0)), _mm_loadu_si128((const __m128i *)b1), 1);
+    const __m256i t = _mm256_srlv_epi32(_mm256_shuffle_epi32(hd, _MM_SHUFFLE(3, 2, 3, 1)),
+                                        _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4));
+    const __m256i u = _mm256_srli_epi32(_mm256_shuffle_epi32(hd, _MM_SHUFFLE(2, 2, 1, 1)), 2);
+    const __m256i lo = _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
+                                         0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
+    const __m256i hi = _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030,
+                                         0, 0x30303030, 0, 0x30303030);
+    /* qwords (sc row r, sc row r + 1, mn row r, mn row r + 1) */
+    const __m256i scmn = _mm256_permute4x64_epi64(_mm256_or_si256(
+        _mm256_and_si256(t, lo), _mm256_and_si256(u, hi)), _MM_SHUFFLE(3, 1, 2, 0));
+    /* (d, dmin) of row r, of row r + 1 */
+    const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm256_castsi256_si128(
+        _mm256_permutevar8x32_epi32(hd, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)))));
+    const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(2), 1);
+    const __m512 d = _mm512_permutexvar_ps(half, dd);
+    const __m512 dmin = _mm512_permutexvar_ps(_mm512_add_epi32(half, _mm512_set1_epi32(1)), dd);
+    const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm256_castsi256_si128(scmn))));
+    const __m512 mins = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm256_extracti128_si256(scmn, 1))));
+    __m512 S[XT];
+    for (int m = 0; m < mt; m++) {
+        const size_t xb = (size_t)(xr + m) * nbx + gb0;
+        summ[m] = _mm512_fmadd_ps(mins, _mm512_broadcast_f32x8(_mm256_loadu_ps(X->s + xb)),
+                                  summ[m]);
+        S[m] = _mm512_mul_ps(dsc, _mm512_broadcast_f32x8(_mm256_loadu_ps(X->d + xb)));
+    }
+    const int qo = fmt == F_Q4_K ? 16 : 48;
+    const __m512i qh = fmt == F_Q5_K ? pair256(b0 + 16, row_bytes) : _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        const __m512i v = pair256(b0 + qo + 32 * i, row_bytes);
+        __m512i q0 = _mm512_and_si512(v, low4);
+        __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (fmt == F_Q5_K) {
+            const __m512i one8 = _mm512_set1_epi8(1);
+            q0 = _mm512_or_si512(q0, _mm512_slli_epi16(
+                _mm512_and_si512(_mm512_srli_epi16(qh, 2 * i), one8), 4));
+            q1 = _mm512_or_si512(q1, _mm512_slli_epi16(
+                _mm512_and_si512(_mm512_srli_epi16(qh, 2 * i + 1), one8), 4));
+        }
+        dot32_pair(acc, mt, X, xr, gb0, S, 2 * i, q0, NULL);
+        dot32_pair(acc, mt, X, xr, gb0, S, 2 * i + 1, q1, NULL);
+    }
+}
+
+/* q6_k as kq_block's, two rows at a time (see kq_pair_block). */
+static inline __attribute__((always_inline)) void kq_pair_block_q6(
+        __m512 *acc, __m512 *summ, const qx_t *X, int xr, const int mt, const uint8_t *b0,
+        size_t row_bytes, int gb0) {
+    const int K = X->K, nbx = K / QK;
+    const uint8_t *b1 = b0 + row_bytes;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(fp16_to_f32(load_u16(b0 + 208))),
+                                        _mm256_set1_ps(fp16_to_f32(load_u16(b1 + 208))), 1);
+    /* int16 scales, 128-bit lanes: row r's 0..7, 8..15, row r + 1's 0..7, 8..15 */
+    const __m512i scv = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(
+        _mm_loadu_si128((const __m128i *)(b0 + 192))),
+        _mm_loadu_si128((const __m128i *)(b1 + 192)), 1));
+    __m512 S[XT];
+    for (int m = 0; m < mt; m++) {  /* lane s: 32 (sc_2s bs_2s + sc_2s+1 bs_2s+1) */
+        const size_t xb = (size_t)(xr + m) * nbx + gb0;
+        S[m] = _mm512_mul_ps(d, _mm512_broadcast_f32x8(_mm256_loadu_ps(X->d + xb)));
+        const __m512i bs = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(
+            X->bs + (size_t)(xr + m) * (K / 16) + 2 * gb0)));
+        summ[m] = _mm512_fmadd_ps(S[m], _mm512_cvtepi32_ps(
+            _mm512_slli_epi32(_mm512_madd_epi16(scv, bs), 5)), summ[m]);
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql0 = pair256(b0 + 64 * h, row_bytes);
+        const __m512i ql1 = pair256(b0 + 64 * h + 32, row_bytes);
+        const __m512i qh = pair256(b0 + 128 + 32 * h, row_bytes);
+        /* each row's scales 8h .. 8h+7 in both of its 128-bit lanes */
+        const __m512i sch = _mm512_shuffle_i64x2(scv, scv, h ? _MM_SHUFFLE(3, 3, 1, 1)
+                                                             : _MM_SHUFFLE(2, 2, 0, 0));
+        for (int s = 0; s < 4; s++) {
+            const int j = 4 * h + s;
+            const __m512i lo = s & 1 ? ql1 : ql0;
+            /* the 2 high bits moved to bits 4, 5 by one shift; the nibble merged by vpternlog
+             * (A & B) | C */
+            const __m512i hb = _mm512_and_si512(
+                s < 2 ? _mm512_slli_epi16(qh, 4 - 2 * s)
+                      : s == 2 ? qh : _mm512_srli_epi16(qh, 2), _mm512_set1_epi8(0x30));
+            const __m512i q = _mm512_ternarylogic_epi32(s < 2 ? lo : _mm512_srli_epi16(lo, 4),
+                                                        low4, hb, 0xea);
+            /* pick16 per row: weights 0..15 scale 2s of the 8, 16..31 scale 2s + 1 */
+            const __m256i ab = _mm256_set_m128i(
+                _mm_set1_epi16((short)(0x0100 + 0x202 * (2 * s + 1))),
+                _mm_set1_epi16((short)(0x0100 + 0x202 * (2 * s))));
+            const __m512i sc16 = _mm512_shuffle_epi8(
+                sch, _mm512_inserti64x4(_mm512_castsi256_si512(ab), ab, 1));
+            dot32_pair(acc, mt, X, xr, gb0, S, j, q, &sc16);
+        }
+    }
+}
+#endif
+
 #ifndef KQ_AVX2
 /* The scalar build: weight row `wrow` against x rows xr .. xr+mt-1, into y[m * N], the AVX2
  * lanes emulated one by one. */
@@ -462,6 +619,39 @@ static inline __attribute__((always_inline)) void kq_group(
         float *y, const qx_t *X, int xr, const int mt, const uint8_t *w0, size_t row_bytes,
         const int R, int N, int n, const int fmt, const uint8_t *prefetch) {
     const int bw = BLOCK_W[fmt], bb = BLOCK_B[fmt], nb = X->K / bw;
+#ifdef KQ_AVX512
+    if ((fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K) && R % 2 == 0) {
+        __m512 acc[RMAX / 2][XT], summ[RMAX / 2][XT];
+        for (int p = 0; p < R / 2; p++)
+            for (int m = 0; m < mt; m++) acc[p][m] = summ[p][m] = _mm512_setzero_ps();
+        for (int bi = 0; bi < nb; bi++) {
+            if (prefetch) {
+                const uint8_t *p = prefetch + (size_t)bi * R * bb;
+                for (int off = 0; off < R * bb; off += 64)
+                    _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+            }
+#pragma GCC unroll 2
+            for (int p = 0; p < R / 2; p++)
+                if (fmt == F_Q6_K)
+                    kq_pair_block_q6(acc[p], summ[p], X, xr, mt,
+                                     w0 + 2 * p * row_bytes + (size_t)bi * bb, row_bytes,
+                                     bi * (bw / QK));
+                else
+                    kq_pair_block(acc[p], summ[p], X, xr, mt,
+                                  w0 + 2 * p * row_bytes + (size_t)bi * bb, row_bytes,
+                                  bi * (bw / QK), fmt);
+        }
+        for (int p = 0; p < R / 2; p++)
+            for (int m = 0; m < mt; m++) {
+                y[(size_t)m * N + n + 2 * p] = hsum256(_mm512_castps512_ps256(acc[p][m])) -
+                                               hsum256(_mm512_castps512_ps256(summ[p][m]));
+                y[(size_t)m * N + n + 2 * p + 1] =
+                    hsum256(_mm512_extractf32x8_ps(acc[p][m], 1)) -
+                    hsum256(_mm512_extractf32x8_ps(summ[p][m], 1));
+            }
+        return;
+    }
+#endif
 #ifdef KQ_AVX2
     __m256 acc[RMAX][XT], summ[RMAX][XT];
     float sm1[RMAX][XT][8] __attribute__((aligned(32)));

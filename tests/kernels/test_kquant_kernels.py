@@ -217,6 +217,49 @@ def test_scalar_build_gives_the_vector_builds_bits(fmt, scalar_library):
         assert torch.equal(out.view(torch.int32), _gguf(fmt, blocks).view(torch.int32))
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """quant_kquants.c built as the loader builds it, less AVX-512: the 256-bit kernels."""
+    out = tmp_path_factory.mktemp("avx2") / "kquant_avx2.so"
+    sources = [str(loader.CSRC / "quant_kquants.c"), str(loader.CSRC / "quant_matmul.c")]
+    subprocess.run([loader.COMPILER, *loader.CFLAGS, "-mno-avx512f", *sources, "-o", str(out),
+                    "-lm"], check=True, capture_output=True, timeout=120)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or
+                    not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= _cpu_flags(),
+                    reason="no AVX-512 (F, BW, DQ, VL) on this CPU: the native build is the "
+                           "256-bit one")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_avx512_build_gives_the_256_bit_builds_bits(fmt, avx2_library):
+    """q4_k, q5_k and q6_k take two weight rows per zmm in AVX-512 builds (kq_pair_block):
+    every tile shape (pairs of x rows, single rows, leftover weight rows) at M 1..9 and ragged
+    N, 1 and 2 threads, gives the 256-bit kernel's bits."""
+    p = ctypes.c_void_p
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    for n, k in [(1, bw), (6, 3 * bw), (37, 2 * bw)]:
+        blocks = _with_extreme_rows(fmt, random_blocks(fmt, n, k, seed=n * k)) if n >= 3 else \
+            random_blocks(fmt, n, k, seed=n * k)
+        for m in range(1, 10):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            x[0] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # every q_x +-127
+            for threads in (1, 2):
+                y = torch.empty(m, n)
+                getattr(avx2_library, f"qmm_{fmt}")(p(y.data_ptr()), p(x.data_ptr()),
+                                                    p(blocks.data_ptr()), m, n, k, threads)
+                assert torch.equal(_kernel(fmt, x, blocks, threads), y), (n, k, m, threads)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packed_linear_method_runs_every_format(fmt):
     """PackedLinearMethod works unchanged for a format of kernels.FORMATS: it multiplies

@@ -68,6 +68,18 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* dot_u8s8 on 64 bytes (16 lanes): AVX512-VNNI's vpdpbusd, else vpmaddubsw and vpmaddwd; the
+ * same integers (the bound above). */
+static inline __m512i dot_u8s8_512(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+#endif
+
 /* dot_u8s8 with the pair sums of bytes 0..15 times the int16 sc16 lanes of the low half, of
  * 16..31 those of the high half (a K-quant's sub-block scales; each int32 lane's two pairs
  * share one). AVX2's form in every build: VNNI would take vpdpbusd and then vpmulld by the
