@@ -84,8 +84,31 @@
  * read y from memory) from 4.93 / 4.73 to 5.14 / 4.97: elapsed 30.75 / 30.14 s against
  * 30.90 / 30.02, a wash there. What the run gains is the prefetch's: its decode linears
  * (9-128 rows) took 5.86 / 5.87 s before this change and 5.28 / 5.07 after it.
- * oneDNN stays ahead from 512 rows (1.4-1.5x at 2048; it writes bfloat16 y, half the bytes);
- * why beyond that was not found.
+ * oneDNN stayed ahead from 512 rows (1.4-1.5x at 2048; it writes bfloat16 y, half the bytes).
+ * What bound it there (issue 32; probes are builds with one part left out or made wrong, 1
+ * thread, thread clock, 10 layers): at 5f989fe, warm, load 1.5, with no y stores 512 rows ran
+ * 50.5 -> 34.5 ms and 2048 rows 249 -> 137 (1.5x, 1.8x); A tiles all read from one L1-resident
+ * block (L2 bandwidth out of the way) 46.1 and 217 (1.1x): the y stores, not L2. This
+ * machine's one core stores to memory at about 8 GB/s (plain, each line read first) and 12-17
+ * GB/s (non-temporal), and a 2048-row y is 42 MB a layer; 4 KiB of it at each block's end
+ * stalled the tile unit, and spreading them over the next block's k steps gained 5-10%. With
+ * that, leaving the rounding out (load 3-5) ran 2048 rows warm 211 -> 174 ms, cold 278 -> 227,
+ * 512 warm 53.7 -> 46.2: the rounding pass read 4.7-12.6 MB of float32 x a shape (2048 rows)
+ * from memory while the tile unit idled, hence rounding a chunk ahead. Interleaved, at a load
+ * average of 3.4 (other jobs share the memory and L3, so absolute times run 1.2-2x the
+ * table's: compare within a row), 7 rounds, ms a pass of 10 layers (GFLOP/s), 5f989fe / now
+ * / torch:
+ *   cold 512 rows 61.2 (592) / 55.1 (658) / 95.0; 2048: 247 (587) / 206 (703) / 202 (716);
+ *   warm 512 53.6 (676) / 47.4 (765) / 65.9; 2048: 228 (636) / 183 (794) / 171 (847);
+ *   and (30 layers, 5 rounds, load 3.6-3.8, ranges of +-30% at 2048) cold 128 rows 105 / 84.0
+ *   / 170, warm 128 45.3 / 41.7 / 90.5.
+ * Now, at 2048 rows (probes at load 3.5-3.8): no y stores still 1.3x (cold 227 -> 176 ms),
+ * no rounding 1.04x (the first chunk's, not overlapped), A from L1 nothing: y's float32 bytes
+ * to memory bound it, twice oneDNN's. Not kept, within the noise at 512 rows: the short
+ * chunk first (its rounding the only one not overlapped), prefetchw of y's rows two k steps
+ * ahead, non-temporal stores for every y (which also leaves y in memory for the next op).
+ * 2 threads' wall times at a load of 4-5 swung 3-10x, so the row split is argued (weight
+ * passes, no barrier) rather than measured.
  * Before the prefetch and stores (2 threads, a quiet machine), the 1B model's shapes, this
  * kernel / widening panel kernel / torch: 3072x2048 at 100 rows 0.64 / 3.11 / 0.85 ms, at 512
  * 2.87 (2242 GFLOP/s) / 15.92 / 2.86; 2048x8192 (K blocks) at 100 2.05 / 8.41 / 2.35, at 512
