@@ -103,10 +103,13 @@
  *   and (30 layers, 5 rounds, load 3.6-3.8, ranges of +-30% at 2048) cold 128 rows 105 / 84.0
  *   / 170, warm 128 45.3 / 41.7 / 90.5.
  * Now, at 2048 rows (probes at load 3.5-3.8): no y stores still 1.3x (cold 227 -> 176 ms),
- * no rounding 1.04x (the first chunk's, not overlapped), A from L1 nothing: y's float32 bytes
- * to memory bound it, twice oneDNN's. Not kept, within the noise at 512 rows: the short
- * chunk first (its rounding the only one not overlapped), prefetchw of y's rows two k steps
- * ahead, non-temporal stores for every y (which also leaves y in memory for the next op).
+ * no rounding 1.04x (the first chunk's, not overlapped): y's float32 bytes to memory bound
+ * it, twice oneDNN's. Warm, 2048 rows (load 3.8-5): now 155 ms, no y stores 123, and A tiles
+ * from L1 too 117, and B tiles too (no prefetch) 110 ms, 1312 GFLOP/s: half of 1024 flops a
+ * cycle at 2.6 GHz, the tile loop's own ceiling here (oneDNN's best warm figure is about
+ * that); L2 costs 5% an operand. Not kept, within the noise at 512 rows: the short chunk
+ * first (its rounding the only one not overlapped), prefetchw of y's rows two k steps ahead,
+ * non-temporal stores for every y (which also leaves y in memory for the next op).
  * 2 threads' wall times at a load of 4-5 swung 3-10x, so the row split is argued (weight
  * passes, no barrier) rather than measured.
  * Before the prefetch and stores (2 threads, a quiet machine), the 1B model's shapes, this
@@ -323,7 +326,7 @@ static void amx_panels(float *y, int My, int ldy, int N, uint16_t *xb, const uin
             rd.end = M16 - c1 < chunk ? M16 : c1 + chunk;
             const long segs = (long)(rd.end - rd.row) * (K / 32);
             const long steps = (long)(hi - lo) * blocks * (kn / 32);
-            rd.per_step = (int)((segs + steps - 1) / steps);
+            rd.per_step = steps > 0 ? (int)((segs + steps - 1) / steps) : 0;
         }
         for (int p = lo; p < hi; p++) {
             const char *w = (const char *)wp + (size_t)p * panel_bytes + (size_t)k0 * 64;
