@@ -18,7 +18,8 @@ median over the rounds, its range, and GFLOP/s at the median.
 On a shared machine 2-thread wall times swing tenfold (a team member descheduled at a
 barrier); --threads 1 --clock thread times the kernel on the calling thread's own CPU time,
 which only the caches it shares with other jobs still move (--clock thread with more threads
-would count the calling thread's share alone).
+would count the calling thread's share alone). For a team's work, not its wall time:
+    OMP_WAIT_POLICY=passive python benchmarks/amx_gemm.py --threads 2 --clock process
 
 --check compares this tree's outputs with the other build's bit for bit on random inputs (the
 shapes and rows of tests/kernels/test_amx_bf16.py, plus the model's shapes at 128, 300, 1000
@@ -113,9 +114,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--layers", type=int, default=30, help="distinct layers in the cold case")
     p.add_argument("--cases", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
-    p.add_argument("--clock", choices=["wall", "thread"], default="wall",
+    p.add_argument("--clock", choices=["wall", "thread", "process"], default="wall",
                    help="thread: this thread's CPU time (with --threads 1 the kernel runs on "
-                        "it), which leaves out the time other jobs on a shared machine take")
+                        "it), which leaves out the time other jobs on a shared machine take; "
+                        "process: all threads' CPU time, the work done at --threads > 1 where "
+                        "OMP_WAIT_POLICY=passive (a waiting thread sleeps rather than spins)")
     p.add_argument("--torch", action="store_true",
                    help="also time torch's bfloat16 F.linear (oneDNN) on x already bfloat16 and "
                         "plain [N, K] bfloat16 weights, at --threads threads")
@@ -138,7 +141,8 @@ def main() -> None:
     if args.torch:
         libs["torch"] = None
         torch.set_num_threads(args.threads)
-    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    clock = {"wall": time.perf_counter, "thread": time.thread_time,
+             "process": time.process_time}[args.clock]
     print(f"{args.clock} clock, threads {args.threads}, rounds {args.rounds}, load average at "
           f"start {os.getloadavg()[0]:.2f}")
     print(f"{'case':5} {'rows':>5} " + " ".join(f"{name[-30:]:>30}" for name in libs))

@@ -110,8 +110,13 @@
  * that); L2 costs 5% an operand. Not kept, within the noise at 512 rows: the short chunk
  * first (its rounding the only one not overlapped), prefetchw of y's rows two k steps ahead,
  * non-temporal stores for every y (which also leaves y in memory for the next op).
- * 2 threads' wall times at a load of 4-5 swung 3-10x, so the row split is argued (weight
- * passes, no barrier) rather than measured.
+ * 2 threads' wall times at a load of 4-5 swung 3-10x; their work instead (both threads' CPU
+ * time, OMP_WAIT_POLICY=passive so that a waiting thread sleeps; --clock process, 5 rounds,
+ * load 4-4.6, ms a pass of 10 layers), 5f989fe / now / torch: cold 512 rows 85.7 / 68.1 /
+ * 89.1, 2048: 279 / 221 / 203; warm 512 60.2 / 47.4 / 64.9, 2048: 238 / 202 / 183; and the
+ * row split against the panel split (3075430, rounding all rows at a barrier) 54.4 -> 52.1,
+ * 228 -> 202, 62.4 -> 55.1, 197 -> 180: no more work for its weight passes, and no barrier
+ * for a descheduled thread to hold up (wall time: not measured quietly).
  * Before the prefetch and stores (2 threads, a quiet machine), the 1B model's shapes, this
  * kernel / widening panel kernel / torch: 3072x2048 at 100 rows 0.64 / 3.11 / 0.85 ms, at 512
  * 2.87 (2242 GFLOP/s) / 15.92 / 2.86; 2048x8192 (K blocks) at 100 2.05 / 8.41 / 2.35, at 512
