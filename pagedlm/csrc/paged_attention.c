@@ -18,7 +18,9 @@
  *
  * One work item = a token with all its kv heads (or, with fewer tokens than 2 per thread, one
  * kv head of a token). The G = num_q_heads / num_kv_heads query heads of a kv head are
- * processed together so every K/V row is read from memory once. Softmax is computed online
+ * processed together so every K/V row is read from memory once, and in the AVX-512 loops in
+ * groups of up to 4 so that each 16-element chunk of a row is loaded and widened into a
+ * register once per group, not once per head (below). Softmax is computed online
  * (streaming), one tile of whole blocks at a time, while the next tile is prefetched.
  *
  * Measured on a 2-vCPU Sapphire Rapids-class Xeon (128 decode tokens, 300-700 keys, 3 kv heads
@@ -29,6 +31,15 @@
  * Issuing the next tile's prefetches a few at a time from inside the arithmetic, rather than
  * in one burst per head, took the same step from 164 to 144 ms: a burst of hundreds of
  * prefetches waits on the core's few line-fill buffers and stalls the arithmetic behind it.
+ * Widening a narrow row's chunks once per query head (G times) made the kernel compute-bound:
+ * with all blocks held in L2 a bfloat16 step took 80 ms on two threads against 45 for
+ * float32. Widening once per group of up to 4 heads, one thread, blocks in L2 (CPU time a
+ * step): 9 query / 3 kv heads of 64, bfloat16 160 -> 110 ms, float16 148 -> 101, float32
+ * 161 -> 121 (fewer loads per FMA); 32 / 8 heads (G = 4) 561 -> 340, of 128 1041 -> 579;
+ * 14 / 2 heads (G = 7: groups of 4 and 3) 216 -> 137. Blocks spread over DRAM, bfloat16:
+ * 384 -> 327 ms (noisy, shared machine). TILE_KEYS 16 or 64 and issuing the prefetches in
+ * the first half of the arithmetic measured no better. Every dot product and accumulator
+ * keeps its FMA chain and reduction, so the results are bitwise those of one head at a time.
  */
 #include <math.h>
 #include <stddef.h>
@@ -116,29 +127,45 @@ static inline __attribute__((always_inline)) __m512 load16(const void* row, int 
     return _mm512_loadu_ps((const float*)row + d);
 }
 
-/* s[g * tile + j] = q_g . k_j for n keys, four keys at a time (D a multiple of 16): one
- * reduction per four dot products instead of one each, which dominated the scoring. kp holds
- * rows of kv_type. */
+/* The query heads of a kv head go through the AVX-512 loops in groups of at most 4 (G x 4
+ * accumulators must stay in registers), as evenly sized as possible: group i of ng. The
+ * loops over a group's heads carry `#pragma GCC unroll 4`: without it gcc kept one copy's
+ * accumulator array on the stack. */
+static inline int group_size(int G, int ng, int i) { return G / ng + (i < G % ng); }
+
+/* s[g * tile + j] = q_g . k_j for n keys and GG query heads (q_g at q + g * D), four keys at a
+ * time (D a multiple of 16): one reduction per four dot products instead of one each, which
+ * dominated the scoring. Each 16-element chunk of the four K rows (of kv_type) is widened once
+ * for all GG heads; every dot product is the same FMA chain over d as for one head alone. */
 static inline __attribute__((always_inline)) void scores_avx512(
-        float* s, const float* q, const void** kp, int n, int G, int D, int tile, Prefetch* pf,
-        const int kv_type) {
+        float* s, const float* q, const void** kp, int n, int D, int tile, Prefetch* pf,
+        const int GG, const int kv_type) {
     for (int j = 0; j < n; j += 4) {
         const int r = n - j < 4 ? n - j : 4;
         const void *k0 = kp[j], *k1 = kp[j + (r > 1)], *k2 = kp[j + (r > 2 ? 2 : 0)],
                    *k3 = kp[j + (r > 3 ? 3 : 0)];
-        for (int g = 0; g < G; g++) {
-            prefetch_some(pf);
-            const float* qg = q + (size_t)g * D;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int d = 0; d < D; d += 16) {
-                const __m512 qv = _mm512_loadu_ps(qg + d);
-                a0 = _mm512_fmadd_ps(qv, load16(k0, d, kv_type), a0);
-                a1 = _mm512_fmadd_ps(qv, load16(k1, d, kv_type), a1);
-                a2 = _mm512_fmadd_ps(qv, load16(k2, d, kv_type), a2);
-                a3 = _mm512_fmadd_ps(qv, load16(k3, d, kv_type), a3);
+        prefetch_some(pf);
+        __m512 a[4][4];
+#pragma GCC unroll 4
+        for (int g = 0; g < GG; g++)
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16) {
+            const __m512 c0 = load16(k0, d, kv_type), c1 = load16(k1, d, kv_type),
+                         c2 = load16(k2, d, kv_type), c3 = load16(k3, d, kv_type);
+#pragma GCC unroll 4
+            for (int g = 0; g < GG; g++) {
+                const __m512 qv = _mm512_loadu_ps(q + (size_t)g * D + d);
+                a[g][0] = _mm512_fmadd_ps(qv, c0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(qv, c1, a[g][1]);
+                a[g][2] = _mm512_fmadd_ps(qv, c2, a[g][2]);
+                a[g][3] = _mm512_fmadd_ps(qv, c3, a[g][3]);
             }
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < GG; g++) {
             float out[4];
-            _mm_storeu_ps(out, sum4(a0, a1, a2, a3));
+            _mm_storeu_ps(out, sum4(a[g][0], a[g][1], a[g][2], a[g][3]));
             for (int i = 0; i < r; i++) s[g * tile + j + i] = out[i];
         }
     }
@@ -174,37 +201,87 @@ static void softmax_avx512(float* s, float* m, float* l, float* acc, int n, int 
     }
 }
 
-/* acc_g += sum_j w_gj v_j: 64 columns of acc stay in registers over the tile's keys. */
+/* acc_g += sum_j w_gj v_j for GG query heads (acc_g at acc + g * D, w_gj at s[g * tile + j]):
+ * 64 columns of each head's acc stay in registers over the tile's keys, and each chunk of a V
+ * row is widened once for all GG heads. Every accumulator adds the keys in order, as for one
+ * head alone. */
 static inline __attribute__((always_inline)) void accumulate_avx512(
-        float* acc, const float* s, const void** vp, int n, int G, int D, int tile, Prefetch* pf,
-        const int kv_type) {
-    for (int g = 0; g < G; g++) {
-        const float* sg = s + (size_t)g * tile;
-        float* ag = acc + (size_t)g * D;
-        int d = 0;
-        for (; d + 64 <= D; d += 64) {
-            __m512 a0 = _mm512_loadu_ps(ag + d), a1 = _mm512_loadu_ps(ag + d + 16),
-                   a2 = _mm512_loadu_ps(ag + d + 32), a3 = _mm512_loadu_ps(ag + d + 48);
-            for (int j = 0; j < n; j++) {
-                prefetch_some(pf);
-                const __m512 w = _mm512_set1_ps(sg[j]);
-                a0 = _mm512_fmadd_ps(w, load16(vp[j], d, kv_type), a0);
-                a1 = _mm512_fmadd_ps(w, load16(vp[j], d + 16, kv_type), a1);
-                a2 = _mm512_fmadd_ps(w, load16(vp[j], d + 32, kv_type), a2);
-                a3 = _mm512_fmadd_ps(w, load16(vp[j], d + 48, kv_type), a3);
+        float* acc, const float* s, const void** vp, int n, int D, int tile, Prefetch* pf,
+        const int GG, const int kv_type) {
+    int d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m512 a[4][4];
+#pragma GCC unroll 4
+        for (int g = 0; g < GG; g++)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) a[g][c] = _mm512_loadu_ps(acc + (size_t)g * D + d + 16 * c);
+        for (int j = 0; j < n; j++) {
+            prefetch_some(pf);
+            const __m512 v0 = load16(vp[j], d, kv_type), v1 = load16(vp[j], d + 16, kv_type),
+                         v2 = load16(vp[j], d + 32, kv_type), v3 = load16(vp[j], d + 48, kv_type);
+#pragma GCC unroll 4
+            for (int g = 0; g < GG; g++) {
+                const __m512 w = _mm512_set1_ps(s[g * tile + j]);
+                a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+                a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+                a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
             }
-            _mm512_storeu_ps(ag + d, a0);
-            _mm512_storeu_ps(ag + d + 16, a1);
-            _mm512_storeu_ps(ag + d + 32, a2);
-            _mm512_storeu_ps(ag + d + 48, a3);
         }
-        for (; d < D; d += 16) {
-            __m512 a = _mm512_loadu_ps(ag + d);
-            for (int j = 0; j < n; j++)
-                a = _mm512_fmadd_ps(_mm512_set1_ps(sg[j]), load16(vp[j], d, kv_type), a);
-            _mm512_storeu_ps(ag + d, a);
-        }
+#pragma GCC unroll 4
+        for (int g = 0; g < GG; g++)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (size_t)g * D + d + 16 * c, a[g][c]);
     }
+    for (; d < D; d += 16) {
+        __m512 a[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < GG; g++) a[g] = _mm512_loadu_ps(acc + (size_t)g * D + d);
+        for (int j = 0; j < n; j++) {
+            prefetch_some(pf);
+            const __m512 v = load16(vp[j], d, kv_type);
+#pragma GCC unroll 4
+            for (int g = 0; g < GG; g++)
+                a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * tile + j]), v, a[g]);
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < GG; g++) _mm512_storeu_ps(acc + (size_t)g * D + d, a[g]);
+    }
+}
+
+/* One kv head's scores (phase 0) or accumulation (phase 1) over a tile, in groups of query
+ * heads: each group size and cache type gets its own copy of the loops (constants). */
+static inline __attribute__((always_inline)) void group_avx512(
+        int phase, float* acc, float* s, const float* q, const void** rows, int n, int G, int D,
+        int tile, Prefetch* pf, const int kv_type) {
+    const int ng = (G + 3) / 4;
+    for (int i = 0, g0 = 0; i < ng; g0 += group_size(G, ng, i), i++) {
+        const int gg = group_size(G, ng, i);
+        const float* qg = q + (size_t)g0 * D;
+        float *ag = acc + (size_t)g0 * D, *sg = s + (size_t)g0 * tile;
+#define PA_GROUP(GG)                                                              \
+        if (phase == 0) scores_avx512(sg, qg, rows, n, D, tile, pf, GG, kv_type); \
+        else accumulate_avx512(ag, sg, rows, n, D, tile, pf, GG, kv_type);        \
+        break;
+        switch (gg) {
+            case 1: PA_GROUP(1)
+            case 2: PA_GROUP(2)
+            case 3: PA_GROUP(3)
+            default: PA_GROUP(4)
+        }
+#undef PA_GROUP
+    }
+}
+
+/* group_avx512 with kv_type made a constant. */
+static void phase_avx512(int phase, float* acc, float* s, const float* q, const void** rows,
+                         int n, int G, int D, int tile, Prefetch* pf, int kv_type) {
+    if (kv_type == KV_BF16)
+        group_avx512(phase, acc, s, q, rows, n, G, D, tile, pf, KV_BF16);
+    else if (kv_type == KV_F16)
+        group_avx512(phase, acc, s, q, rows, n, G, D, tile, pf, KV_F16);
+    else
+        group_avx512(phase, acc, s, q, rows, n, G, D, tile, pf, KV_F32);
 }
 #endif
 
@@ -297,15 +374,16 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
         const int n_next = tile_rows(next, blocks, start + tile, ctx_len, tile, block_size,
                                      row_stride);
         /* Every line of the next tile's rows (all nh heads' slices), shared out evenly over
-         * the inner-loop steps of this tile's arithmetic (G per 4 keys scored, G per key
-         * accumulated, for each head). */
+         * the inner-loop steps of this tile's arithmetic: for each head and group of query
+         * heads, one per 4 keys scored and one per key and block of 64 (or 16) columns
+         * accumulated. */
         Prefetch pf = {w->lines, 0, 0, 0};
         for (int j = 0; j < n_next; j++)
             for (size_t b = 0; b < pf_bytes; b += 64) {
                 w->lines[pf.end++] = kc + (next[j] + head0) * elem + b;
                 w->lines[pf.end++] = vc + (next[j] + head0) * elem + b;
             }
-        const int steps = nh * G * ((n + 3) / 4 + n);
+        const int steps = nh * ((G + 3) / 4) * ((n + 3) / 4 + n * (D / 64 + D % 64 / 16));
         pf.per = (pf.end + steps - 1) / steps;
         for (int hh = 0; hh < nh; hh++) {
             const size_t head_off = (size_t)(h0 + hh) * D;
@@ -332,21 +410,10 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
             float *m = w->m + hh * G, *l = w->l + hh * G;
 #ifdef __AVX512F__
             if (fast) {
-                /* Each cache type gets its own copy of the loops (constant kv_type). */
-                if (kv_type == KV_BF16)
-                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, KV_BF16);
-                else if (kv_type == KV_F16)
-                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, KV_F16);
-                else
-                    scores_avx512(w->s, q, w->kr, n, G, D, tile, &pf, KV_F32);
+                phase_avx512(0, acc, w->s, q, w->kr, n, G, D, tile, &pf, kv_type);
                 if (soft_cap > 0.0f) soft_cap_scores(w->s, G, n, tile, soft_cap);
                 softmax_avx512(w->s, m, l, acc, n, G, D, tile);
-                if (kv_type == KV_BF16)
-                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, KV_BF16);
-                else if (kv_type == KV_F16)
-                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, KV_F16);
-                else
-                    accumulate_avx512(acc, w->s, w->vr, n, G, D, tile, &pf, KV_F32);
+                phase_avx512(1, acc, w->s, q, w->vr, n, G, D, tile, &pf, kv_type);
                 continue;
             }
 #endif

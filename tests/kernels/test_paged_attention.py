@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm import kernels
-from pagedlm.attention.backends import paged_attention
+from pagedlm.attention.backends import NativeKernelBackend, TorchSDPABackend, paged_attention
 from pagedlm.attention.metadata import AttentionMetadata, PrefillChunk
 from pagedlm.kernels import attention as attn
 from pagedlm.kernels import loader
@@ -156,6 +156,31 @@ def test_kernel_matches_torch(decode_lens, chunks, num_kv_heads, group, head_dim
     assert torch.isfinite(got).all()
     assert (got - ref).abs().max().item() < TOL
     assert (got - dense).abs().max().item() < TOL
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", range(1, 9))
+# 128: two 64-column passes; 80: one and a 16-column tail; 48: the tail alone; 40: portable.
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 48, 40])
+def test_kernel_query_head_groups(group, cache_dtype, head_dim):
+    """Every group size G = 1..8: the AVX-512 loops take a kv head's query heads in groups of
+    up to 4 (one code path per size), each K/V row widened once per group. Decodes of 1 to 257
+    keys (partial 4-key steps and tiles) against the dense float64 reference over the K/V as
+    the cache holds them, and with a window and soft cap against the PyTorch backend."""
+    decode_lens = [1, 2, 3, 5, 16, 33, 70, 257]
+    sc = _scenario(group * 1000 + head_dim, decode_lens, [], 2, group, head_dim)
+    query, key, value, k_cache, v_cache, meta, dense = sc
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    dense = [(k.to(cache_dtype).float(), v.to(cache_dtype).float()) for k, v in dense]
+    scale = head_dim ** -0.5
+    got = paged_attention(query, key, value, k_cache.clone(), v_cache.clone(), meta, scale,
+                          backend=NativeKernelBackend())
+    torch.testing.assert_close(got, _dense_reference(query, dense, scale), rtol=TOL, atol=TOL)
+    outs = [paged_attention(query, key, value, k_cache.clone(), v_cache.clone(), meta, scale,
+                            backend=b(), sliding_window=32, logits_soft_cap=5.0)
+            for b in (NativeKernelBackend, TorchSDPABackend)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=TOL, atol=TOL)
 
 
 @pytest.mark.parametrize("decode_lens,chunks", CASES)
