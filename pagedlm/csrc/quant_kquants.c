@@ -58,16 +58,22 @@
  * 6-bit scales of both rows unpack in one ymm (scalar, as k4_scales, they were 60 of the 140
  * instructions of a pair of blocks), q6_k's high bits merge by one shift and a vpternlog.
  * Intel runs 512-bit vector ops on 2 ports where 256-bit ones have 3 (Zen 4 splits them in
- * two), so the gain is the fewer instructions, far from 2x. On the 2-core AVX-512 Xeon (load
- * average 4-5 from other work), one thread, thread CPU time, medians of 7 interleaved rounds
- * against the 256-bit code, from cache: q4_k [1, 2048] x [8192, 2048] 488 -> 441 us (19.3 ->
- * 21.4 GB/s of blocks), [1, 8192] x [2048, 8192] 536 -> 470 us (17.6 -> 20.1), M = 8
- * 1.12-1.17x; q6_k 1.04-1.18x at M = 1, 1.04-1.11x at M = 8. From memory (110 MB of distinct
- * weights) one thread reads 8-9 GB/s of blocks either way (0.95-1.11x, within the noise): one
- * core's memory stream, not the arithmetic, is the limit there. Tried and dropped: 8 rows in
- * flight (4 zmm chains: slower), q6_k by vpdpbusd and the scale as an exact float product (no
- * faster than vpmaddubsw + vpmaddwd), prefetching 2 or 4 groups ahead or into L2 (within the
- * noise). The other formats stay 256-bit.
+ * two), so the gain from cache is the fewer instructions, far from 2x. From memory one core
+ * was the limit, not the arithmetic: q4_k read 8-9 GB/s of blocks where a plain float32 sum
+ * streams 12 GB/s, as its 4 rows interleaved, prefetched into L1, kept few lines in flight; so
+ * at M = 1 the pair path runs one pair of rows over all its blocks, then the next (2 streams),
+ * and prefetches the next rows into L2. On the 2-core AVX-512 Xeon (load average 4-5 from
+ * other work), one thread, thread CPU time, medians of 11 rounds interleaved with the 256-bit
+ * build: from memory (> 100 MB of distinct weights), M = 1, q4_k [1, 2048] x [8192, 2048]
+ * 1262 -> 1129 us (7.5 -> 8.4 GB/s of blocks), [1, 8192] x [2048, 8192] 1098 -> 977 us (8.6
+ * -> 9.7), q6_k 1710 -> 1352 us (8.0 -> 10.2) and 1551 -> 1354 us (8.9 -> 10.2), the 2.4 MB
+ * [2048, 2048] ones 0.99-1.02x; from cache, M = 1, 0.97-1.11x (q4_k [1, 8192] x [2048, 8192]
+ * 524 -> 472 us, 18.0 -> 20.0 GB/s); M = 8 1.11-1.21x from cache and memory (but the 2.4 MB
+ * q4_k from memory, 1.00x); q5_k [1, 8192] x [2048, 8192] 1.02-1.04x at M = 1, 1.15-1.18x at 8.
+ * Tried and dropped: 4 rows (2 zmm chains) at M = 1, as the 256-bit code does (5-8% faster
+ * from cache, 5-20% slower from memory), 8 rows (slower), q6_k by vpdpbusd and the scale as an
+ * exact float product (no faster than vpmaddubsw + vpmaddwd), prefetching 2 groups or 8 KiB
+ * ahead (within the noise). The other formats stay 256-bit, their prefetch into L1.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -625,10 +631,10 @@ static inline __attribute__((always_inline)) void kq_group(
         for (int p = 0; p < R / 2; p++)
             for (int m = 0; m < mt; m++) acc[p][m] = summ[p][m] = _mm512_setzero_ps();
         for (int bi = 0; bi < nb; bi++) {
-            if (prefetch) {
+            if (prefetch) {  /* into L2: measured faster from memory than into L1 here */
                 const uint8_t *p = prefetch + (size_t)bi * R * bb;
                 for (int off = 0; off < R * bb; off += 64)
-                    _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+                    _mm_prefetch((const char *)p + off, _MM_HINT_T1);
             }
 #pragma GCC unroll 2
             for (int p = 0; p < R / 2; p++)
@@ -725,9 +731,21 @@ static inline __attribute__((always_inline)) int kq_rows(float *y, const float *
                 kq_group(ym + (size_t)r * N, &X, r, XT, wg + 2 * row_bytes, row_bytes, 2, N,
                          n + 2, fmt, pf ? pf + 2 * row_bytes : NULL);
             }
-            for (; r < mt; r++)
+            for (; r < mt; r++) {
+#ifdef KQ_AVX512
+                /* one pair of rows, then the next: 2 streams from memory instead of 4
+                 * interleaved (see the header) */
+                if (fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K) {
+                    const uint8_t *pf = r ? NULL : next;
+                    kq_group(ym + (size_t)r * N, &X, r, 1, wg, row_bytes, 2, N, n, fmt, pf);
+                    kq_group(ym + (size_t)r * N, &X, r, 1, wg + 2 * row_bytes, row_bytes, 2, N,
+                             n + 2, fmt, pf ? pf + 2 * row_bytes : NULL);
+                    continue;
+                }
+#endif
                 kq_group(ym + (size_t)r * N, &X, r, 1, wg, row_bytes, RMAX, N, n, fmt,
                          r ? NULL : next);
+            }
         }
         for (; n < hi; n++)
             for (int r = 0; r < mt; r++)
