@@ -40,6 +40,25 @@
  * 384 -> 327 ms (noisy, shared machine). TILE_KEYS 16 or 64 and issuing the prefetches in
  * the first half of the arithmetic measured no better. Every dot product and accumulator
  * keeps its FMA chain and reduction, so the results are bitwise those of one head at a time.
+ *
+ * Per-tile bookkeeping, next: the loops take one array of row byte offsets per tile (filled a
+ * block at a time: a block's rows lie at a fixed stride) plus each head's K or V base, instead
+ * of per-head pointer arrays rebuilt key by key for every head; the prefetch list holds one
+ * offset per line pair (K and V lie at the same offsets), built from contiguous ranges (a
+ * block's rows, all kv heads read, are one range). And every thread claims its next work
+ * item before starting the current one, so the current item's last tile prefetches the next
+ * item's first, which had always been read cold. Interleaved A/B against the previous build
+ * (the same shapes; medians of 5-7 rounds of per-round ratios, shared machine at load 1.7-2.9):
+ * blocks in L2, one thread (CPU time): bfloat16 0.87-0.90x (110 -> 96 ms), float32 0.87x;
+ * two threads (wall) bfloat16 0.77x. Blocks over DRAM, bfloat16: one thread 0.91x (216 ->
+ * 199 ms), two threads 0.90x (110 -> 99 ms); float32 one thread 0.97x. The row-pointer and
+ * list changes alone gave 0.98x over DRAM; the next-item prefetch the rest. Measured no
+ * better over DRAM: prefetching 2 tiles ahead (0.96x against 0.91x), into L1 (prefetcht0,
+ * 0.96x), and one prefetch per 128 or 256 bytes leaving the rest of a block to the hardware
+ * prefetchers (worse than the previous build: the streamer does not fill a scattered 6 KiB
+ * block in time). Over DRAM a step still reads ~1.5 GB of K/V in ~200 ms, ~7 GB/s on one
+ * thread: the core's outstanding misses, not the arithmetic (96 ms of the step in L2), bound
+ * it.
  */
 #include <math.h>
 #include <stddef.h>
@@ -69,28 +88,58 @@
 #define WIDE
 #endif
 
-/* The next tile's K/V cache lines, issued `per` at a time from the inner loops. */
+/* How many tiles ahead the prefetches run, and their locality hint (2: prefetcht1, into L2;
+ * the header says what else was measured). -D on the compiler line overrides, for A/B runs. */
+#ifndef PF_AHEAD
+#define PF_AHEAD 1
+#endif
+#ifndef PF_HINT
+#define PF_HINT 2
+#endif
+/* A later tile's K/V cache lines, issued `per` pairs at a time from the inner loops: off[i]
+ * is a line's byte offset in the K cache, and the V line at the same offset of the V cache
+ * goes with it (both caches have one layout). */
 typedef struct {
-    const char** line;
+    const char *k, *v;
+    const size_t* off;
     int pos, end, per;
 } Prefetch;
 
 static inline void prefetch_some(Prefetch* pf) {
-    for (int i = 0; i < pf->per && pf->pos < pf->end; i++)
-        __builtin_prefetch(pf->line[pf->pos++], 0, 2); /* into L2: L1 measured slower */
+    for (int i = 0; i < pf->per && pf->pos < pf->end; i++, pf->pos++) {
+        __builtin_prefetch(pf->k + pf->off[pf->pos], 0, PF_HINT);
+        __builtin_prefetch(pf->v + pf->off[pf->pos], 0, PF_HINT);
+    }
 }
 
-/* Element offsets of the rows (all kv heads) of positions start .. start+n-1; returns n, the
- * tile's length. One division per tile, not one per key. */
+/* Byte offsets of the rows (all kv heads) of positions start .. start+n-1; returns n, the
+ * tile's length. One division per tile and one block-table read per block, not per key: a
+ * block's rows lie at a fixed stride. */
 static int tile_rows(size_t* rows, const int32_t* blocks, int start, int ctx_len, int tile,
-                     int block_size, size_t row_stride) {
+                     int block_size, size_t row_bytes) {
     const int n = ctx_len - start < tile ? ctx_len - start : tile;
     int b = start / block_size, o = start % block_size;
-    for (int j = 0; j < n; j++) {
-        rows[j] = ((size_t)blocks[b] * block_size + o) * row_stride;
-        if (++o == block_size) o = 0, b++;
+    for (int j = 0; j < n; b++, o = 0) {
+        const size_t base = (size_t)blocks[b] * block_size * row_bytes;
+        for (; o < block_size && j < n; o++, j++) rows[j] = base + (size_t)o * row_bytes;
     }
     return n > 0 ? n : 0;
+}
+
+/* The cache lines of bytes [lo + rows[j], lo + rows[j] + len) for the n rows, as offsets from
+ * base (64-byte lines of the absolute addresses); rows that continue the
+ * previous one (a block's rows when all kv heads are read) form one range. Returns the count. */
+static int tile_lines(size_t* off, const char* base, const size_t* rows, int n, size_t lo,
+                      size_t len) {
+    int c = 0;
+    for (int j = 0; j < n;) {
+        const size_t from = rows[j] + lo;
+        size_t to = from + len;
+        for (j++; j < n && rows[j] + lo == to; j++) to += len;
+        const size_t a = (size_t)(((uintptr_t)(base + from) & ~(uintptr_t)63) - (uintptr_t)base);
+        for (size_t o = a; o < to; o += 64) off[c++] = o;
+    }
+    return c;
 }
 
 /* s = cap * tanh(s / cap) over G rows of n scores. Out of line, so the uncapped path's code
@@ -138,12 +187,12 @@ static inline int group_size(int G, int ng, int i) { return G / ng + (i < G % ng
  * dominated the scoring. Each 16-element chunk of the four K rows (of kv_type) is widened once
  * for all GG heads; every dot product is the same FMA chain over d as for one head alone. */
 static inline __attribute__((always_inline)) void scores_avx512(
-        float* s, const float* q, const void** kp, int n, int D, int tile, Prefetch* pf,
-        const int GG, const int kv_type) {
+        float* s, const float* q, const char* kb, const size_t* rows, int n, int D, int tile,
+        Prefetch* pf, const int GG, const int kv_type) {
     for (int j = 0; j < n; j += 4) {
         const int r = n - j < 4 ? n - j : 4;
-        const void *k0 = kp[j], *k1 = kp[j + (r > 1)], *k2 = kp[j + (r > 2 ? 2 : 0)],
-                   *k3 = kp[j + (r > 3 ? 3 : 0)];
+        const void *k0 = kb + rows[j], *k1 = kb + rows[j + (r > 1)],
+                   *k2 = kb + rows[j + (r > 2 ? 2 : 0)], *k3 = kb + rows[j + (r > 3 ? 3 : 0)];
         prefetch_some(pf);
         __m512 a[4][4];
 #pragma GCC unroll 4
@@ -206,8 +255,8 @@ static void softmax_avx512(float* s, float* m, float* l, float* acc, int n, int 
  * row is widened once for all GG heads. Every accumulator adds the keys in order, as for one
  * head alone. */
 static inline __attribute__((always_inline)) void accumulate_avx512(
-        float* acc, const float* s, const void** vp, int n, int D, int tile, Prefetch* pf,
-        const int GG, const int kv_type) {
+        float* acc, const float* s, const char* vb, const size_t* rows, int n, int D, int tile,
+        Prefetch* pf, const int GG, const int kv_type) {
     int d = 0;
     for (; d + 64 <= D; d += 64) {
         __m512 a[4][4];
@@ -217,8 +266,9 @@ static inline __attribute__((always_inline)) void accumulate_avx512(
             for (int c = 0; c < 4; c++) a[g][c] = _mm512_loadu_ps(acc + (size_t)g * D + d + 16 * c);
         for (int j = 0; j < n; j++) {
             prefetch_some(pf);
-            const __m512 v0 = load16(vp[j], d, kv_type), v1 = load16(vp[j], d + 16, kv_type),
-                         v2 = load16(vp[j], d + 32, kv_type), v3 = load16(vp[j], d + 48, kv_type);
+            const char* vr = vb + rows[j];
+            const __m512 v0 = load16(vr, d, kv_type), v1 = load16(vr, d + 16, kv_type),
+                         v2 = load16(vr, d + 32, kv_type), v3 = load16(vr, d + 48, kv_type);
 #pragma GCC unroll 4
             for (int g = 0; g < GG; g++) {
                 const __m512 w = _mm512_set1_ps(s[g * tile + j]);
@@ -239,7 +289,7 @@ static inline __attribute__((always_inline)) void accumulate_avx512(
         for (int g = 0; g < GG; g++) a[g] = _mm512_loadu_ps(acc + (size_t)g * D + d);
         for (int j = 0; j < n; j++) {
             prefetch_some(pf);
-            const __m512 v = load16(vp[j], d, kv_type);
+            const __m512 v = load16(vb + rows[j], d, kv_type);
 #pragma GCC unroll 4
             for (int g = 0; g < GG; g++)
                 a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * tile + j]), v, a[g]);
@@ -252,16 +302,16 @@ static inline __attribute__((always_inline)) void accumulate_avx512(
 /* One kv head's scores (phase 0) or accumulation (phase 1) over a tile, in groups of query
  * heads: each group size and cache type gets its own copy of the loops (constants). */
 static inline __attribute__((always_inline)) void group_avx512(
-        int phase, float* acc, float* s, const float* q, const void** rows, int n, int G, int D,
-        int tile, Prefetch* pf, const int kv_type) {
+        int phase, float* acc, float* s, const float* q, const char* base, const size_t* rows,
+        int n, int G, int D, int tile, Prefetch* pf, const int kv_type) {
     const int ng = (G + 3) / 4;
     for (int i = 0, g0 = 0; i < ng; g0 += group_size(G, ng, i), i++) {
         const int gg = group_size(G, ng, i);
         const float* qg = q + (size_t)g0 * D;
         float *ag = acc + (size_t)g0 * D, *sg = s + (size_t)g0 * tile;
 #define PA_GROUP(GG)                                                              \
-        if (phase == 0) scores_avx512(sg, qg, rows, n, D, tile, pf, GG, kv_type); \
-        else accumulate_avx512(ag, sg, rows, n, D, tile, pf, GG, kv_type);        \
+        if (phase == 0) scores_avx512(sg, qg, base, rows, n, D, tile, pf, GG, kv_type); \
+        else accumulate_avx512(ag, sg, base, rows, n, D, tile, pf, GG, kv_type);        \
         break;
         switch (gg) {
             case 1: PA_GROUP(1)
@@ -274,14 +324,15 @@ static inline __attribute__((always_inline)) void group_avx512(
 }
 
 /* group_avx512 with kv_type made a constant. */
-static void phase_avx512(int phase, float* acc, float* s, const float* q, const void** rows,
-                         int n, int G, int D, int tile, Prefetch* pf, int kv_type) {
+static void phase_avx512(int phase, float* acc, float* s, const float* q, const char* base,
+                         const size_t* rows, int n, int G, int D, int tile, Prefetch* pf,
+                         int kv_type) {
     if (kv_type == KV_BF16)
-        group_avx512(phase, acc, s, q, rows, n, G, D, tile, pf, KV_BF16);
+        group_avx512(phase, acc, s, q, base, rows, n, G, D, tile, pf, KV_BF16);
     else if (kv_type == KV_F16)
-        group_avx512(phase, acc, s, q, rows, n, G, D, tile, pf, KV_F16);
+        group_avx512(phase, acc, s, q, base, rows, n, G, D, tile, pf, KV_F16);
     else
-        group_avx512(phase, acc, s, q, rows, n, G, D, tile, pf, KV_F32);
+        group_avx512(phase, acc, s, q, base, rows, n, G, D, tile, pf, KV_F32);
 }
 #endif
 
@@ -337,12 +388,24 @@ REASSOC static void accumulate_portable(float* acc, const float* s, const float*
 typedef struct {
     float *q, *acc, *m, *l; /* [nh * G * D], [nh * G * D], [nh * G], [nh * G] */
     float* s;               /* [G * tile] */
-    size_t* rows;           /* [2 * tile] */
+    size_t* rows;           /* [2 * tile]: byte offsets of this tile's rows and a later one's */
     float *kbuf, *vbuf;     /* [tile * D] each, lower-precision caches only */
     const float **kp, **vp; /* [tile]: float32 rows (portable loops) */
-    const void **kr, **vr;  /* [tile]: rows in place, of any kv_type (AVX-512 loops) */
-    const char** lines;     /* [2 * tile * lines per row], the next tile's prefetches */
+    size_t* lines;          /* [tile * (lines per row + 1)], a later tile's prefetches */
 } Scratch;
+
+/* Where the thread's next work item starts reading (its first tile is prefetched during this
+ * item's last one): its block-table row, first key, keys and first kv head. blocks == NULL:
+ * none. */
+typedef struct {
+    const int32_t* blocks;
+    int first, ctx_len, h0;
+} Next;
+
+/* The first key a token reads: keys outside the window are skipped, not masked. */
+static inline int first_key(int ctx_len, int window) {
+    return window > 0 && ctx_len > window ? ctx_len - window : 0;
+}
 
 /* kv heads h0 .. h0+nh-1 of one token: out[h][g] = softmax(scale * q[h][g] K_h^T) V_h.
  * query/out point at head h0's first query head. The heads advance together, one tile at a
@@ -351,7 +414,8 @@ typedef struct {
 WIDE static void attend(float* out, const float* query, const void* k_cache,
                         const void* v_cache, int kv_type, const int32_t* blocks, int ctx_len,
                         int h0, int nh, int G, int D, int num_kv_heads, int block_size, int tile,
-                        float scale, int window, float soft_cap, const Scratch* w) {
+                        float scale, int window, float soft_cap, const Scratch* w,
+                        const Next* nx) {
     const size_t elem = kv_elem_size(kv_type);
     const char *kc = (const char*)k_cache, *vc = (const char*)v_cache;
     const size_t row_stride = (size_t)num_kv_heads * D;
@@ -360,43 +424,48 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
     for (int g = 0; g < HG; g++) w->m[g] = -INFINITY, w->l[g] = 0.0f;
 #ifdef __AVX512F__
     const int fast = D % 16 == 0;
-#else
-    const int fast = 0;
 #endif
 
-    /* Keys outside the window are skipped, not masked: the first tile starts at the window. */
-    const int first = window > 0 && ctx_len > window ? ctx_len - window : 0;
-    size_t *cur = w->rows, *next = w->rows + tile; /* row offsets of this tile and the next */
-    tile_rows(cur, blocks, first, ctx_len, tile, block_size, row_stride);
-    const size_t pf_bytes = (size_t)nh * D * elem, head0 = (size_t)h0 * D;
+    const int first = first_key(ctx_len, window); /* the first tile starts at the window */
+    const size_t row_bytes = row_stride * elem, pf_bytes = (size_t)nh * D * elem;
+    const size_t head0 = (size_t)h0 * D * elem;
+    size_t *cur = w->rows, *ahead = w->rows + tile; /* row offsets of this tile and a later */
     for (int start = first; start < ctx_len; start += tile) {
-        const int n = ctx_len - start < tile ? ctx_len - start : tile;
-        const int n_next = tile_rows(next, blocks, start + tile, ctx_len, tile, block_size,
-                                     row_stride);
-        /* Every line of the next tile's rows (all nh heads' slices), shared out evenly over
+        const int n = tile_rows(cur, blocks, start, ctx_len, tile, block_size, row_bytes);
+        int n_ahead = tile_rows(ahead, blocks, start + PF_AHEAD * tile, ctx_len, tile,
+                                block_size, row_bytes);
+        size_t ahead0 = head0;
+        if (start + tile >= ctx_len && nx->blocks) { /* the last tile: the next item's first */
+            n_ahead = tile_rows(ahead, nx->blocks, nx->first, nx->ctx_len, tile, block_size,
+                                row_bytes);
+            ahead0 = (size_t)nx->h0 * D * elem;
+        }
+        /* Every line of a later tile's rows (all nh heads' slices), shared out evenly over
          * the inner-loop steps of this tile's arithmetic: for each head and group of query
          * heads, one per 4 keys scored and one per key and block of 64 (or 16) columns
          * accumulated. */
-        Prefetch pf = {w->lines, 0, 0, 0};
-        for (int j = 0; j < n_next; j++)
-            for (size_t b = 0; b < pf_bytes; b += 64) {
-                w->lines[pf.end++] = kc + (next[j] + head0) * elem + b;
-                w->lines[pf.end++] = vc + (next[j] + head0) * elem + b;
-            }
+        Prefetch pf = {kc, vc, w->lines, 0, 0, 0};
+        pf.end = tile_lines(w->lines, kc, ahead, n_ahead, ahead0, pf_bytes);
         const int steps = nh * ((G + 3) / 4) * ((n + 3) / 4 + n * (D / 64 + D % 64 / 16));
         pf.per = (pf.end + steps - 1) / steps;
         for (int hh = 0; hh < nh; hh++) {
-            const size_t head_off = (size_t)(h0 + hh) * D;
-            /* This tile's K/V rows of head h: where they lie for the AVX-512 loops (which
-             * widen narrow rows themselves); as float32 for the portable ones, in place for a
+            const size_t head_off = (size_t)(h0 + hh) * D * elem;
+#ifdef __AVX512F__
+            if (fast) { /* rows in place: the AVX-512 loops widen narrow rows themselves */
+                float *q = w->q + (size_t)hh * G * D, *acc = w->acc + (size_t)hh * G * D;
+                float *m = w->m + hh * G, *l = w->l + hh * G;
+                phase_avx512(0, acc, w->s, q, kc + head_off, cur, n, G, D, tile, &pf, kv_type);
+                if (soft_cap > 0.0f) soft_cap_scores(w->s, G, n, tile, soft_cap);
+                softmax_avx512(w->s, m, l, acc, n, G, D, tile);
+                phase_avx512(1, acc, w->s, q, vc + head_off, cur, n, G, D, tile, &pf, kv_type);
+                continue;
+            }
+#endif
+            /* This tile's K/V rows of head h as float32 for the portable loops: in place for a
              * float32 cache, else widened into the tile's copy. */
             for (int j = 0; j < n; j++) {
-                const char *kr = kc + (cur[j] + head_off) * elem,
-                           *vr = vc + (cur[j] + head_off) * elem;
-                if (fast) {
-                    w->kr[j] = kr;
-                    w->vr[j] = vr;
-                } else if (kv_type == KV_F32) {
+                const char *kr = kc + cur[j] + head_off, *vr = vc + cur[j] + head_off;
+                if (kv_type == KV_F32) {
                     w->kp[j] = (const float*)kr;
                     w->vp[j] = (const float*)vr;
                 } else {
@@ -408,15 +477,6 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
             }
             float *q = w->q + (size_t)hh * G * D, *acc = w->acc + (size_t)hh * G * D;
             float *m = w->m + hh * G, *l = w->l + hh * G;
-#ifdef __AVX512F__
-            if (fast) {
-                phase_avx512(0, acc, w->s, q, w->kr, n, G, D, tile, &pf, kv_type);
-                if (soft_cap > 0.0f) soft_cap_scores(w->s, G, n, tile, soft_cap);
-                softmax_avx512(w->s, m, l, acc, n, G, D, tile);
-                phase_avx512(1, acc, w->s, q, w->vr, n, G, D, tile, &pf, kv_type);
-                continue;
-            }
-#endif
             if (hh == 0) { /* the portable steps take no prefetch cursor: all of it up front */
                 pf.per = pf.end;
                 prefetch_some(&pf);
@@ -428,9 +488,6 @@ WIDE static void attend(float* out, const float* query, const void* k_cache,
         }
         pf.per = pf.end; /* any left over by rounding */
         prefetch_some(&pf);
-        size_t* t = cur; /* the next tile's offsets become current */
-        cur = next;
-        next = t;
     }
     for (int g = 0; g < HG; g++) {
         const float inv = w->l[g] > 0.0f ? 1.0f / w->l[g] : 0.0f; /* ctx_len == 0 -> zeros */
@@ -458,27 +515,41 @@ void paged_attention_f32(float* out, const float* query, const void* k_cache,
     const long num_items = (long)num_tokens * (num_kv_heads / nh);
     if (num_threads > num_items) num_threads = (int)num_items;
 
+    long claimed = 0; /* work items handed out */
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         float buf[(size_t)nh * G * (2 * D + 2) + (size_t)G * tile]; /* per-thread scratch */
         size_t rows[2 * tile];
         const float *kp[tile], *vp[tile];
-        const void *kr[tile], *vr[tile];
-        const char* lines[2 * (size_t)tile * (((size_t)nh * D * kv_elem_size(kv_type) + 63) / 64)];
+        size_t lines[(size_t)tile * (((size_t)nh * D * kv_elem_size(kv_type) + 63) / 64 + 1)];
         float kvbuf[kv_type == KV_F32 ? 1 : 2 * (size_t)tile * D];
         Scratch w = {.q = buf, .acc = buf + (size_t)nh * G * D,
                      .m = buf + (size_t)2 * nh * G * D, .l = buf + (size_t)2 * nh * G * D + nh * G,
                      .s = buf + (size_t)nh * G * (2 * D + 2), .rows = rows, .kbuf = kvbuf,
                      .vbuf = kv_type == KV_F32 ? kvbuf : kvbuf + (size_t)tile * D, .kp = kp,
-                     .vp = vp, .kr = kr, .vr = vr, .lines = lines};
-#pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < num_items; item++) {
+                     .vp = vp, .lines = lines};
+        /* Items are taken one at a time (dynamic), but each thread claims its next item
+         * before working on the current one, so that it can prefetch the next one's first
+         * tile. */
+        long item = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (item < num_items) {
+            const long after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             const int t = (int)(item / (num_kv_heads / nh));
             const int h0 = (int)(item % (num_kv_heads / nh)) * nh;
             const size_t off = ((size_t)t * num_q_heads + (size_t)h0 * G) * D;
+            Next nx = {NULL, 0, 0, 0};
+            if (after < num_items) {
+                const int t2 = (int)(after / (num_kv_heads / nh));
+                nx.blocks = block_tables + (size_t)token_seq[t2] * max_blocks_per_seq;
+                nx.ctx_len = token_ctx_len[t2];
+                nx.first = first_key(nx.ctx_len, window);
+                nx.h0 = (int)(after % (num_kv_heads / nh)) * nh;
+            }
             attend(out + off, query + off, k_cache, v_cache, kv_type,
                    block_tables + (size_t)token_seq[t] * max_blocks_per_seq, token_ctx_len[t],
-                   h0, nh, G, D, num_kv_heads, block_size, tile, scale, window, soft_cap, &w);
+                   h0, nh, G, D, num_kv_heads, block_size, tile, scale, window, soft_cap, &w,
+                   &nx);
+            item = after;
         }
     }
 }
