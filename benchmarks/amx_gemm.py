@@ -21,6 +21,10 @@ which only the caches it shares with other jobs still move (--clock thread with 
 would count the calling thread's share alone). For a team's work, not its wall time:
     OMP_WAIT_POLICY=passive python benchmarks/amx_gemm.py --threads 2 --clock process
 
+--huge adds, for each build, the cold case with the 30 layers copied into one buffer of 2 MiB
+transparent huge pages, each run right after its 4 KiB one (whose page tables it evicts, as a
+step's other ops do in the engine): the cost of the weights' page walks (amx_bf16.c's header).
+
 --check compares this tree's outputs with the other build's bit for bit on random inputs (the
 shapes and rows of tests/kernels/test_amx_bf16.py, plus the model's shapes at 128, 300, 1000
 and 2048 rows: several row chunks, ragged at 1000), at 1 and 2 threads: a change that keeps
@@ -83,6 +87,29 @@ def pairs(w: torch.Tensor) -> torch.Tensor:
     return padded.view(p, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def huge_copy(layers: list) -> list:
+    """The cold case's panels copied into one buffer of 2 MiB transparent huge pages
+    (madvise(MADV_HUGEPAGE) before the first touch; THP "madvise" mode lets it fault them in
+    whole), to time the kernel with few TLB misses against the 4 KiB pages torch allocates."""
+    total = sum(p.numel() for layer in layers for p, _ in layer)
+    buf = torch.empty(total + (1 << 20), dtype=torch.bfloat16)  # 2 MiB spare, not touched
+    skip = (-buf.data_ptr() % (2 << 20)) // 2
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(buf.data_ptr() + skip * 2, total * 2 // (2 << 20) * (2 << 20), 14) != 0:
+        raise SystemExit(f"madvise(MADV_HUGEPAGE) failed: errno {ctypes.get_errno()}")
+    out, off = [], skip
+    for layer in layers:
+        row = []
+        for p, n in layer:
+            v = buf[off:off + p.numel()].view(p.shape)
+            v.copy_(p)
+            off += p.numel()
+            row.append((v, n))
+        out.append(row)
+    return out
+
+
 def call(lib, y, x, panels, n, threads):
     lib.gemm_panels_bf16_amx(y.data_ptr(), x.data_ptr(), panels.data_ptr(), x.shape[0], n,
                              x.shape[1], threads)
@@ -122,6 +149,8 @@ def main() -> None:
     p.add_argument("--torch", action="store_true",
                    help="also time torch's bfloat16 F.linear (oneDNN) on x already bfloat16 and "
                         "plain [N, K] bfloat16 weights, at --threads threads")
+    p.add_argument("--huge", action="store_true",
+                   help="also time each build (cold case) with the weights in 2 MiB pages")
     p.add_argument("--check", action="store_true", help="only compare the outputs' bits")
     p.add_argument("--csrc", nargs="+", default=[],
                    help="build the new side from these copies of pagedlm/csrc instead (several: "
@@ -138,6 +167,10 @@ def main() -> None:
     plain = [[torch.randn(n, k, generator=g).bfloat16() for n, k in SHAPES]
              for _ in range(args.layers)]
     layers = [[(pairs(w), w.shape[0]) for w in ws] for ws in plain]
+    huge = huge_copy(layers) if args.huge else None
+    if huge is not None:  # each build's 2 MiB run right after its 4 KiB one, so that every
+        # 4 KiB pass starts with the page tables another pass evicted, as the engine's do
+        libs = {key: lib for name, lib in libs.items() for key in (name, f"{name} 2M")}
     if args.torch:
         libs["torch"] = None
         torch.set_num_threads(args.threads)
@@ -164,7 +197,8 @@ def main() -> None:
                                 torch.nn.functional.linear(x16[w.shape[1]], w)
                         times[name].append(clock() - t0)
                         continue
-                    for layer in steps:
+                    big = name.endswith(" 2M") and case == "cold"
+                    for layer in (huge if big else steps):
                         for (panels, n), (_, k) in zip(layer, SHAPES):
                             call(lib, ys[n], xs[k], panels, n, args.threads)
                     times[name].append(clock() - t0)

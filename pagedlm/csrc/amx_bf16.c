@@ -117,6 +117,44 @@
  * row split against the panel split (3075430, rounding all rows at a barrier) 54.4 -> 52.1,
  * 228 -> 202, 62.4 -> 55.1, 197 -> 180: no more work for its weight passes, and no barrier
  * for a descheduled thread to hold up (wall time: not measured quietly).
+ * Decode rows (16-128; issue 32, 2026-11-27, another helper's jobs on the other core, load
+ * 1.4-2.1): what bounds them cold is the weight stream's 4 KiB pages, not the tile loop.
+ * benchmarks/amx_gemm.py --huge also runs each build on the same 30 layers copied into one
+ * buffer of 2 MiB transparent huge pages (madvise(MADV_HUGEPAGE) before the first touch;
+ * /proc's AnonHugePages showed 202 of its 212 MB in them). Same code (HEAD), 5 rounds, ms a
+ * 30-layer pass, 4 KiB pages / 2 MiB pages, each 4 KiB pass right after a 2 MiB one:
+ *   1 thread, thread clock, load 1.7-2.1: 16 rows 34.2, 32.9 / 19.5, 19.1 (two copies of the
+ *   build); 128: 66.4, 63.9 / 41.4, 40.4; in a quieter minute: 16 rows 22.5, 22.1 / 19.1,
+ *   19.3; 128: 46.1, 46.8 / 41.1, 40.3; while the other core streamed memory (the 4 KiB
+ *   passes in turn, not after a 2 MiB one): 16 rows 80.2, 52.8 / 22.5, 20.4; 128: 141, 101 /
+ *   49.8, 44.6;
+ *   2 threads, OMP_WAIT_POLICY=passive, process clock, load 2.8-3.1: 16 rows 29.0, 29.2 /
+ *   21.5, 21.5; 32: 31.8, 32.6 / 24.9, 24.9; 64: 41.8, 42.4 / 32.8, 33.4; 128: 55.0, 53.2 /
+ *   45.5, 44.9; an earlier run (load 1.6, the 4 KiB passes in turn) 16 rows 48.3, 36.8 /
+ *   21.8, 20.8; 32: 58.3, 39.6 / 25.9, 24.2; 64: 69.9, 49.6 / 33.6, 32.1; 128: 92.6, 69.4 /
+ *   46.0, 45.2 (2-thread wall times: no scaling to measure, the other core busy).
+ * 2 MiB passes hold within +-5% whatever the other core does; 4 KiB passes run 1.15x their
+ * time in a quiet minute, 1.2-1.75x with the page tables just evicted, 1.5-2.2x and up to
+ * 3.6x while the other core streams memory. Each 36 KiB panel spans 9-10 pages, each a page
+ * walk, and a page-table line (8 pages, 32 KiB of weights; 415 KB of them for 212 MB) does not
+ * stay in the caches past the weight stream and the other core's work. The engine runs other
+ * ops between a step's linears, so its walks start cold: its ~42 ms (wall, 2 threads) a step
+ * at 65-128 rows sits with the 4 KiB figures here (128 rows, 2 threads: 53-93 ms of CPU a
+ * pass, 27-46 ms of wall were the threads perfectly parallel), not the 2 MiB ones (45 ms).
+ * The pages are not this kernel's to choose: they are the packed panels' (gemv.pack_panels
+ * through torch's allocator, 4 KiB pages; THP mode "madvise" here, so only memory that asks
+ * gets 2 MiB pages, and only whole aligned 2 MiB of it). Tried in the kernel with 4 KiB
+ * pages, none beyond the noise: touching one line per page of panels 2-4 ahead with
+ * prefetcht1 (to start the walks early), the same with a load (a sure walk and TLB fill; the
+ * ROB holds ~0.8 us of tile work to hide it), prefetching 2 panels ahead, prefetching the
+ * next panel twice as fast. With 2 MiB pages: 2 panels ahead 16 rows 19.4 -> 20.1 ms, 128
+ * 41.3 -> 42.2; twice as fast 20.6, 43.7; no software prefetch 19.8 (the L2 streamer covers
+ * 16 rows once it need not stop at 4 KiB) but 128 rows 46.2 (it does not keep up there).
+ * This VM has no hardware counters (perf stat: not supported): the walks are inferred from
+ * the pages, not counted. With 2 MiB pages, one thread, 16 rows read ~11 GB/s of weights
+ * (one core's stream; torch.sum on 2 threads 17 GB/s) and 128 rows run ~660 GFLOP/s (warm
+ * ~940): the overlap of the stream with the tile work, not either bound alone.
+ *
  * Before the prefetch and stores (2 threads, a quiet machine), the 1B model's shapes, this
  * kernel / widening panel kernel / torch: 3072x2048 at 100 rows 0.64 / 3.11 / 0.85 ms, at 512
  * 2.87 (2242 GFLOP/s) / 15.92 / 2.86; 2048x8192 (K blocks) at 100 2.05 / 8.41 / 2.35, at 512
