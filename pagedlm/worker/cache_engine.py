@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagedlm.config import CacheConfig, ModelConfig
+from pagedlm.worker import huge_pages
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key, value) blocks
 
@@ -29,7 +30,8 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int,
 def _allocate(num_blocks: int, model_config: ModelConfig, block_size: int,
               num_kv_heads: int | None = None, num_layers: int | None = None,
               dtype: torch.dtype | None = None, commit: bool = False,
-              device: torch.device | str = "cpu", pin_memory: bool = False) -> KVCache:
+              device: torch.device | str = "cpu", pin_memory: bool = False,
+              huge: bool = False) -> KVCache:
     """Per layer (of this rank's stage: index i is its i-th layer) a (key, value) pair of
     [num_blocks, block_size, num_kv_heads, head_dim]; defaults as in kv_bytes_per_block.
 
@@ -41,12 +43,20 @@ def _allocate(num_blocks: int, model_config: ModelConfig, block_size: int,
     19 GiB here) took 7-45 s, too much for every LLM(); an explicit size is committed.
     Attention never reads unwritten slots unmasked, so the contents do not matter; on CUDA
     the pool is zeroed all the same (at the GPU's bandwidth, a few ms), so that a padded read
-    never meets a NaN bit pattern."""
+    never meets a NaN bit pattern.
+
+    huge: on the CPU, each layer's large key and value tensors go on 2 MiB huge pages
+    (worker/huge_pages.py: decode attention reads the blocks scattered, and 4 KiB pages made
+    it 1.27x slower). The swap pool does not ask: it is written a block at a time, and a
+    huge page would fault in 2 MiB for each."""
     num_kv_heads = num_kv_heads or model_config.num_kv_heads
     num_layers = num_layers or model_config.num_layers
     shape = (num_blocks, block_size, num_kv_heads, model_config.head_dim)
     dtype = dtype or model_config.dtype
     device = torch.device(device)
+    if huge and device.type == "cpu" and not pin_memory:
+        return [(huge_pages.empty(shape, dtype, zero=commit),
+                 huge_pages.empty(shape, dtype, zero=commit)) for _ in range(num_layers)]
     make = torch.zeros if commit or device.type == "cuda" else torch.empty
     kwargs = dict(dtype=dtype, device=device, pin_memory=pin_memory)
     return [(make(shape, **kwargs), make(shape, **kwargs)) for _ in range(num_layers)]
@@ -77,7 +87,8 @@ class CacheEngine:
         device = torch.device(device)
         self.kv_caches = _allocate(num_gpu_blocks, model_config, cache_config.block_size,
                                    num_kv_heads, num_layers, dtype,
-                                   commit=cache_config.reserves_memory, device=device)
+                                   commit=cache_config.reserves_memory, device=device,
+                                   huge=True)
         self.host_kv_caches = _allocate(num_cpu_blocks, model_config, cache_config.block_size,
                                         num_kv_heads, num_layers, dtype,
                                         pin_memory=device.type == "cuda" and num_cpu_blocks > 0)

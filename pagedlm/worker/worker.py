@@ -29,6 +29,7 @@ from pagedlm.spec_decode.draft_config import draft_model_config
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram import NgramProposer
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from pagedlm.worker import huge_pages
 from pagedlm.worker.cuda_graph import capture_cuda_graphs
 from pagedlm.worker.malloc_tuning import (keep_freed_memory, map_each_weight,
                                           release_freed_memory)
@@ -88,6 +89,8 @@ class Worker:
         if mc.quantization is None and mc.dtype in (torch.bfloat16, torch.float16):
             map_each_weight()
         self.model = get_model(mc, self.device)
+        if self.device.type == "cpu":  # every decode step streams the panels (huge_pages.py)
+            huge_pages.gather_panels(self.model, release=release_freed_memory)
         # What loading freed goes back before the KV cache is sized from the memory available,
         # and the settings for steps replace those for loading (malloc_tuning.py).
         release_freed_memory()

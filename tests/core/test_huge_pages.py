@@ -1,0 +1,119 @@
+"""Huge pages (worker/huge_pages.py): large host tensors on 2 MiB pages, the KV cache of an
+explicit size on them, and the weight panels gathered into one map after loading, with the
+model's outputs unchanged."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.worker import huge_pages
+from tests.conftest import make_tiny_model
+from tests.core.test_kv_cache_memory import caches
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="huge pages and /proc/self/smaps are Linux's")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, default_model_dir):
+    return make_tiny_model(tmp_path_factory.mktemp("huge"), "llama", default_model_dir)
+
+
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+def huge_bytes(t: torch.Tensor) -> int:
+    """AnonHugePages of the mapping that holds t (/proc/self/smaps)."""
+    addr, header = t.data_ptr(), None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                header = lo <= addr < hi
+            elif header and line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_huge_page_tensors():
+    small = huge_pages.empty((4, 5), torch.bfloat16)
+    assert small.shape == (4, 5) and small.dtype == torch.bfloat16
+    n = huge_pages.MIN_BYTES // 4 + 3  # a ragged size: not whole huge pages
+    big = huge_pages.empty((n,), torch.float32, zero=True)
+    assert big.shape == (n,) and big.is_contiguous()
+    assert big.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert int(big.count_nonzero()) == 0
+    big[-1] = 7.0  # the last element is inside the map
+    assert float(big[-1]) == 7.0
+    if thp_mode() in ("always", "madvise"):
+        # Most of it, not all: a fragmented host may fail to find a few free 2 MiB frames.
+        assert huge_bytes(big) >= huge_pages.MIN_BYTES // 2
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off here")
+def test_large_cache_is_on_huge_pages(tiny):
+    llm = LLM(model=tiny, max_model_len=256, num_gpu_blocks_override=8192)
+    kv = caches(llm)
+    assert min(t.numel() * t.element_size() for t in kv) >= huge_pages.MIN_BYTES
+    # Committed at start-up, so each tensor's whole 2 MiB pages are backed (most of them as
+    # huge pages: a fragmented host may fail to find a few free 2 MiB frames).
+    for t in kv:
+        assert huge_bytes(t) >= t.numel() * t.element_size() // 2
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4,
+                                                                    temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_gather_panels_moves_each_tensor_once_with_its_values():
+    g = torch.Generator().manual_seed(0)
+    big = huge_pages.MIN_BYTES // 2  # bytes: two matrices together pass MIN_BYTES
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4)))
+    panels = [torch.randn(big // 2 + 96, generator=g).to(torch.bfloat16).view(-1, 8)
+              for _ in range(2)]
+    panels.append(torch.randn(333, 7, generator=g))  # float32, a ragged size
+    model[0].panel_weight, model[1].panel_weight, model[2].panel_weight = panels
+    model[3].panel_weight = panels[0]  # shared, as a tied LM head's
+    want = [p.clone() for p in panels]
+    released = []
+    moved = huge_pages.gather_panels(model, release=lambda: released.append(1))
+    got = [model[i].panel_weight for i in range(4)]
+    for w, t in zip(want, got):
+        assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t, w)
+        assert t.data_ptr() % 64 == 0
+    assert got[3].data_ptr() == got[0].data_ptr()  # still one tensor
+    assert moved == sum(-(-w.numel() * w.element_size() // 64) * 64 for w in want)
+    assert all(t.data_ptr() != w.data_ptr() for t, w in zip(got, panels))
+    assert released  # freed heap memory handed back at the end
+    if thp_mode() in ("always", "madvise"):
+        assert huge_bytes(got[0]) >= huge_pages.MIN_BYTES // 2
+    # Too few bytes to be worth a map: left where they are.
+    small = nn.Linear(2, 2)
+    small.panel_weight = torch.ones(16, 16)
+    before = small.panel_weight.data_ptr()
+    assert huge_pages.gather_panels(small) == 0 and small.panel_weight.data_ptr() == before
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off here")
+def test_default_model_streams_its_panels_from_huge_pages():
+    llm = LLM(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 * 2**20)
+    model = llm.llm_engine.executor.worker.model
+    panels = {m.panel_weight.data_ptr(): m.panel_weight for m in model.modules()
+              if isinstance(getattr(m, "panel_weight", None), torch.Tensor)}
+    assert len(panels) >= 121  # 30 layers x 4 fused linears and the tied LM head
+    total = sum(t.numel() * t.element_size() for t in panels.values())
+    assert huge_bytes(next(iter(panels.values()))) >= total // 2
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(max_tokens=6, temperature=0))
+    assert "Paris" in out[0].outputs[0].text
