@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     PAGEDLM_BF16_DPBF16: bool
     PAGEDLM_DISABLE_ONEDNN: bool
     PAGEDLM_DEFAULT_MALLOC: bool
+    PAGEDLM_DISABLE_HUGE_PAGES: bool
     PAGEDLM_ATTENTION_BACKEND: str | None
     PAGEDLM_TRITON_GEMV: bool
     PAGEDLM_TRITON_FUSED_NORM_ACT: bool
@@ -56,6 +57,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "PAGEDLM_DISABLE_ONEDNN": _flag("PAGEDLM_DISABLE_ONEDNN"),
     # 1/true/yes: workers keep glibc's malloc defaults (worker/malloc_tuning.py).
     "PAGEDLM_DEFAULT_MALLOC": _flag("PAGEDLM_DEFAULT_MALLOC"),
+    # 1/true/yes: the KV cache and the weight panels stay on torch's allocator (4 KiB pages)
+    # instead of asking for 2 MiB transparent huge pages (worker/huge_pages.py).
+    "PAGEDLM_DISABLE_HUGE_PAGES": _flag("PAGEDLM_DISABLE_HUGE_PAGES"),
     # "native" | "torch_sdpa" | "triton": the attention backend every model uses
     # (get_attn_backend; an error if it cannot run the model's dtype on its device). Unset or
     # empty: chosen by dtype and device (Triton on a GPU, the native kernel for float32 on the

@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from pagedlm import envs
+
 HUGE_PAGE = 2 << 20
 # Below this a tensor stays on torch's allocator: rounding it up to a huge page would waste
 # more than an eighth of it.
@@ -34,8 +36,10 @@ RELEASE_EVERY = 256 << 20
 
 
 def supported() -> bool:
-    """Whether anonymous maps can ask for huge pages here (Linux with MADV_HUGEPAGE)."""
-    return sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE")
+    """Whether anonymous maps can ask for huge pages here (Linux with MADV_HUGEPAGE) and
+    PAGEDLM_DISABLE_HUGE_PAGES does not say no."""
+    return (sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE")
+            and not envs.PAGEDLM_DISABLE_HUGE_PAGES)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
