@@ -58,7 +58,7 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # 1/true/yes: workers keep glibc's malloc defaults (worker/malloc_tuning.py).
     "PAGEDLM_DEFAULT_MALLOC": _flag("PAGEDLM_DEFAULT_MALLOC"),
     # 1/true/yes: the KV cache and the weight panels stay on torch's allocator (4 KiB pages)
-    # instead of asking for 2 MiB transparent huge pages (worker/huge_pages.py).
+    # instead of asking for 2 MiB transparent huge pages (huge_pages.py).
     "PAGEDLM_DISABLE_HUGE_PAGES": _flag("PAGEDLM_DISABLE_HUGE_PAGES"),
     # "native" | "torch_sdpa" | "triton": the attention backend every model uses
     # (get_attn_backend; an error if it cannot run the model's dtype on its device). Unset or

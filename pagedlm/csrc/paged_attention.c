@@ -56,7 +56,7 @@
  * better over DRAM: prefetching 2 tiles ahead (0.96x against 0.91x), into L1 (prefetcht0,
  * 0.96x), and one prefetch per 128 or 256 bytes leaving the rest of a block to the hardware
  * prefetchers (worse than the previous build: the streamer does not fill a scattered 6 KiB
- * block in time). With the cache on 2 MiB pages (worker/huge_pages.py) the gain holds: one
+ * block in time). With the cache on 2 MiB pages (pagedlm/huge_pages.py) the gain holds: one
  * thread 171 -> 155 ms (0.91x; 198 -> 181 on 4 KiB pages in the same minutes), two threads
  * 0.88x; there 2 tiles ahead measured 1.04x slower than 1 and prefetcht0 the same as t1.
  * Over DRAM a one-thread step still reads ~1.5 GB of K/V in ~155-200 ms, 7.5-9.5 GB/s: the

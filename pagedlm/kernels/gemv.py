@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from typing import Callable
 
 import torch
 
@@ -188,12 +189,18 @@ def bf16_dot(on: bool):
         _state.clear()
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_panels(weight: torch.Tensor,
+                empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+                ) -> torch.Tensor | None:
     """weight [N, K] (float32, bfloat16 or float16, contiguous, on the CPU) as
     [ceil(N / W), K, W] panels of the same dtype (W = panel_width(), zero columns past N) for
     `gemm_panels`, or None where the panel kernel does not run it. bfloat16 where
     `bf16_pairs()`: [ceil(N / W), ceil(K / 2), W, 2], element [p, j, c, e] the weight's
-    [p * W + c, 2 * j + e] (zero past N and at an odd K's last k)."""
+    [p * W + c, 2 * j + e] (zero past N and at an odd K's last k). `empty(shape, dtype)`
+    allocates the panels (default torch.empty; huge_pages.empty puts large ones on huge
+    pages)."""
+    if empty is None:
+        empty = _torch_empty
     if (weight.dtype not in panel_dtypes() or weight.dim() != 2
             or not weight.is_contiguous() or weight.device.type != "cpu"):
         return None
@@ -204,18 +211,22 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     # Written straight from the weight's rows: a zero-padded copy of the whole matrix on the
     # way doubled what packing held beside the weight (a tied 1B embedding is 200 MB a copy).
     if not pairs:
-        panels = torch.empty(full + (rest > 0), k, width, dtype=weight.dtype)
+        panels = empty((full + (rest > 0), k, width), weight.dtype)
         panels[:full].copy_(weight[:full * width].view(full, width, k).transpose(1, 2))
         if rest:
             panels[full, :, :rest].copy_(weight[full * width:].T)
             panels[full, :, rest:].zero_()
         return panels
-    panels = torch.empty(full + (rest > 0), (k + 1) // 2, width, 2, dtype=weight.dtype)
+    panels = empty((full + (rest > 0), (k + 1) // 2, width, 2), weight.dtype)
     _put_pairs(panels[:full], weight[:full * width], width)
     if rest:
         _put_pairs(panels[full:, :, :rest], weight[full * width:], rest)
         panels[full:, :, rest:].zero_()
     return panels
+
+
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 def _put_pairs(dst: torch.Tensor, rows: torch.Tensor, cols: int) -> None:

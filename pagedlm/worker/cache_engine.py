@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagedlm.config import CacheConfig, ModelConfig
-from pagedlm.worker import huge_pages
+from pagedlm import huge_pages
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key, value) blocks
 
@@ -46,7 +46,7 @@ def _allocate(num_blocks: int, model_config: ModelConfig, block_size: int,
     never meets a NaN bit pattern.
 
     huge: on the CPU, each layer's large key and value tensors go on 2 MiB huge pages
-    (worker/huge_pages.py: decode attention reads the blocks scattered, and 4 KiB pages made
+    (huge_pages.py: decode attention reads the blocks scattered, and 4 KiB pages made
     it 1.27x slower). The swap pool does not ask: it is written a block at a time, and a
     huge page would fault in 2 MiB for each."""
     num_kv_heads = num_kv_heads or model_config.num_kv_heads

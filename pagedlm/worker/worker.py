@@ -29,7 +29,7 @@ from pagedlm.spec_decode.draft_config import draft_model_config
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram import NgramProposer
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
-from pagedlm.worker import huge_pages
+from pagedlm import huge_pages
 from pagedlm.worker.cuda_graph import capture_cuda_graphs
 from pagedlm.worker.malloc_tuning import (keep_freed_memory, map_each_weight,
                                           release_freed_memory)

@@ -1,4 +1,4 @@
-"""Huge pages (worker/huge_pages.py): large host tensors on 2 MiB pages, the KV cache of an
+"""Huge pages (huge_pages.py): large host tensors on 2 MiB pages, the KV cache of an
 explicit size on them, and the weight panels gathered into one map after loading, with the
 model's outputs unchanged."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.worker import huge_pages
+from pagedlm import huge_pages
 from tests.conftest import make_tiny_model
 from tests.core.test_kv_cache_memory import caches
 
@@ -75,31 +75,34 @@ def test_large_cache_is_on_huge_pages(tiny):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_gather_panels_moves_each_tensor_once_with_its_values():
+def test_gather_panels_moves_each_small_2_byte_tensor_once_with_its_values():
     g = torch.Generator().manual_seed(0)
-    big = huge_pages.MIN_BYTES // 2  # bytes: two matrices together pass MIN_BYTES
-    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4)))
-    panels = [torch.randn(big // 2 + 96, generator=g).to(torch.bfloat16).view(-1, 8)
-              for _ in range(2)]
-    panels.append(torch.randn(333, 7, generator=g))  # float32, a ragged size
-    model[0].panel_weight, model[1].panel_weight, model[2].panel_weight = panels
-    model[3].panel_weight = panels[0]  # shared, as a tied LM head's
-    want = [p.clone() for p in panels]
+    half = huge_pages.MIN_BYTES // 2  # bytes: two such matrices together pass MIN_BYTES
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(5)))
+    panels = [torch.randn(half // 2 + 96, generator=g).to(dtype).view(-1, 8)
+              for dtype in (torch.bfloat16, torch.float16)]
+    panels.append(torch.randn(333, 7, generator=g))  # float32: left where it is
+    panels.append(huge_pages.empty((huge_pages.MIN_BYTES // 2,), torch.bfloat16))  # packed huge
+    for i, p in enumerate(panels):
+        model[i].panel_weight = p
+    model[4].panel_weight = panels[0]  # shared, as a tied LM head's
+    want = [p.clone() for p in panels[:2]]
+    before = [p.data_ptr() for p in panels]
     released = []
     moved = huge_pages.gather_panels(model, release=lambda: released.append(1))
-    got = [model[i].panel_weight for i in range(4)]
-    for w, t in zip(want, got):
+    got = [model[i].panel_weight for i in range(5)]
+    for w, t, ptr in zip(want, got, before):
         assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t, w)
-        assert t.data_ptr() % 64 == 0
-    assert got[3].data_ptr() == got[0].data_ptr()  # still one tensor
-    assert moved == sum(-(-w.numel() * w.element_size() // 64) * 64 for w in want)
-    assert all(t.data_ptr() != w.data_ptr() for t, w in zip(got, panels))
+        assert t.data_ptr() % 64 == 0 and t.data_ptr() != ptr
+    assert got[4].data_ptr() == got[0].data_ptr()  # still one tensor
+    assert [t.data_ptr() for t in got[2:4]] == before[2:4]
+    assert moved == sum(-(-w.numel() * 2 // 64) * 64 for w in want)
     assert released  # freed heap memory handed back at the end
     if thp_mode() in ("always", "madvise"):
         assert huge_bytes(got[0]) >= huge_pages.MIN_BYTES // 2
     # Too few bytes to be worth a map: left where they are.
     small = nn.Linear(2, 2)
-    small.panel_weight = torch.ones(16, 16)
+    small.panel_weight = torch.ones(16, 16, dtype=torch.bfloat16)
     before = small.panel_weight.data_ptr()
     assert huge_pages.gather_panels(small) == 0 and small.panel_weight.data_ptr() == before
 

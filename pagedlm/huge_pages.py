@@ -68,9 +68,15 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, zero: bool = False) -> tor
 
 
 def gather_panels(model: torch.nn.Module, release: Callable[[], None] | None = None) -> int:
-    """Move the weight panels of the model's linear layers (their `panel_weight`, which every
-    decode step streams from memory) into one map on huge pages; returns the bytes moved (0
-    where they are too few, or the OS has no huge pages).
+    """Move the bfloat16 and float16 weight panels of the model's linear layers (their
+    `panel_weight`, which every decode step streams from memory) that are smaller than
+    MIN_BYTES into one map on huge pages; returns the bytes moved (0 where they are too few,
+    or the OS has no huge pages). The larger ones were packed onto huge pages in the first
+    place (linear.py passes `empty` to gemv.pack_panels).
+
+    Only 2-byte panels: the copy faults its pages in a second time, at about 11 us a 4 KiB page
+    on this VM (cache_engine.py), which added 0.46 s to loading SmolLM2 in bfloat16; the
+    float32 default model has twice the bytes, and its gain is unmeasured.
 
     The panels are copied one matrix at a time and each original is dropped at once, so the
     process grows by about one matrix, plus what the heap keeps of the freed ones: `release`
@@ -81,7 +87,8 @@ def gather_panels(model: torch.nn.Module, release: Callable[[], None] | None = N
     tensors: dict[int, torch.Tensor] = {}
     for module in model.modules():
         t = getattr(module, "panel_weight", None)
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous():
+        if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+                and t.element_size() == 2 and t.numel() * 2 < MIN_BYTES):
             tensors.setdefault(t.data_ptr(), t)
             owners.setdefault(t.data_ptr(), []).append(module)
     sizes = {ptr: -(-t.numel() * t.element_size() // 64) * 64 for ptr, t in tensors.items()}
