@@ -19,6 +19,7 @@ tensors (MIN_BYTES) come here.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 from typing import Callable
@@ -45,10 +46,7 @@ def supported() -> bool:
 def empty(shape: tuple[int, ...], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
     """An uninitialised (or, with zero, zeroed and faulted in) CPU tensor, on huge pages where
     it is MIN_BYTES or more and the OS supports them; else torch's own."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or not supported():
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
@@ -83,33 +81,34 @@ def gather_panels(model: torch.nn.Module, release: Callable[[], None] | None = N
     (malloc_tuning.release_freed_memory) hands that back every RELEASE_EVERY bytes. A tensor
     several layers share (a tied LM head) is moved once and stays shared. Runs before the first
     step: the fused decode stack takes the panels' addresses then."""
-    owners: dict[int, list[torch.nn.Module]] = {}
-    tensors: dict[int, torch.Tensor] = {}
+    held: dict[int, tuple[torch.Tensor, list[torch.nn.Module]]] = {}  # by address
     for module in model.modules():
         t = getattr(module, "panel_weight", None)
         if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
-                and t.element_size() == 2 and t.numel() * 2 < MIN_BYTES):
-            tensors.setdefault(t.data_ptr(), t)
-            owners.setdefault(t.data_ptr(), []).append(module)
-    sizes = {ptr: -(-t.numel() * t.element_size() // 64) * 64 for ptr, t in tensors.items()}
-    total = sum(sizes.values())
+                and t.element_size() == 2 and t.nbytes < MIN_BYTES):
+            held.setdefault(t.data_ptr(), (t, []))[1].append(module)
+    total = sum(_aligned(t.nbytes) for t, _ in held.values())
     if total < MIN_BYTES or not supported():
         return 0
     arena = empty((total,), torch.uint8)
     offset = since_release = 0
-    for ptr in list(tensors):
-        t = tensors.pop(ptr)
-        nbytes = t.numel() * t.element_size()
-        moved = arena[offset:offset + nbytes].view(t.dtype).view(t.shape)
+    while held:
+        t, owners = held.popitem()[1]
+        moved = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
         moved.copy_(t)
-        for module in owners[ptr]:
+        for module in owners:
             module.panel_weight = moved
-        del t
-        offset += sizes[ptr]
-        since_release += nbytes
+        offset += _aligned(t.nbytes)
+        since_release += t.nbytes
+        del t, owners  # the original's last reference
         if release is not None and since_release >= RELEASE_EVERY:
             release()
             since_release = 0
     if release is not None:
         release()
     return total
+
+
+def _aligned(nbytes: int) -> int:
+    """nbytes rounded up to a cache line: each panel in the arena starts on one."""
+    return -(-nbytes // 64) * 64

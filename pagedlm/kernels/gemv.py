@@ -189,8 +189,12 @@ def bf16_dot(on: bool):
         _state.clear()
 
 
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 def pack_panels(weight: torch.Tensor,
-                empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+                empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = _torch_empty,
                 ) -> torch.Tensor | None:
     """weight [N, K] (float32, bfloat16 or float16, contiguous, on the CPU) as
     [ceil(N / W), K, W] panels of the same dtype (W = panel_width(), zero columns past N) for
@@ -199,8 +203,6 @@ def pack_panels(weight: torch.Tensor,
     [p * W + c, 2 * j + e] (zero past N and at an odd K's last k). `empty(shape, dtype)`
     allocates the panels (default torch.empty; huge_pages.empty puts large ones on huge
     pages)."""
-    if empty is None:
-        empty = _torch_empty
     if (weight.dtype not in panel_dtypes() or weight.dim() != 2
             or not weight.is_contiguous() or weight.device.type != "cpu"):
         return None
@@ -223,10 +225,6 @@ def pack_panels(weight: torch.Tensor,
         _put_pairs(panels[full:, :, :rest], weight[full * width:], rest)
         panels[full:, :, rest:].zero_()
     return panels
-
-
-def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
 
 
 def _put_pairs(dst: torch.Tensor, rows: torch.Tensor, cols: int) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedlm.config import CacheConfig, ModelConfig
 from pagedlm import huge_pages
+from pagedlm.config import CacheConfig, ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key, value) blocks
 

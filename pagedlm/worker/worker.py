@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pagedlm import kernels
+from pagedlm import huge_pages, kernels
 from pagedlm.config import EngineConfig
 from pagedlm.distributed import (IntermediateTensors, default_backend,
                                  ensure_model_parallel_initialized, get_pp_group, get_tp_group,
@@ -29,7 +29,6 @@ from pagedlm.spec_decode.draft_config import draft_model_config
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram import NgramProposer
 from pagedlm.worker.cache_engine import CacheEngine, kv_bytes_per_block
-from pagedlm import huge_pages
 from pagedlm.worker.cuda_graph import capture_cuda_graphs
 from pagedlm.worker.malloc_tuning import (keep_freed_memory, map_each_weight,
                                           release_freed_memory)

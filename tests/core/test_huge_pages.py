@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedlm import LLM, SamplingParams
-from pagedlm import huge_pages
+from pagedlm import LLM, SamplingParams, huge_pages
 from tests.conftest import make_tiny_model
 from tests.core.test_kv_cache_memory import caches
 

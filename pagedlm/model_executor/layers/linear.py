@@ -35,9 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlm import envs
+from pagedlm import envs, huge_pages
 from pagedlm.distributed.parallel_state import get_tp_group
-from pagedlm import huge_pages
 from pagedlm.kernels import amx, gemv
 from pagedlm.kernels.triton import gemv as triton_gemv
 from pagedlm.model_executor.model_loader.weight_utils import check_shape, default_weight_loader
@@ -257,8 +256,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return  # done before: the panels are the weight now (see below)
         # 2-byte panels stream from memory at every decode step: large ones go straight onto
         # huge pages (the worker gathers the rest there after loading; huge_pages.py).
-        layer.panel_weight = gemv.pack_panels(
-            layer.weight, empty=huge_pages.empty if layer.weight.element_size() == 2 else None)
+        layer.panel_weight = (gemv.pack_panels(layer.weight, empty=huge_pages.empty)
+                              if layer.weight.element_size() == 2
+                              else gemv.pack_panels(layer.weight))
         layer.use_gemv = gemv.runs(layer.weight)
         layer.amx_from = self._amx_from(layer)
         if self.deterministic and layer.panel_weight is None and not layer.use_gemv:
