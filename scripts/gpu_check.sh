@@ -173,7 +173,7 @@ else
     stage test_triton 90 "${PYTEST[@]}" $TRITON_TESTS
 fi
 fi
-stage test_gpu 130 "${PYTEST[@]}" tests/gpu
+stage test_gpu 160 "${PYTEST[@]}" tests/gpu
 # cuBLAS against the Triton GEMV on the model's shapes (its JSON decides PAGEDLM_TRITON_GEMV).
 stage gemv 60 "$PY" benchmarks/gpu_gemv.py --out "$OUT/gpu_gemv.json" --rows 1 2 4 8 \
     --budget-s 20
