@@ -309,11 +309,13 @@ def leg_serving(args, size, steps: int) -> dict:
                                                     random.Random(args.seed + WARM_SEED))]
             await run_streamed(client, endpoint, warm, [16] * len(warm),
                                [0.02 * i for i in range(len(warm))])
+            t_wall = time.time()
             results, elapsed = await run_streamed(client, endpoint,
                                                   [r.prompt for r in requests],
                                                   [r.max_tokens for r in requests], arrivals)
             summary = serving_summary(results, elapsed)
             result.update(summary)
+            result["stalls"] = stall_timeline(results, t_wall)
             result["ttft_ms"]["p50"] = result["ttft_ms"]["median"]
             failed = [r.error for r in results if not r.ok][:3]
             if failed:
@@ -327,6 +329,35 @@ def leg_serving(args, size, steps: int) -> dict:
         result["startup_s"] = round(server.startup_s, 3)
         asyncio.run(client_side())
     return result
+
+
+def stall_timeline(results, t_wall: float, slow_s: float = 0.1) -> dict:
+    """Where the slow first tokens and the long gaps between chunks fall in the run (seconds
+    from its start), and which Triton kernels were compiled meanwhile (their cache entries'
+    times): a stall shared by the requests in flight at one moment (a compile, a collection)
+    shows as one time, load as many."""
+    ok = sorted((r for r in results if r.ok), key=lambda r: -r.ttft)
+    slowest = [{"start_s": round(r.start, 3), "ttft_ms": round(1000 * r.ttft, 1),
+                "prompt_len": r.prompt_len} for r in ok[:8]]
+    gaps = []
+    for r in ok:
+        t = r.start + r.ttft
+        for gap in r.itl:
+            t += gap
+            if gap > slow_s:
+                gaps.append({"at_s": round(t - gap, 3), "gap_ms": round(1000 * gap, 1)})
+    gaps.sort(key=lambda g: g["at_s"])
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    compiled = []
+    if cache.is_dir():
+        for entry in cache.iterdir():
+            when = entry.stat().st_mtime - t_wall
+            if when >= 0:
+                names = sorted(f.name for f in entry.iterdir() if f.suffix in (".json",))
+                compiled.append({"at_s": round(when, 3), "files": names[:3]})
+    compiled.sort(key=lambda c: c["at_s"])
+    return {"slowest_ttft": slowest, "gaps_over_100ms": gaps[:40],
+            "triton_compiles": compiled[:40]}
 
 
 def run_leg(args) -> None:
