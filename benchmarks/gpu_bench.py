@@ -353,8 +353,13 @@ def stall_timeline(results, t_wall: float, slow_s: float = 0.1) -> dict:
         for entry in cache.iterdir():
             when = entry.stat().st_mtime - t_wall
             if when >= 0:
-                names = sorted(f.name for f in entry.iterdir() if f.suffix in (".json",))
-                compiled.append({"at_s": round(when, 3), "files": names[:3]})
+                names = sorted(f.name for f in entry.iterdir() if f.suffix == ".json")
+                # The metadata names the specialization (which arguments were 1 or multiples
+                # of 16, the constexprs): what a warm-up would have to cover.
+                meta = next((f for f in entry.iterdir() if f.suffix == ".json"
+                             and not f.name.startswith("__grp__")), None)
+                compiled.append({"at_s": round(when, 3), "files": names[:3],
+                                 "metadata": meta.read_text()[:1500] if meta else None})
     compiled.sort(key=lambda c: c["at_s"])
     return {"slowest_ttft": slowest, "gaps_over_100ms": gaps[:40],
             "triton_compiles": compiled[:40]}
