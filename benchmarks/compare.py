@@ -56,6 +56,10 @@ from lib.servers import (REPO_ROOT, SERVED_NAME, Server, ServerSettings, free_po
 from lib.workload import (Request, arrival_times, format_len, make_requests, ordinary_token_ids,
                           parse_len)
 
+# After a capacity point stopped early: time for the server to drop the requests whose streams
+# were closed (pagedlm, vLLM and llama-server abort a request when its client disconnects)
+# before the next point's first arrival.
+CAPACITY_DRAIN_S = 5.0
 WORKLOADS = ("batch", "single", "capacity", "serving", "copy")
 DEFAULT_WORKLOADS = ("batch", "single", "capacity")
 # The issue-32 set: pagedlm's three weight formats; vLLM in both dtypes with and without
@@ -261,21 +265,32 @@ def run_capacity(base_url: str, endpoint: client.Endpoint, system: str, w: Workl
         n = capacity.point_size(rate, args.capacity_duration, args.capacity_min_requests)
         requests, arrivals = capacity.point_workload(
             w.vocab, rate, n, args.serving_input_len, args.serving_output_len, args.seed)
-        results, elapsed = asyncio.run(_streamed(base_url, endpoint, requests, arrivals, args))
-        client.check_streamed(system, f"capacity at {rate:.3f}/s", requests, results)
-        point = capacity.point_of(rate, results, elapsed)
-        print(f"    {rate:.3f} req/s: {n} requests, TTFT p99 {point.ttft_p99_ms:.0f} ms, TPOT "
-              f"p99 {point.tpot_p99_ms:.1f} ms: {'meets' if point.meets(args.slo) else 'misses'}"
-              f" the SLO", flush=True)
+        bound = None if args.capacity_full_points else capacity.ttft_bound(n, args.slo)
+        results, elapsed = asyncio.run(_streamed(base_url, endpoint, requests, arrivals, args,
+                                                 bound))
+        point = capacity.point_of(rate, results, elapsed, bound)
+        if point.stopped_at_s is None:
+            client.check_streamed(system, f"capacity at {rate:.3f}/s", requests, results)
+            print(f"    {rate:.3f} req/s: {n} requests, TTFT p99 {point.ttft_p99_ms:.0f} ms, "
+                  f"TPOT p99 {point.tpot_p99_ms:.1f} ms: "
+                  f"{'meets' if point.meets(args.slo) else 'misses'} the SLO", flush=True)
+        else:
+            print(f"    {rate:.3f} req/s: stopped {point.stopped_at_s:.1f} s in, after "
+                  f"{point.requests} of {n} requests: {bound.misses} waited over "
+                  f"{args.slo.ttft_p99_ms:.0f} ms for a first token: misses the SLO", flush=True)
+            # The cancelled streams' requests leave the server before the next point.
+            time.sleep(CAPACITY_DRAIN_S)
         return point
 
     return capacity.find_capacity(measure, args.slo, args.search).to_json(args.slo)
 
 
-async def _streamed(base_url, endpoint, requests: list[Request], arrivals: list[float], args):
+async def _streamed(base_url, endpoint, requests: list[Request], arrivals: list[float], args,
+                    ttft_bound: client.TtftBound | None = None):
     async with client.http_client(base_url, args.request_timeout) as http:
         return await client.run_streamed(http, endpoint, [r.prompt for r in requests],
-                                         [r.max_tokens for r in requests], arrivals)
+                                         [r.max_tokens for r in requests], arrivals,
+                                         ttft_bound=ttft_bound)
 
 
 async def _warm_up(base_url: str, endpoint: client.Endpoint, system: str, workload: str,

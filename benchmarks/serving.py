@@ -212,20 +212,24 @@ def run_capacity(args) -> dict:
     """--capacity: bisection on the Poisson rate (lib/capacity.py) against this one server."""
     tokenizer = load_tokenizer(args.tokenizer)
 
-    async def point(rate: float) -> tuple[list[RequestResult], float]:
-        n = capacity.point_size(rate, args.capacity_duration, args.capacity_min_requests)
+    async def point(rate: float, n: int, bound) -> tuple[list[RequestResult], float]:
         rng = random.Random(f"{args.seed}-capacity-{rate:.6f}")
         times = arrival_times(rate, rng, num=n, burstiness=args.burstiness)
         prompts = make_prompts(n, args.input_len, tokenizer, rng)
         async with client.http_client(args.base_url, args.timeout, args.api_key) as http:
             endpoint = endpoint_of(args, await resolve_model(http, args.model))
             return await client.run_streamed(http, endpoint, prompts, [args.output_len] * n,
-                                             times, args.max_concurrency)
+                                             times, args.max_concurrency, ttft_bound=bound)
 
     def measure(rate: float) -> capacity.Point:
-        results, elapsed = asyncio.run(point(rate))
-        p = capacity.point_of(rate, results, elapsed)
-        print(f"{rate:.3f} req/s: {p.requests} requests ({p.failed} failed), TTFT p99 "
+        n = capacity.point_size(rate, args.capacity_duration, args.capacity_min_requests)
+        bound = None if args.capacity_full_points else capacity.ttft_bound(n, args.slo)
+        results, elapsed = asyncio.run(point(rate, n, bound))
+        p = capacity.point_of(rate, results, elapsed, bound)
+        stopped = ("" if p.stopped_at_s is None else
+                   f", stopped {p.stopped_at_s:.1f} s in ({bound.misses} first tokens over the "
+                   f"bound)")
+        print(f"{rate:.3f} req/s: {p.requests} requests ({p.failed} failed){stopped}, TTFT p99 "
               f"{p.ttft_p99_ms:.0f} ms, TPOT p99 {p.tpot_p99_ms:.1f} ms: "
               f"{'meets' if p.meets(args.slo) else 'misses'} the SLO", flush=True)
         return p

@@ -17,7 +17,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from lib.client import RequestResult
+from lib.client import RequestResult, TtftBound
 from lib.stats import quantile
 from lib.workload import Request, arrival_times, make_requests
 
@@ -37,10 +37,14 @@ class Point:
     tpot_p99_ms: float
     output_throughput: float  # output tokens/s over the point's wall time
     duration_s: float
+    # Set when the point stopped as soon as its TTFT p99 was known to miss the SLO (seconds
+    # into it); requests and failed then count the requests sent by then, and the two p99s
+    # are over the requests answered by then: lower bounds.
+    stopped_at_s: float | None = None
 
     def meets(self, slo: Slo) -> bool:
-        return (self.failed == 0 and self.ttft_p99_ms <= slo.ttft_p99_ms
-                and self.tpot_p99_ms <= slo.tpot_p99_ms)
+        return (self.stopped_at_s is None and self.failed == 0
+                and self.ttft_p99_ms <= slo.ttft_p99_ms and self.tpot_p99_ms <= slo.tpot_p99_ms)
 
 
 @dataclass(frozen=True)
@@ -114,14 +118,28 @@ def point_workload(vocab: list[int], rate: float, n: int, input_len: int, output
     return requests, arrival_times(rate, rng, num=n)
 
 
-def point_of(rate: float, results: list[RequestResult], elapsed: float) -> Point:
+def ttft_bound(n: int, slo: Slo) -> TtftBound:
+    """The point of n requests misses the SLO for certain once this many of them take longer
+    than its TTFT bound: the nearest-rank p99 of n values is the ceil(0.99 n)-th smallest."""
+    return TtftBound(slo.ttft_p99_ms / 1000, n - math.ceil(0.99 * n) + 1)
+
+
+def point_of(rate: float, results: list[RequestResult], elapsed: float,
+             bound: TtftBound | None = None) -> Point:
+    stopped = bound is not None and bound.stopped_at is not None
+    if stopped:
+        # The requests cancelled in flight (no answer and no error) are not failures.
+        results = [r for r in results if r.start > 0.0]
+        failed = sum(1 for r in results if r.error)
+    else:
+        failed = sum(1 for r in results if not r.ok)
     ok = [r for r in results if r.ok]
     tpot = [r.tpot for r in ok if r.tpot is not None]
-    return Point(rate=rate, requests=len(results), failed=len(results) - len(ok),
+    return Point(rate=rate, requests=len(results), failed=failed,
                  ttft_p99_ms=1000 * quantile([r.ttft for r in ok], 0.99),
                  tpot_p99_ms=1000 * quantile(tpot, 0.99),
                  output_throughput=sum(r.output_tokens for r in ok) / elapsed,
-                 duration_s=elapsed)
+                 duration_s=elapsed, stopped_at_s=bound.stopped_at if stopped else None)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -138,6 +156,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-precision", type=float, default=Search.precision,
                    help="Stop bisecting when the bracket is this share of its upper end.")
     g.add_argument("--capacity-max-points", type=int, default=Search.max_points)
+    g.add_argument("--capacity-full-points", action="store_true",
+                   help="Run every point to its end, also once its TTFT p99 is known to miss "
+                        "the SLO (by default such a point stops there).")
 
 
 def settings(args: argparse.Namespace) -> tuple[Slo, Search]:

@@ -128,13 +128,34 @@ async def sse_lines(response):
         yield buffer.decode("utf-8")
 
 
+@dataclass
+class TtftBound:
+    """Stop a run once `misses` requests are known to take longer than `seconds` to their first
+    token (answered late, or still waiting past it): the run's TTFT percentile is then decided,
+    and sending the rest would only wait out a queue (a capacity point far above the SLO took
+    two to three times its 60 s). When it stops, `stopped_at` is the run's time and `sent` the
+    number of requests sent by then."""
+    seconds: float
+    misses: int
+    stopped_at: float | None = None
+    sent: int = 0
+
+    def missed(self, results: list[RequestResult], sent: list[bool], now: float) -> int:
+        return sum(1 for r, s in zip(results, sent) if s and (
+            r.ttft > self.seconds or (r.ttft == 0.0 and not r.error
+                                      and now - r.start > self.seconds)))
+
+
 async def run_streamed(client: httpx.AsyncClient, endpoint: Endpoint,
                        prompts: list[str] | list[list[int]], max_tokens: list[int],
-                       arrivals: list[float], max_concurrency: int | None = None
+                       arrivals: list[float], max_concurrency: int | None = None,
+                       ttft_bound: TtftBound | None = None
                        ) -> tuple[list[RequestResult], float]:
     """Request i sent at arrivals[i] seconds after the start (at most max_concurrency in flight):
-    every request's timings, and the run's wall time."""
+    every request's timings, and the run's wall time. With ttft_bound, the run stops early once
+    its bound is decided (the requests in flight are cancelled, the unsent ones never sent)."""
     results = [RequestResult() for _ in prompts]
+    sent = [False] * len(prompts)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     t0 = time.perf_counter()
 
@@ -143,12 +164,26 @@ async def run_streamed(client: httpx.AsyncClient, endpoint: Endpoint,
         if delay > 0:
             await asyncio.sleep(delay)
         if semaphore is None:
+            sent[i] = True
             await send(client, endpoint, prompts[i], max_tokens[i], t0, results[i])
         else:
             async with semaphore:
+                sent[i] = True
                 await send(client, endpoint, prompts[i], max_tokens[i], t0, results[i])
 
-    await asyncio.gather(*(launch(i) for i in range(len(prompts))))
+    runs = asyncio.gather(*(launch(i) for i in range(len(prompts))))
+    if ttft_bound is None:
+        await runs
+        return results, time.perf_counter() - t0
+    while not runs.done():
+        await asyncio.wait([runs], timeout=0.1)
+        now = time.perf_counter() - t0
+        if not runs.done() and ttft_bound.missed(results, sent, now) >= ttft_bound.misses:
+            ttft_bound.stopped_at, ttft_bound.sent = now, sum(sent)
+            runs.cancel()
+            # Closing the streams tells the server to drop their requests.
+            await asyncio.gather(runs, return_exceptions=True)
+            break
     return results, time.perf_counter() - t0
 
 

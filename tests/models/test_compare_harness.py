@@ -307,6 +307,52 @@ def test_capacity_points(capacity, bench):
     assert not point.meets(capacity.Slo(tpot_p99_ms=99.9))
 
 
+def test_capacity_point_stops_once_its_ttft_p99_is_decided(capacity, bench):
+    """A point whose TTFT p99 is known to miss the SLO stops there: the requests in flight are
+    cancelled, the rest never sent; counts and meets() say so. Streamed from a stand-in
+    transport whose first tokens come late from the 10th request on."""
+    import asyncio
+
+    import httpx
+    client = bench["lib.client"]
+    assert capacity.ttft_bound(200, capacity.Slo()).misses == 3  # p99 = the 198th of 200
+    assert capacity.ttft_bound(480, capacity.Slo()).misses == 5  # the 476th of 480
+    assert capacity.ttft_bound(50, capacity.Slo(ttft_p99_ms=250)).seconds == 0.25
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        slow = json.loads(request.content)["prompt"][0] >= 10
+
+        async def body():
+            await asyncio.sleep(0.6 if slow else 0.01)
+            for _ in range(3):
+                yield b'data: {"choices": [{"text": "x"}]}\n\n'
+            yield (b'data: {"choices": [], "usage": {"prompt_tokens": 1, '
+                   b'"completion_tokens": 3}}\n\ndata: [DONE]\n\n')
+        return httpx.Response(200, content=body())
+
+    async def run(bound):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
+                                     base_url="http://stand-in") as http:
+            return await client.run_streamed(
+                http, client.Endpoint(model="m"), [[i] for i in range(40)], [3] * 40,
+                [0.02 * i for i in range(40)], ttft_bound=bound)
+
+    slo = capacity.Slo(ttft_p99_ms=200)
+    bound = capacity.ttft_bound(40, slo)
+    results, elapsed = asyncio.run(run(bound))
+    point = capacity.point_of(1.0, results, elapsed, bound)
+    # The 10th-12th requests (sent at 0.20-0.24 s) are over 0.2 s without a token at ~0.44 s.
+    assert bound.misses == 1 and 0.35 < point.stopped_at_s < 0.6 and elapsed < 0.7
+    assert 20 <= point.requests == bound.sent < 40 and point.failed == 0
+    assert not point.meets(slo) and point.ttft_p99_ms < 200  # only answered requests: a bound
+    assert all(r.ok for r in results[:10])
+
+    results, elapsed = asyncio.run(run(None))  # without a bound: every request, to the end
+    full = capacity.point_of(1.0, results, elapsed)
+    assert full.requests == 40 and full.failed == 0 and full.stopped_at_s is None
+    assert full.ttft_p99_ms > 590 and not full.meets(slo)
+
+
 def test_server_command_lines_per_workload(compare, servers, tmp_path):
     """Each workload's servers are sized for it: llama.cpp with one slot per concurrent request
     and its repacked kernels on, vLLM with its own thread binding and tcmalloc preloaded."""
