@@ -10,8 +10,9 @@ the next one runs; the JSON is rewritten after every leg, so a killed run keeps 
   with the fused norm/activation GEMVs (PAGEDLM_TRITON_FUSED_NORM_ACT=1; the leg records
   whether they ran, under "fused_decode").
 - serving, serving_steps8: `pagedlm serve` on the device (the second with
-  --num-scheduler-steps 8); Poisson arrivals at 20 requests/s for 15 s, streamed with httpx;
-  TTFT p50/p99, TPOT.
+  --num-scheduler-steps 8, serving_steps8_eagerload also with CUDA_MODULE_LOADING=EAGER);
+  Poisson arrivals at 20 requests/s for 15 s, streamed with httpx; TTFT p50/p99, TPOT, and
+  where slow first tokens and long gaps fall (stalls).
 - hf_float32, hf_bfloat16: transformers generate, warm, on the same stream and the same 128
   requests as one left-padded batch (each row runs to the longest output; only the tokens a
   request asked for count: useful tokens/s).
@@ -54,7 +55,7 @@ from lib.workload import make_requests, ordinary_token_ids  # noqa: E402
 
 WARM_SEED = 1000  # warm-up requests: seed + this
 LEGS = ("pagedlm", "pagedlm_steps8", "pagedlm_steps8_cublas", "pagedlm_steps8_fused", "serving",
-        "serving_steps8", "hf_float32", "hf_bfloat16")
+        "serving_steps8", "serving_steps8_eagerload", "hf_float32", "hf_bfloat16")
 # Seconds each leg may take, start-up included (a leg's process is killed past it).
 LEG_TIMEOUT = {"prepare": 90, "hf_float32": 70, "hf_bfloat16": 80}
 RUNS = 3  # timed runs of each pagedlm workload (the median is kept)
@@ -70,7 +71,14 @@ def leg_env(leg: str) -> None:
     """A leg ending in _cublas runs without the Triton GEMV (PAGEDLM_TRITON_GEMV=0): cuBLAS's
     F.linear on decode-sized batches too. One ending in _fused runs the Llama layers' steps of
     <= 2 rows with each RMSNorm folded into the GEMV after it and SiLU-and-mul into the down
-    GEMV (PAGEDLM_TRITON_FUSED_NORM_ACT=1: 3 launches fewer a layer, 90 a token here)."""
+    GEMV (PAGEDLM_TRITON_FUSED_NORM_ACT=1: 3 launches fewer a layer, 90 a token here).
+    One ending in _eagerload starts its server with CUDA_MODULE_LOADING=EAGER: CUDA loads
+    every kernel of cuBLAS and torch at start-up instead of at a kernel's first launch. The
+    serving legs of gpu-20261127d had one ~0.3 s pause a run, every stream waiting, with no
+    Triton compile then; a cuBLAS kernel first picked for a prompt step larger than the
+    warm-up's, and loaded then, is the suspect this leg tests."""
+    if leg.endswith("_eagerload"):
+        os.environ["CUDA_MODULE_LOADING"] = "EAGER"
     if leg.endswith("_cublas"):
         os.environ["PAGEDLM_TRITON_GEMV"] = "0"
     if leg.endswith("_fused"):

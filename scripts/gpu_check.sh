@@ -177,12 +177,13 @@ stage test_gpu 160 "${PYTEST[@]}" tests/gpu
 # cuBLAS against the Triton GEMV on the model's shapes (its JSON decides PAGEDLM_TRITON_GEMV).
 stage gemv 60 "$PY" benchmarks/gpu_gemv.py --out "$OUT/gpu_gemv.json" --rows 1 2 4 8 \
     --budget-s 20
-# Single-step serving is left out by default: the budget holds the others. So is the
-# single-step pagedlm leg (617 tok/s one stream, 13,373 at 128 requests on an H200:
-# benchmarks/results/gpu-20261127b), for pagedlm_steps8_fused (PAGEDLM_TRITON_FUSED_NORM_ACT=1,
-# opt-in until this measures it against pagedlm_steps8): each pagedlm leg is 30-40 s, so the
-# run stays at the ~443 s of gpu-20261127b (bench 289 s there).
-BENCH_LEGS="${GPU_BENCH_LEGS:-pagedlm_steps8,pagedlm_steps8_fused,serving_steps8,hf_float32,pagedlm_steps8_cublas,hf_bfloat16}"
+# Left out by default, for the budget: single-step serving (TTFT p99 300 ms, like the 8-step
+# leg's, in gpu-20261127d), the single-step pagedlm leg (617 tok/s one stream, 13,373 at 128
+# requests: gpu-20261127b) and pagedlm_steps8_fused (slower than pagedlm_steps8: 949 against
+# 1,004 tok/s, gpu-20261127d). serving_steps8_eagerload tests the suspect for the ~0.3 s
+# pause of every serving run there (CUDA_MODULE_LOADING=EAGER). The run stays near the 400 s
+# of gpu-20261127d (bench 251 s there; a serving leg is ~50 s, a pagedlm leg 30).
+BENCH_LEGS="${GPU_BENCH_LEGS:-pagedlm_steps8,serving_steps8,serving_steps8_eagerload,hf_float32,pagedlm_steps8_cublas,hf_bfloat16}"
 stage bench 360 "$PY" benchmarks/gpu_bench.py "${BENCH_ARGS[@]}" --out "$OUT/gpu_bench.json" \
     --log-dir "$OUT" --legs "$BENCH_LEGS"
 
