@@ -283,6 +283,7 @@ def leg_hf(args, size, dtype_name: str) -> dict:
 def leg_serving(args, size, steps: int) -> dict:
     from lib import servers
     from lib.client import Endpoint, check_streamed, first_model, http_client, run_streamed
+    from lib.stalls import stall_timeline
     from lib.stats import serving_summary
     from lib.workload import arrival_times
     from transformers import AutoTokenizer
@@ -337,40 +338,6 @@ def leg_serving(args, size, steps: int) -> dict:
         result["startup_s"] = round(server.startup_s, 3)
         asyncio.run(client_side())
     return result
-
-
-def stall_timeline(results, t_wall: float, slow_s: float = 0.1) -> dict:
-    """Where the slow first tokens and the long gaps between chunks fall in the run (seconds
-    from its start), and which Triton kernels were compiled meanwhile (their cache entries'
-    times): a stall shared by the requests in flight at one moment (a compile, a collection)
-    shows as one time, load as many."""
-    ok = sorted((r for r in results if r.ok), key=lambda r: -r.ttft)
-    slowest = [{"start_s": round(r.start, 3), "ttft_ms": round(1000 * r.ttft, 1),
-                "prompt_len": r.prompt_len} for r in ok[:8]]
-    gaps = []
-    for r in ok:
-        t = r.start + r.ttft
-        for gap in r.itl:
-            t += gap
-            if gap > slow_s:
-                gaps.append({"at_s": round(t - gap, 3), "gap_ms": round(1000 * gap, 1)})
-    gaps.sort(key=lambda g: g["at_s"])
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    compiled = []
-    if cache.is_dir():
-        for entry in cache.iterdir():
-            when = entry.stat().st_mtime - t_wall
-            if when >= 0:
-                names = sorted(f.name for f in entry.iterdir() if f.suffix == ".json")
-                # The metadata names the specialization (which arguments were 1 or multiples
-                # of 16, the constexprs): what a warm-up would have to cover.
-                meta = next((f for f in entry.iterdir() if f.suffix == ".json"
-                             and not f.name.startswith("__grp__")), None)
-                compiled.append({"at_s": round(when, 3), "files": names[:3],
-                                 "metadata": meta.read_text()[:1500] if meta else None})
-    compiled.sort(key=lambda c: c["at_s"])
-    return {"slowest_ttft": slowest, "gaps_over_100ms": gaps[:40],
-            "triton_compiles": compiled[:40]}
 
 
 def run_leg(args) -> None:

@@ -27,7 +27,8 @@ def bench():
     try:
         yield {name: importlib.import_module(name)
                for name in ("compare", "lib.capacity", "lib.client", "lib.legs", "lib.peers",
-                            "lib.report", "lib.servers", "lib.stats", "lib.workload")}
+                            "lib.report", "lib.servers", "lib.stalls", "lib.stats",
+                            "lib.workload")}
     finally:
         sys.path.remove(str(BENCHMARKS))
         for name in [m for m in sys.modules if m in ("compare", "lib") or m.startswith("lib.")]:
@@ -351,6 +352,33 @@ def test_capacity_point_stops_once_its_ttft_p99_is_decided(capacity, bench):
     full = capacity.point_of(1.0, results, elapsed)
     assert full.requests == 40 and full.failed == 0 and full.stopped_at_s is None
     assert full.ttft_p99_ms > 590 and not full.meets(slo)
+
+
+def test_stall_timeline_places_slow_first_tokens_and_gaps(bench, tmp_path, monkeypatch):
+    """A pause every stream shares shows as one time; a Triton cache entry written since the
+    run's start is listed with its metadata, an older one is not."""
+    import os
+    client, stalls = bench["lib.client"], bench["lib.stalls"]
+    R = client.RequestResult
+    results = [R(ok=True, start=0.0, ttft=0.05, itl=[0.01, 0.3, 0.01], prompt_len=10),
+               R(ok=True, start=0.1, ttft=0.25, itl=[0.01], prompt_len=20),
+               R(ok=False, start=0.2, error="HTTP 500")]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    old, new = tmp_path / "old", tmp_path / "new"
+    for d in (old, new):
+        d.mkdir()
+        (d / "k.json").write_text('{"name": "gemv_kernel"}')
+        (d / "__grp__k.json").write_text("{}")
+    t_wall = time.time()
+    os.utime(old, (t_wall - 10, t_wall - 10))
+    os.utime(new, (t_wall + 1.5, t_wall + 1.5))
+    out = stalls.stall_timeline(results, t_wall)
+    assert [s["ttft_ms"] for s in out["slowest_ttft"]] == [250.0, 50.0]
+    assert out["gaps_over_100ms"] == [{"at_s": 0.06, "gap_ms": 300.0}]
+    (compiled,) = out["triton_compiles"]
+    assert compiled["at_s"] == pytest.approx(1.5, abs=0.01)
+    assert compiled["files"] == ["__grp__k.json", "k.json"]
+    assert compiled["metadata"] == '{"name": "gemv_kernel"}'
 
 
 def test_server_command_lines_per_workload(compare, servers, tmp_path):
