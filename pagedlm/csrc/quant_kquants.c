@@ -778,6 +778,11 @@ static void kq_matmul(float *y, const float *x, const uint8_t *w, int M, int N, 
     }                                                                                         \
     void dequant_##name(float *out, const uint8_t *w, int N, int K, int nthreads) {           \
         dequant(fmt, out, w, N, K, nthreads);                                                 \
+    }                                                                                         \
+    void dequant_panels_##name(uint16_t *panels, const uint8_t *w, int N, int K,              \
+                               int nthreads) {                                                \
+        dequant_bf16_panels(dequant_##name, panels, w,                                        \
+                            (size_t)(K / BLOCK_W[fmt]) * BLOCK_B[fmt], N, K, nthreads);       \
     }
 KQ_FORMAT(q4_k, F_Q4_K)
 KQ_FORMAT(q5_k, F_Q5_K)

@@ -37,7 +37,12 @@ library = typed_library({
     "dequant_q5_0": ([_p, _p, _i, _i, _i], None),
     "dequant_q5_1": ([_p, _p, _i, _i, _i], None),
     "dequant_iq4_nl": ([_p, _p, _i, _i, _i], None),
+    **{f"dequant_panels_{fmt}": ([_p, _p, _i, _i, _i], None)
+       for fmt in ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1", "iq4_nl")},
 })
+
+# The formats dequantize_panels takes (csrc/quant_kquants.c's, the GGUF files' types).
+BF16_PANEL_FORMATS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1", "iq4_nl")
 
 # From how many input rows on dequantizing the whole matrix once and running the float GEMM
 # beats the kernels, by the kernels' vector width (qmm_vector_bits: 512, 256, 0 = scalar) and
@@ -75,10 +80,35 @@ _DEQUANT_GEMM_MIN_ROWS = {512: {"q4_1": 256, "q8_0": 256, "i8": 160, **_KQUANT_M
 _SCALAR_DEQUANT_GEMM_MIN_ROWS = 16
 
 
-@functools.lru_cache(maxsize=None)
+# Where AMX-BF16 runs (kernels/amx.py), the BF16_PANEL_FORMATS' many-row branch dequantizes
+# into bfloat16 k-pair panels and runs the AMX GEMM instead (layers/quantization/kernels.py),
+# which moves the switch down. The 2-vCPU Xeon, 2 threads, the 1B Q4_K_M file's matrices, ms
+# for AMX panels | the kernel | dequantize + float32 GEMM: q4_k 8192x2048 at 16 rows 5.9 | 2.6
+# | 10.3, 32 5.9 | 5.0 | 10.4, 64 6.6 | 10.0 | 13.7, 128 7.8 | 20.1 | 20.7, 512 15.6 | 82.0 |
+# 60.5; q6_k 2048x8192 at 32 6.8 | 6.9 | 10.9, 64 7.2 | 13.6 | 13.4, 512 17.6 | 112.9 | 59.4;
+# q4_k 2048x2048 at 32 1.5 | 1.4 | 2.7, 64 1.6 | 2.6 | 3.2. q5_k takes q4_k's switch; the
+# others, whose kernels spend no less per weight than q6_k's, 32.
+_AMX_DEQUANT_MIN_ROWS = {"q4_k": 40, "q5_k": 40}
+_AMX_DEFAULT_MIN_ROWS = 32
+
+
+def amx_panels(fmt: str) -> bool:
+    """Whether the many-row branch of `fmt` runs on AMX over dequantize_panels's panels. Not
+    cached: tests switch AMX off (amx.available)."""
+    from pagedlm.kernels import amx
+    return fmt in BF16_PANEL_FORMATS and library() is not None and amx.available()
+
+
 def dequant_gemm_min_rows(fmt: str) -> int:
-    """Inputs of this many rows or more run faster as dequantize + float GEMM than through
-    `matmul`."""
+    """Inputs of this many rows or more run faster as dequantize + GEMM (float32, or AMX over
+    bfloat16 panels where amx_panels) than through `matmul`."""
+    if amx_panels(fmt):
+        return _AMX_DEQUANT_MIN_ROWS.get(fmt, _AMX_DEFAULT_MIN_ROWS)
+    return _float_dequant_gemm_min_rows(fmt)
+
+
+@functools.lru_cache(maxsize=None)
+def _float_dequant_gemm_min_rows(fmt: str) -> int:
     lib = library()
     bits = lib.qmm_vector_bits() if lib is not None else 0
     return _DEQUANT_GEMM_MIN_ROWS.get(bits, {}).get(fmt, _SCALAR_DEQUANT_GEMM_MIN_ROWS)
@@ -108,6 +138,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     library().qmm_quantize_activations(q.data_ptr(), d.data_ptr(), s.data_ptr(), x.data_ptr(),
                                        m, k)
     return q, d, s
+
+
+def dequantize_panels(fmt: str, panels: torch.Tensor, qweight: torch.Tensor, n: int,
+                      k: int) -> None:
+    """panels [ceil(n / 32), k / 2, 32, 2] bfloat16 = W [n, k] of a BF16_PANEL_FORMATS qweight,
+    rounded to bfloat16 in gemv.pack_panels's k-pair layout (amx.gemm_panels's input)."""
+    getattr(library(), f"dequant_panels_{fmt}")(panels.data_ptr(), qweight.data_ptr(), n, k,
+                                                torch.get_num_threads())
 
 
 def dequantize(fmt: str, out: torch.Tensor, qweight: torch.Tensor,

@@ -156,6 +156,52 @@ def test_integer_sums_are_exact(fmt):
         assert torch.equal(_kernel(fmt, x, blocks, threads), exact), threads
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_panels_are_the_rounded_weights_in_k_pairs(fmt):
+    """dequantize_panels (the AMX branch's weights) against its definition: the float
+    dequantization rounded to bfloat16 by torch, in k-pair panels [P, K/2, 32, 2] with zero
+    rows past N. Bit for bit, a ragged last panel included. Needs no AMX."""
+    k = 2 * max(kernels.BLOCK_WEIGHTS[fmt], 64)
+    for n in (64, 37):
+        blocks = random_blocks(fmt, n, k, seed=n)
+        got = torch.empty(-(-n // 32), k // 2, 32, 2, dtype=torch.bfloat16)
+        quant.dequantize_panels(fmt, got, blocks, n, k)
+        w = torch.zeros(got.shape[0] * 32, k, dtype=torch.bfloat16)
+        w[:n] = kernels.dequantize(fmt, blocks).bfloat16()
+        expected = w.view(-1, 32, k // 2, 2).permute(0, 2, 1, 3)
+        assert torch.equal(got.view(torch.int16), expected.contiguous().view(torch.int16)), n
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_rows_run_on_amx_within_bfloat16_rounding(fmt, monkeypatch):
+    """From the switch on, where AMX-BF16 runs, the matmul takes the bfloat16 panels in chunks
+    (here of 64 rows, so 100 weight rows take two): every output within the rounding of x and
+    W to bfloat16 (2**-8 of the sum of |x w| terms) of the float64 product; the rows below the
+    switch still get the kernel's bits. Without AMX the switch is the float32 GEMM's."""
+    from pagedlm.kernels import amx
+    if not quant.amx_panels(fmt):
+        pytest.skip("AMX-BF16 is not available on this CPU: the float32 branch runs (tested in "
+                    "test_quant_kernels.py)")
+    n, k = 100, 512
+    monkeypatch.setattr(kernels, "_AMX_CHUNK_BYTES", 64 * 2 * k)
+    blocks = random_blocks(fmt, n, k, seed=5)
+    w = kernels.dequantize_reference(fmt, blocks).double()
+    switch = quant.dequant_gemm_min_rows(fmt)
+    assert switch <= 40
+    gen = torch.Generator().manual_seed(6)
+    x, bias = torch.randn(switch + 3, k, generator=gen), torch.randn(n, generator=gen)
+    got = kernels.quantized_matmul(fmt, x, blocks, bias=bias).double()
+    terms = x.double().abs() @ w.abs().T
+    err = (got - (x.double() @ w.T + bias.double())).abs()
+    assert (err <= 2 ** -8 * terms + 1e-5 * terms.max()).all()
+    assert err.max() > 1e-5 * terms.max()  # bfloat16's rounding, not the float32 GEMM's
+    below = x[:switch - 1]
+    assert torch.equal(kernels.quantized_matmul(fmt, below, blocks),
+                       kernels.quantized_matmul(fmt, below, blocks, batch_invariant=True))
+    monkeypatch.setattr(amx, "available", lambda: False)
+    assert quant.dequant_gemm_min_rows(fmt) > switch
+
+
 def test_shape_errors_name_the_block_size():
     blocks = random_blocks("q4_k", 4, 256, seed=0)
     with pytest.raises(ValueError, match=r"\[N, K/256, 144\]"):

@@ -116,6 +116,15 @@ void dequant_q2_k(float *out, const uint8_t *w, int N, int K, int nthreads);
 void dequant_q5_0(float *out, const uint8_t *w, int N, int K, int nthreads);
 void dequant_q5_1(float *out, const uint8_t *w, int N, int K, int nthreads);
 void dequant_iq4_nl(float *out, const uint8_t *w, int N, int K, int nthreads);
+/* bfloat16 k-pair panels for the AMX GEMM (quant_common.h: dequant_bf16_panels) */
+void dequant_panels_q4_k(uint16_t *panels, const uint8_t *w, int N, int K, int nthreads);
+void dequant_panels_q5_k(uint16_t *panels, const uint8_t *w, int N, int K, int nthreads);
+void dequant_panels_q6_k(uint16_t *panels, const uint8_t *w, int N, int K, int nthreads);
+void dequant_panels_q3_k(uint16_t *panels, const uint8_t *w, int N, int K, int nthreads);
+void dequant_panels_q2_k(uint16_t *panels, const uint8_t *w, int N, int K, int nthreads);
+void dequant_panels_q5_0(uint16_t *panels, const uint8_t *w, int N, int K, int nthreads);
+void dequant_panels_q5_1(uint16_t *panels, const uint8_t *w, int N, int K, int nthreads);
+void dequant_panels_iq4_nl(uint16_t *panels, const uint8_t *w, int N, int K, int nthreads);
 
 /* ---------------------------------------------------------------- llama_decode.c */
 

@@ -128,4 +128,50 @@ static inline void run_quant_rows(const char *who, float *y, const float *x, con
     }
 }
 
+/* float -> bfloat16 rounded to nearest even, as torch's .bfloat16() does (a NaN stays one). */
+static inline uint16_t f32_to_bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* A float dequantizer of N rows from their blocks (dequant_<fmt>'s signature). */
+typedef void (*dequant_fn)(float *, const uint8_t *, int, int, int);
+
+/* W [N, K] (K even) from its blocks, rounded to bfloat16, as the k-pair panels the AMX GEMM
+ * reads (gemv.pack_panels: [ceil(N / 32), K / 2, 32, 2], element [p, j, c, e] = W[32 p + c]
+ * [2 j + e], zero past N): the same bits as pack_panels(dequant(W).bfloat16()), in one pass
+ * that keeps each 32-row panel's floats in a thread's L2 instead of writing the float matrix
+ * out and reading it back twice. For many-row steps of GGUF layers on AMX
+ * (model_executor/layers/quantization/kernels.py says what it saves). */
+static inline void dequant_bf16_panels(dequant_fn dq, uint16_t *panels, const uint8_t *w,
+                                       size_t row_bytes, int N, int K, int nthreads) {
+    const int P = (N + 31) / 32, pairs = K / 2;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) \
+        if ((long)N * K >= PAR_MIN_WEIGHTS && nthreads > 1) reduction(|: failed)
+    for (int p = 0; p < P; p++) {
+        const int rows = N - 32 * p < 32 ? N - 32 * p : 32;
+        float *buf = (float *)calloc((size_t)32 * K, sizeof(float));  /* rows past N: zero */
+        if (!buf) {
+            failed = 1;
+            continue;
+        }
+        dq(buf, w + (size_t)32 * p * row_bytes, rows, K, 1);
+        uint16_t *o = panels + (size_t)p * pairs * 64;
+        for (int j = 0; j < pairs; j++)
+            for (int c = 0; c < 32; c++) {
+                o[(size_t)j * 64 + 2 * c] = f32_to_bf16_rne(buf[(size_t)c * K + 2 * j]);
+                o[(size_t)j * 64 + 2 * c + 1] = f32_to_bf16_rne(buf[(size_t)c * K + 2 * j + 1]);
+            }
+        free(buf);
+    }
+    if (failed) {  /* no error channel in this ABI, and unset panels must never pass silently */
+        fprintf(stderr, "pagedlm dequant_bf16_panels: out of memory for %d x %d floats\n", 32, K);
+        abort();
+    }
+}
+
 #endif

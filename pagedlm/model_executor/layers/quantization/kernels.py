@@ -12,8 +12,10 @@ Formats (W is [N, K]; blocks run along K):
 
 The block layouts are byte-for-byte ggml's, so a GGUF file's blocks are used as stored.
 Their native kernels, like llama.cpp's, first quantize each input row to 8 bits per 32-block
-(quantize_activations_reference) and then sum integer products exactly; the dequantize + float
-GEMM branch (large M outside the deterministic mode) multiplies the float input instead.
+(quantize_activations_reference) and then sum integer products exactly; the dequantize + GEMM
+branch (large M outside the deterministic mode) multiplies the float input instead: in float32,
+or, for the GGUF files' types where AMX-BF16 runs, on AMX with x and W rounded to bfloat16
+(_amx_panels_matmul).
 """
 from __future__ import annotations
 
@@ -175,12 +177,39 @@ def dequantize(fmt: str, qweight: torch.Tensor, scale: torch.Tensor | None = Non
     return out
 
 
+# The bfloat16 panels of one AMX call. 16 MiB stays under the 32 MiB mmap threshold that
+# worker/malloc_tuning.py sets, so each chunk reuses heap memory: a fresh 67 MB float32 matrix
+# (the 1B model's gate, 8192 x 2048) took 20 ms of page faults where filling a reused one took
+# 2.6. Each call rounds x to bfloat16 again, a small cost beside a chunk's GEMM.
+_AMX_CHUNK_BYTES = 16 << 20
+
+
+def _amx_panels_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor, n: int,
+                       k: int) -> torch.Tensor:
+    """x [M, k] float32 @ W^T, W's rows dequantized chunk by chunk into bfloat16 k-pair panels
+    and multiplied on AMX (x rounded to bfloat16, float32 sums): where the kernels' cost grows
+    with every row, this one's is mostly the dequantizing, paid once a call."""
+    from pagedlm.kernels import amx
+    rows = max(32, _AMX_CHUNK_BYTES // (2 * k) // 32 * 32)
+    y = torch.empty(x.shape[0], n) if rows < n else None
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        panels = torch.empty(-(-(r1 - r0) // 32), k // 2, 32, 2, dtype=torch.bfloat16)
+        native.dequantize_panels(fmt, panels, qweight[r0:r1], r1 - r0, k)
+        out = amx.gemm_panels(x, panels, r1 - r0)
+        if y is None:
+            return out
+        y[:, r0:r1] = out
+    return y
+
+
 def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
                      scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                      batch_invariant: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T (+ bias) with W in format `fmt` (see the module docstring).
     The block formats' kernels take x at 8 bits (matmul_reference_q8); the dequantize + GEMM
-    branch, from dequant_gemm_min_rows rows on outside batch_invariant, takes it in float32.
+    branch, from dequant_gemm_min_rows rows on outside batch_invariant, takes it in float32, or
+    in bfloat16 where quant.amx_panels(fmt).
 
     batch_invariant: the kernels at every row count, never dequantize + float GEMM (whose sum
     order changes with M): each output is then one weight row against one x row in a fixed K
@@ -206,7 +235,12 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
             raise ValueError("quantized_matmul(batch_invariant=True) needs the native kernels "
                              "(unset PAGEDLM_DISABLE_KERNELS; a C compiler must be available)")
     elif not available() or m >= native.dequant_gemm_min_rows(fmt):
-        y = F.linear(x2, dequantize(fmt, qweight, scale), bias)
+        if native.amx_panels(fmt):
+            y = _amx_panels_matmul(fmt, x2, qweight, n, k)
+            if bias is not None:
+                y.add_(bias)
+        else:
+            y = F.linear(x2, dequantize(fmt, qweight, scale), bias)
         return y.reshape(*lead, n).to(x.dtype)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
