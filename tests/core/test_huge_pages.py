@@ -106,6 +106,76 @@ def test_gather_panels_moves_each_small_2_byte_tensor_once_with_its_values():
     assert huge_pages.gather_panels(small) == 0 and small.panel_weight.data_ptr() == before
 
 
+def test_gather_blocks_moves_each_quantized_tensor_once_with_its_values():
+    """A layer's qweight_data and a sharded layer's uint8 shards move into one map (a tensor
+    two layers share, once), an embedding reading a moved table follows it, one that does not
+    stays, 2-byte shards stay, and `release` gets each original after its copy."""
+    g = torch.Generator().manual_seed(1)
+    quarter = huge_pages.MIN_BYTES // 4
+    blocks = [torch.randint(0, 256, (quarter // 40 + 3, 2, 20), generator=g,
+                            dtype=torch.uint8) for _ in range(4)]
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(5)))
+    model[0].qweight_data, model[1].qweight_data = blocks[0], blocks[1]
+    panels = torch.ones(8, 4, dtype=torch.bfloat16)
+    model[2].quant_shards = (("q4_k", 0, blocks[2]), ("bf16", 7, panels), ("q6_k", 9, blocks[3]))
+    model[3].qweight_data = blocks[0]  # a tied LM head's table, shared
+    model[3].row_lookup = type("Rows", (), {})()
+    model[3].row_lookup.blocks = blocks[0]
+    model[4].row_lookup = type("Rows", (), {})()
+    own_table = torch.zeros(3, 2, 20, dtype=torch.uint8)  # looked up only: stays
+    model[4].row_lookup.blocks = own_table
+    want = [b.clone() for b in blocks]
+    released = []
+    moved = huge_pages.gather_blocks(model, release=lambda t: released.append(t.data_ptr()))
+    if not huge_pages.supported():
+        assert moved == 0
+        return
+    got = [model[0].qweight_data, model[1].qweight_data, model[2].quant_shards[0][2],
+           model[2].quant_shards[2][2]]
+    for w, t, before in zip(want, got, blocks):
+        assert torch.equal(t, w) and t.data_ptr() != before.data_ptr()
+        assert t.data_ptr() % 64 == 0
+    assert model[3].qweight_data.data_ptr() == got[0].data_ptr()
+    assert model[3].row_lookup.blocks.data_ptr() == got[0].data_ptr()
+    assert model[4].row_lookup.blocks is own_table
+    assert model[2].quant_shards[1] == ("bf16", 7, panels)
+    assert [s[:2] for s in model[2].quant_shards] == [("q4_k", 0), ("bf16", 7), ("q6_k", 9)]
+    assert sorted(released) == sorted(b.data_ptr() for b in blocks)
+    assert moved == sum(-(-b.nbytes // 64) * 64 for b in blocks)
+    # Too few bytes to be worth a map: left where they are.
+    small = nn.Linear(2, 2)
+    small.qweight_data = torch.zeros(4, 2, 20, dtype=torch.uint8)
+    before = small.qweight_data.data_ptr()
+    assert huge_pages.gather_blocks(small) == 0 and small.qweight_data.data_ptr() == before
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off here")
+def test_default_gguf_streams_its_blocks_from_huge_pages(monkeypatch):
+    """The embedded SmolLM2 on its Q4_1 blocks: every block tensor the layers stream sits on
+    huge pages, the tied embedding reads the LM head's copy, and greedy tokens and logprobs are
+    the very ones the file's own pages give (PAGEDLM_DISABLE_HUGE_PAGES=1): the same kernels
+    on the same bytes."""
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=0)
+    outs = {}
+    for disable in ("1", ""):
+        monkeypatch.setenv("PAGEDLM_DISABLE_HUGE_PAGES", disable)
+        llm = LLM(quantization="gguf", max_model_len=256, kv_cache_memory_bytes=64 * 2**20)
+        out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
+        outs[disable] = (list(out.token_ids), [lp[t].logprob for t, lp in
+                                               zip(out.token_ids, out.logprobs)])
+        model = llm.llm_engine.executor.worker.model
+        del llm
+    assert outs["1"] == outs[""] and "Paris" in out.text
+    streamed = [m.qweight_data for m in model.modules()
+                if isinstance(getattr(m, "qweight_data", None), torch.Tensor)]
+    streamed += [s[2] for m in model.modules() for s in getattr(m, "quant_shards", None) or ()]
+    assert len(streamed) >= 121  # 30 layers x 4 linears and the tied LM head
+    total = sum(t.nbytes for t in streamed)
+    assert huge_bytes(streamed[0]) >= total // 2
+    assert model.embed_tokens.row_lookup.blocks.data_ptr() == model.lm_head.qweight_data.data_ptr()
+
+
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
                     reason="transparent huge pages are off here")
 def test_default_model_streams_its_panels_from_huge_pages():

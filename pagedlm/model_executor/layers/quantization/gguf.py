@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pagedlm import huge_pages
 from pagedlm.kernels import gemv
 from pagedlm.model_executor.layers.linear import (PANEL_FORMATS, LinearMethodBase,
                                                   NativeLinear, NativeSegments,
@@ -367,5 +368,9 @@ class GGUFConfig(QuantizationConfig):
             else:
                 module.weight = _float_weight(module, receiver)
         if self._file is not None:
+            # The blocks the steps stream leave the file's pages for huge pages (on the CPU;
+            # huge_pages.gather_blocks says what that gains), each one's pages dropped as it
+            # is copied, so the load never holds a weight twice.
+            huge_pages.gather_blocks(model, release=self._release)
             self._file.release_pages()
             self._file = None
