@@ -120,9 +120,11 @@ def gather_blocks(model: torch.nn.Module,
 
     Why: a GGUF file's blocks are views of its memory map, on the page cache's 4 KiB pages, and
     the copies loading makes (fused or permuted rows) are on malloc's. On the 2-vCPU Xeon,
-    the 1B Q4_K_M file's decode stream went from 22.5-24.2 to 29.2-29.9 tok/s (in process, two
-    A/B pairs, /work/notes's hp_exp.py), and torch.sum reads 29.0-29.4 GB/s on 2 MiB pages
-    against 23.6-24.8 on 4 KiB ones."""
+    the 1B Q4_K_M file's greedy stream (LLM.generate, 256 tokens, medians of 4) ran 29.0-29.5
+    tok/s against 21.3 with PAGEDLM_DISABLE_HUGE_PAGES=1, and torch.sum reads 29.0-29.4 GB/s
+    on 2 MiB pages against 23.6-24.8 on 4 KiB ones. The price is at load: faulting huge pages
+    in takes the kernel's direct compaction when the page cache fills memory, 1.4-1.6 s for
+    this file's 667 MB there (the copy itself 0.15 s)."""
     held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tensor], None]]]] = {}
 
     def hold(t, setter):

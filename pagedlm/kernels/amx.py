@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from pagedlm.kernels import gemv
+import pagedlm.kernels.gemv as gemv
 from pagedlm.kernels.loader import typed_library
 
 _p, _i = ctypes.c_void_p, ctypes.c_int

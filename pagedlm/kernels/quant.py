@@ -8,7 +8,11 @@ import functools
 
 import torch
 
+import pagedlm.kernels.amx as amx
 from pagedlm.kernels.loader import typed_library
+
+# The formats dequantize_panels takes (csrc/quant_kquants.c's, the GGUF files' types).
+BF16_PANEL_FORMATS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1", "iq4_nl")
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
 library = typed_library({
@@ -37,12 +41,15 @@ library = typed_library({
     "dequant_q5_0": ([_p, _p, _i, _i, _i], None),
     "dequant_q5_1": ([_p, _p, _i, _i, _i], None),
     "dequant_iq4_nl": ([_p, _p, _i, _i, _i], None),
-    **{f"dequant_panels_{fmt}": ([_p, _p, _i, _i, _i], None)
-       for fmt in ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1", "iq4_nl")},
+    "dequant_panels_q4_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_panels_q5_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_panels_q6_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_panels_q3_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_panels_q2_k": ([_p, _p, _i, _i, _i], None),
+    "dequant_panels_q5_0": ([_p, _p, _i, _i, _i], None),
+    "dequant_panels_q5_1": ([_p, _p, _i, _i, _i], None),
+    "dequant_panels_iq4_nl": ([_p, _p, _i, _i, _i], None),
 })
-
-# The formats dequantize_panels takes (csrc/quant_kquants.c's, the GGUF files' types).
-BF16_PANEL_FORMATS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1", "iq4_nl")
 
 # From how many input rows on dequantizing the whole matrix once and running the float GEMM
 # beats the kernels, by the kernels' vector width (qmm_vector_bits: 512, 256, 0 = scalar) and
@@ -92,11 +99,17 @@ _AMX_DEQUANT_MIN_ROWS = {"q4_k": 40, "q5_k": 40}
 _AMX_DEFAULT_MIN_ROWS = 32
 
 
+@functools.lru_cache(maxsize=None)
+def _amx_available() -> bool:
+    # Asked once: amx.available() takes about 5 us, and a quantized layer's every call consults
+    # the switch (tests replace this function to switch AMX off).
+    return amx.available()
+
+
 def amx_panels(fmt: str) -> bool:
-    """Whether the many-row branch of `fmt` runs on AMX over dequantize_panels's panels. Not
-    cached: tests switch AMX off (amx.available)."""
-    from pagedlm.kernels import amx
-    return fmt in BF16_PANEL_FORMATS and library() is not None and amx.available()
+    """Whether the many-row branch of `fmt` runs on AMX over dequantize_panels's panels (the
+    native kernels available, which the caller checks first)."""
+    return fmt in BF16_PANEL_FORMATS and _amx_available()
 
 
 def dequant_gemm_min_rows(fmt: str) -> int:

@@ -178,7 +178,6 @@ def test_many_rows_run_on_amx_within_bfloat16_rounding(fmt, monkeypatch):
     (here of 64 rows, so 100 weight rows take two): every output within the rounding of x and
     W to bfloat16 (2**-8 of the sum of |x w| terms) of the float64 product; the rows below the
     switch still get the kernel's bits. Without AMX the switch is the float32 GEMM's."""
-    from pagedlm.kernels import amx
     if not quant.amx_panels(fmt):
         pytest.skip("AMX-BF16 is not available on this CPU: the float32 branch runs (tested in "
                     "test_quant_kernels.py)")
@@ -198,7 +197,7 @@ def test_many_rows_run_on_amx_within_bfloat16_rounding(fmt, monkeypatch):
     below = x[:switch - 1]
     assert torch.equal(kernels.quantized_matmul(fmt, below, blocks),
                        kernels.quantized_matmul(fmt, below, blocks, batch_invariant=True))
-    monkeypatch.setattr(amx, "available", lambda: False)
+    monkeypatch.setattr(quant, "_amx_available", lambda: False)
     assert quant.dequant_gemm_min_rows(fmt) > switch
 
 

@@ -235,7 +235,7 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
             raise ValueError("quantized_matmul(batch_invariant=True) needs the native kernels "
                              "(unset PAGEDLM_DISABLE_KERNELS; a C compiler must be available)")
     elif not available() or m >= native.dequant_gemm_min_rows(fmt):
-        if native.amx_panels(fmt):
+        if available() and native.amx_panels(fmt):
             y = _amx_panels_matmul(fmt, x2, qweight, n, k)
             if bias is not None:
                 y.add_(bias)
