@@ -197,6 +197,8 @@ def test_many_rows_run_on_amx_within_bfloat16_rounding(fmt, monkeypatch):
     below = x[:switch - 1]
     assert torch.equal(kernels.quantized_matmul(fmt, below, blocks),
                        kernels.quantized_matmul(fmt, below, blocks, batch_invariant=True))
+    no_rows = torch.empty(0, *blocks.shape[1:], dtype=torch.uint8)  # a rank's empty slice
+    assert kernels.quantized_matmul(fmt, x, no_rows).shape == (switch + 3, 0)
     monkeypatch.setattr(quant, "_amx_available", lambda: False)
     assert quant.dequant_gemm_min_rows(fmt) > switch
 

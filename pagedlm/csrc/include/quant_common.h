@@ -154,12 +154,13 @@ static inline void dequant_bf16_panels(dequant_fn dq, uint16_t *panels, const ui
         if ((long)N * K >= PAR_MIN_WEIGHTS && nthreads > 1) reduction(|: failed)
     for (int p = 0; p < P; p++) {
         const int rows = N - 32 * p < 32 ? N - 32 * p : 32;
-        float *buf = (float *)calloc((size_t)32 * K, sizeof(float));  /* rows past N: zero */
+        float *buf = (float *)malloc((size_t)32 * K * sizeof(float));
         if (!buf) {
             failed = 1;
             continue;
         }
         dq(buf, w + (size_t)32 * p * row_bytes, rows, K, 1);
+        if (rows < 32) memset(buf + (size_t)rows * K, 0, (size_t)(32 - rows) * K * sizeof(float));
         uint16_t *o = panels + (size_t)p * pairs * 64;
         for (int j = 0; j < pairs; j++)
             for (int c = 0; c < 32; c++) {

@@ -191,7 +191,7 @@ def _amx_panels_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor, n: int,
     with every row, this one's is mostly the dequantizing, paid once a call."""
     from pagedlm.kernels import amx
     rows = max(32, _AMX_CHUNK_BYTES // (2 * k) // 32 * 32)
-    y = torch.empty(x.shape[0], n) if rows < n else None
+    y = torch.empty(x.shape[0], n) if rows < n or n == 0 else None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         panels = torch.empty(-(-(r1 - r0) // 32), k // 2, 32, 2, dtype=torch.bfloat16)
