@@ -81,30 +81,24 @@ def gather_panels(model: torch.nn.Module, release: Callable[[], None] | None = N
     (malloc_tuning.release_freed_memory) hands that back every RELEASE_EVERY bytes. A tensor
     several layers share (a tied LM head) is moved once and stays shared. Runs before the first
     step: the fused decode stack takes the panels' addresses then."""
-    held: dict[int, tuple[torch.Tensor, list[torch.nn.Module]]] = {}  # by address
+    held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tensor], None]]]] = {}
     for module in model.modules():
         t = getattr(module, "panel_weight", None)
         if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
                 and t.element_size() == 2 and t.nbytes < MIN_BYTES):
-            held.setdefault(t.data_ptr(), (t, []))[1].append(module)
-    total = sum(_aligned(t.nbytes) for t, _ in held.values())
-    if total < MIN_BYTES or not supported():
-        return 0
-    arena = empty((total,), torch.uint8)
-    offset = since_release = 0
-    while held:
-        t, owners = held.popitem()[1]
-        moved = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-        moved.copy_(t)
-        for module in owners:
-            module.panel_weight = moved
-        offset += _aligned(t.nbytes)
+            held.setdefault(t.data_ptr(), (t, []))[1].append(
+                lambda new, m=module: setattr(m, "panel_weight", new))
+    since_release = 0
+
+    def copied(t: torch.Tensor) -> None:
+        nonlocal since_release
         since_release += t.nbytes
-        del t, owners  # the original's last reference
         if release is not None and since_release >= RELEASE_EVERY:
             release()
             since_release = 0
-    if release is not None:
+
+    total = _move_to_arena(held, copied)
+    if total and release is not None:
         release()
     return total
 
@@ -149,6 +143,15 @@ def gather_blocks(model: torch.nn.Module,
         if isinstance(rows, torch.Tensor) and rows.data_ptr() in held:
             held[rows.data_ptr()][1].append(
                 lambda new, m=module: setattr(m.row_lookup, "blocks", new))
+    return _move_to_arena(held, release)
+
+
+def _move_to_arena(held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tensor], None]]]],
+                   copied: Callable[[torch.Tensor], None] | None = None) -> int:
+    """Copy each held tensor (by address: each once, however many hold it) into one map on
+    huge pages and hand the copy to its setters; `copied(original)` after each. Returns the
+    bytes moved: 0, and nothing moved, below MIN_BYTES or without huge pages. The originals are
+    dropped as they go, so the process grows by about one tensor beyond the map."""
     total = sum(_aligned(t.nbytes) for t, _ in held.values())
     if total < MIN_BYTES or not supported():
         return 0
@@ -161,9 +164,9 @@ def gather_blocks(model: torch.nn.Module,
         for put in setters:
             put(moved)
         offset += _aligned(t.nbytes)
-        if release is not None:
-            release(t)
-        del t, setters
+        if copied is not None:
+            copied(t)
+        del t, setters  # the original's last reference here
     return total
 
 
