@@ -66,13 +66,13 @@ def compare_positions(ref_logprobs, tokens: list[int], got_logprobs: list[float]
 
 
 def run_pagedlm(model: str, prompts: list[list[int]], max_tokens: int, quantization: str | None,
-                threads: int) -> list[tuple[list[int], list[float]]]:
+                threads: int, max_num_seqs: int) -> list[tuple[list[int], list[float]]]:
     import torch
 
     from pagedlm import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model=model, quantization=quantization,
-              max_model_len=max(len(p) for p in prompts) + max_tokens, max_num_seqs=len(prompts))
+              max_model_len=max(len(p) for p in prompts) + max_tokens, max_num_seqs=max_num_seqs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     result = []
@@ -163,6 +163,11 @@ def main(argv=None) -> int:
     p.add_argument("--near-tie", type=float, default=0.05,
                    help="Logprob gap under which a different top token counts as a near-tie.")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=1,
+                   help="pagedlm's sequences at a time. 1, as llama.cpp's leg runs (one request "
+                        "at a time on one slot): each decode step is then one row, which the "
+                        "K-quant kernels take in two limbs (kernels/quant.py's two_limbs); "
+                        "steps of more rows take x at 8 bits.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llamacpp", action="store_true",
                    help="Also hold llama.cpp's llama-server (from --peers-dir) to the reference.")
@@ -181,7 +186,7 @@ def main(argv=None) -> int:
             (args.max_tokens,) * 2, random.Random(f"{args.seed}-fidelity"))]
     quantization = None if args.quantization == "none" else args.quantization
     engines = {"pagedlm": run_pagedlm(args.model, prompts, args.max_tokens, quantization,
-                                      args.threads)}
+                                      args.threads, args.max_num_seqs)}
     versions = {}
     if args.llamacpp:
         log_dir = Path(args.output_json).parent if args.output_json else Path(".")

@@ -20,22 +20,25 @@
 
 #include "include/pagedlm_ops.h"
 
-static void segment(const segment_t *l, float *y, const float *x, int M, int N, int K, int nt) {
+/* x16: the K-quant family in two limbs (qmm16_), as the layer path runs one-row steps. */
+static void segment(const segment_t *l, float *y, const float *x, int M, int N, int K, int nt,
+                    int x16) {
+    const uint8_t *q = (const uint8_t *)l->weight;
     switch (l->fmt) {
     case W_F32: gemv_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
     case W_F32_PANELS: gemm_panels_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
     case W_BF16_PANELS: gemm_panels_bf16(y, x, (const uint16_t *)l->weight, M, N, K, nt); break;
     case W_F16_PANELS: gemm_panels_f16(y, x, (const uint16_t *)l->weight, M, N, K, nt); break;
-    case W_Q4_1: qmm_q4_1(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
-    case W_Q8_0: qmm_q8_0(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
-    case W_Q4_K: qmm_q4_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
-    case W_Q5_K: qmm_q5_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
-    case W_Q6_K: qmm_q6_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
-    case W_Q3_K: qmm_q3_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
-    case W_Q2_K: qmm_q2_k(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
-    case W_Q5_0: qmm_q5_0(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
-    case W_Q5_1: qmm_q5_1(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
-    case W_IQ4_NL: qmm_iq4_nl(y, x, (const uint8_t *)l->weight, M, N, K, nt); break;
+    case W_Q4_1: qmm_q4_1(y, x, q, M, N, K, nt); break;
+    case W_Q8_0: qmm_q8_0(y, x, q, M, N, K, nt); break;
+    case W_Q4_K: (x16 ? qmm16_q4_k : qmm_q4_k)(y, x, q, M, N, K, nt); break;
+    case W_Q5_K: (x16 ? qmm16_q5_k : qmm_q5_k)(y, x, q, M, N, K, nt); break;
+    case W_Q6_K: (x16 ? qmm16_q6_k : qmm_q6_k)(y, x, q, M, N, K, nt); break;
+    case W_Q3_K: (x16 ? qmm16_q3_k : qmm_q3_k)(y, x, q, M, N, K, nt); break;
+    case W_Q2_K: (x16 ? qmm16_q2_k : qmm_q2_k)(y, x, q, M, N, K, nt); break;
+    case W_Q5_0: (x16 ? qmm16_q5_0 : qmm_q5_0)(y, x, q, M, N, K, nt); break;
+    case W_Q5_1: (x16 ? qmm16_q5_1 : qmm_q5_1)(y, x, q, M, N, K, nt); break;
+    case W_IQ4_NL: (x16 ? qmm16_iq4_nl : qmm_iq4_nl)(y, x, q, M, N, K, nt); break;
     default: qmm_i8(y, x, (const int8_t *)l->weight, l->scale, M, N, K, nt); break;
     }
 }
@@ -43,17 +46,17 @@ static void segment(const segment_t *l, float *y, const float *x, int M, int N, 
 /* scratch: M * (the largest segment's rows) floats, used when there are several segments
  * and rows (a segment's rows of one token are contiguous in y only at M = 1). */
 static void linear(const linear_t *l, float *y, const float *x, int M, int N, int K, int nt,
-                   float *scratch) {
+                   float *scratch, int x16) {
     if (l->nseg == 1) {
-        segment(&l->seg[0], y, x, M, N, K, nt);
+        segment(&l->seg[0], y, x, M, N, K, nt, x16);
     } else {
         int64_t off = 0;
         for (int64_t s = 0; s < l->nseg; s++) {
             const int rows = (int)l->seg[s].rows;
             if (M == 1) {
-                segment(&l->seg[s], y + off, x, 1, rows, K, nt);
+                segment(&l->seg[s], y + off, x, 1, rows, K, nt, x16);
             } else {
-                segment(&l->seg[s], scratch, x, M, rows, K, nt);
+                segment(&l->seg[s], scratch, x, M, rows, K, nt, x16);
                 for (int m = 0; m < M; m++)
                     memcpy(y + (size_t)m * N + off, scratch + (size_t)m * rows,
                            (size_t)rows * sizeof(float));
@@ -76,7 +79,7 @@ int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *re
                      int nthreads) {
     const int H = (int)d->hidden, D = (int)d->head_dim, I = (int)d->intermediate;
     const int Hq = (int)d->num_heads, Hk = (int)d->num_kv_heads;
-    const int qn = Hq * D, kvn = Hk * D, qkvn = qn + 2 * kvn;
+    const int qn = Hq * D, kvn = Hk * D, qkvn = qn + 2 * kvn, x16 = M <= d->x16_rows;
     /* seg: a segmented linear's scratch (linear()); no segment outgrows its layer. */
     size_t segn = (size_t)(qkvn > 2 * I ? qkvn : 2 * I);
     if (segn < (size_t)H) segn = (size_t)H;
@@ -100,7 +103,7 @@ int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *re
             rms_norm_f32(h, tmp, x, H, residual, H, L->input_norm, M, H, d->eps);
             memcpy(residual, tmp, (size_t)M * H * sizeof(float));
         }
-        linear(&L->qkv, qkv, h, M, qkvn, H, nthreads, seg);
+        linear(&L->qkv, qkv, h, M, qkvn, H, nthreads, seg, x16);
         rotary_f32(qkv, qkvn, Hq, qkv + qn, qkvn, Hk, positions, d->cos, d->sin, M, D,
                    (int)d->rotary_half);
         write_kv_f32(L->k_cache, L->v_cache, (int)d->kv_type, qkv + qn, qkvn, qkv + qn + kvn,
@@ -110,12 +113,12 @@ int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *re
         paged_attention_f32(att, q, L->k_cache, L->v_cache, (int)d->kv_type, block_tables,
                             token_seq, ctx_lens, M, Hq, Hk, D, (int)d->block_size, max_blocks,
                             d->scale, (int)L->window, 0.0f, nthreads);
-        linear(&L->o, x, att, M, H, qn, nthreads, seg);
+        linear(&L->o, x, att, M, H, qn, nthreads, seg, x16);
         rms_norm_f32(h, tmp, x, H, residual, H, L->post_norm, M, H, d->eps);
         memcpy(residual, tmp, (size_t)M * H * sizeof(float));
-        linear(&L->gate_up, gu, h, M, 2 * I, H, nthreads, seg);
+        linear(&L->gate_up, gu, h, M, 2 * I, H, nthreads, seg, x16);
         silu_and_mul_f32(act, gu, 2 * I, M, I);
-        linear(&L->down, x, act, M, H, I, nthreads, seg);
+        linear(&L->down, x, act, M, H, I, nthreads, seg, x16);
     }
     free(buf);
     return 0;

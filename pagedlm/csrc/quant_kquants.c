@@ -38,6 +38,17 @@
  * Each weight row has its own chain of FMAs, so 4 rows go together (kq_group) to keep 4 chains
  * in flight.
  *
+ * Two limbs (qmm16_<fmt>): 8 bits of x flip a flat distribution's near-ties; on the 1B
+ * random-weight Q4_K_M file's greedy tokens, 8 prompts of 16 tokens against transformers on
+ * the dequantized weights, 10 positions differed (logprobs by up to 0.11). So x row m goes in
+ * as two quantized rows, x itself (q_hi, d_hi) and its residual r = fmaf(-d_hi, q_hi, x)
+ * (|r| <= d_hi / 2, quantized in turn), the pair one tile of x rows: y = (W q_hi d_hi) +
+ * (W q_lo d_lo), each sum as above. x is then held to about 1 / (127 * 254) of its block's
+ * largest |x|, and those 10 positions went to 2 (gaps under 0.02). The weight bytes are read
+ * once for both, so one row, which streams its weights from memory, pays little (kernels/
+ * quant.py's TWO_LIMB_MAX_ROWS has the figures); at more rows the dot products are the cost
+ * and double, so those steps keep 8 bits.
+ *
  * Batch invariance: as in quant_matmul.c, each output is that fixed sequence over its row's
  * blocks in order, by one thread, from an x row quantized on its own: the same bits at any M,
  * tile position and thread count. The scalar build (no AVX2) unpacks every block into
@@ -690,67 +701,96 @@ static inline __attribute__((always_inline)) void kq_group(
 }
 
 /* Weight rows [lo, hi) against all M rows of x, each thread quantizing x itself (see
- * quant_matmul.c's qrows_range). Returns -1 if scratch memory could not be had. */
+ * quant_matmul.c's qrows_range). limbs 1: x at 8 bits, the sums written into y. limbs 2: x
+ * at about 16 bits as two 8-bit limbs (see the header): quantized row 2m holds x row m, row
+ * 2m + 1 its residual, whose sums land in ys [2 rows, hi - lo] and are added into y. Returns
+ * -1 if scratch memory could not be had. */
 static inline __attribute__((always_inline)) int kq_rows(float *y, const float *x,
                                                          const uint8_t *w, int M, int N, int K,
-                                                         int lo, int hi, const int fmt) {
+                                                         int lo, int hi, const int fmt,
+                                                         const int limbs) {
     if (lo >= hi) return 0;
-    const int nbx = K / QK;
-    int mb = X_BLOCK_BYTES / K;
-    mb = mb < XT ? XT : mb - mb % XT;
-    const int xrows = M < mb ? M : mb;
+    const int nbx = K / QK, width = hi - lo;
+    int mb = X_BLOCK_BYTES / (limbs * K);  /* x rows a chunk: their limbs' bytes stay in L2 */
+    mb = limbs == 2 ? (mb < 1 ? 1 : mb) : (mb < XT ? XT : mb - mb % XT);
+    const int xrows = M < mb ? M : mb, qrows = limbs * xrows;
     const size_t row_bytes = (size_t)(K / BLOCK_W[fmt]) * BLOCK_B[fmt];
     const size_t nbs = fmt == F_Q6_K ? (size_t)K / 16 : 0;
-    float *scales = (float *)malloc((size_t)xrows * (2 * nbx * sizeof(float) +
-                                                     nbs * sizeof(int16_t) + K));
+    const size_t floats = limbs == 2 ? (size_t)K + (size_t)qrows * width : 0;
+    float *scales = (float *)malloc((size_t)qrows * (2 * nbx * sizeof(float) +
+                                                     nbs * sizeof(int16_t) + K) +
+                                    floats * sizeof(float));
     if (!scales) return -1;
-    int16_t *bs = (int16_t *)(scales + (size_t)2 * xrows * nbx);
-    int8_t *q = (int8_t *)(bs + (size_t)xrows * nbs);
+    int16_t *bs = (int16_t *)(scales + (size_t)2 * qrows * nbx);
+    int8_t *q = (int8_t *)(bs + (size_t)qrows * nbs);
+    float *res = (float *)(q + (size_t)qrows * K);  /* K is a multiple of 32: aligned */
+    float *const d = scales, *const sx = scales + (size_t)qrows * nbx;
     for (int m0 = 0; m0 < M; m0 += mb) {
-        const int mt = M - m0 < mb ? M - m0 : mb;
-        qmm_quantize_activations(q, scales, scales + (size_t)xrows * nbx, x + (size_t)m0 * K,
-                                 mt, K);
-        for (int m = 0; m < mt && nbs; m++)
+        const int mt = M - m0 < mb ? M - m0 : mb, qt = limbs * mt;
+        /* where the kernel's sums go: y itself, or the limbs' rows of ys */
+        float *yb = limbs == 2 ? res + K : y + (size_t)m0 * N;
+        const int ystride = limbs == 2 ? width : N, col0 = limbs == 2 ? lo : 0;
+        if (limbs == 2) {
+            for (int m = 0; m < mt; m++) {
+                const float *xm = x + (size_t)(m0 + m) * K;
+                int8_t *qh = q + (size_t)2 * m * K;
+                const float *dh = d + (size_t)2 * m * nbx;
+                qmm_quantize_activations(qh, d + (size_t)2 * m * nbx,
+                                         sx + (size_t)2 * m * nbx, xm, 1, K);
+                for (int j = 0; j < K; j++) res[j] = fmaf(-dh[j / QK], (float)qh[j], xm[j]);
+                qmm_quantize_activations(qh + K, d + (size_t)(2 * m + 1) * nbx,
+                                         sx + (size_t)(2 * m + 1) * nbx, res, 1, K);
+            }
+        } else {
+            qmm_quantize_activations(q, d, sx, x + (size_t)m0 * K, mt, K);
+        }
+        for (int m = 0; m < qt && nbs; m++)
             for (size_t g = 0; g < nbs; g++) {
                 int sum = 0;
                 for (int j = 0; j < 16; j++) sum += q[(size_t)m * K + 16 * g + j];
                 bs[(size_t)m * nbs + g] = (int16_t)sum;
             }
-        const qx_t X = {q, scales, scales + (size_t)xrows * nbx, bs, K};
-        float *ym = y + (size_t)m0 * N;
+        const qx_t X = {q, d, sx, bs, K};
         int n = lo;
         /* Constant tile sizes let the compiler keep every sum in a register: 4 weight rows
-         * against one x row, 2 against 2. */
+         * against one x row, 2 against 2 (an x row's two limbs are such a pair). */
         for (; n + RMAX <= hi; n += RMAX) {
             const uint8_t *wg = w + (size_t)n * row_bytes;
             const uint8_t *next = n + 2 * RMAX <= hi ? wg + RMAX * row_bytes : NULL;
+            const int c = n - col0;
             int r = 0;
-            for (; r + XT <= mt; r += XT) {
+            for (; r + XT <= qt; r += XT) {
                 const uint8_t *pf = r ? NULL : next;
-                kq_group(ym + (size_t)r * N, &X, r, XT, wg, row_bytes, 2, N, n, fmt, pf);
-                kq_group(ym + (size_t)r * N, &X, r, XT, wg + 2 * row_bytes, row_bytes, 2, N,
-                         n + 2, fmt, pf ? pf + 2 * row_bytes : NULL);
+                float *yr = yb + (size_t)r * ystride;
+                kq_group(yr, &X, r, XT, wg, row_bytes, 2, ystride, c, fmt, pf);
+                kq_group(yr, &X, r, XT, wg + 2 * row_bytes, row_bytes, 2, ystride, c + 2, fmt,
+                         pf ? pf + 2 * row_bytes : NULL);
             }
-            for (; r < mt; r++) {
+            for (; r < qt; r++) {
+                float *yr = yb + (size_t)r * ystride;
 #ifdef KQ_AVX512
                 /* one pair of rows, then the next: 2 streams from memory instead of 4
                  * interleaved (see the header) */
                 if (fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_Q6_K) {
                     const uint8_t *pf = r ? NULL : next;
-                    kq_group(ym + (size_t)r * N, &X, r, 1, wg, row_bytes, 2, N, n, fmt, pf);
-                    kq_group(ym + (size_t)r * N, &X, r, 1, wg + 2 * row_bytes, row_bytes, 2, N,
-                             n + 2, fmt, pf ? pf + 2 * row_bytes : NULL);
+                    kq_group(yr, &X, r, 1, wg, row_bytes, 2, ystride, c, fmt, pf);
+                    kq_group(yr, &X, r, 1, wg + 2 * row_bytes, row_bytes, 2, ystride, c + 2,
+                             fmt, pf ? pf + 2 * row_bytes : NULL);
                     continue;
                 }
 #endif
-                kq_group(ym + (size_t)r * N, &X, r, 1, wg, row_bytes, RMAX, N, n, fmt,
-                         r ? NULL : next);
+                kq_group(yr, &X, r, 1, wg, row_bytes, RMAX, ystride, c, fmt, r ? NULL : next);
             }
         }
         for (; n < hi; n++)
-            for (int r = 0; r < mt; r++)
-                kq_group(ym + (size_t)r * N, &X, r, 1, w + (size_t)n * row_bytes, row_bytes, 1,
-                         N, n, fmt, NULL);
+            for (int r = 0; r < qt; r++)
+                kq_group(yb + (size_t)r * ystride, &X, r, 1, w + (size_t)n * row_bytes,
+                         row_bytes, 1, ystride, n - col0, fmt, NULL);
+        for (int m = 0; m < mt && limbs == 2; m++) {
+            const float *hi_limb = yb + (size_t)2 * m * width, *lo_limb = hi_limb + width;
+            float *ym = y + (size_t)(m0 + m) * N + lo;
+            for (int c = 0; c < width; c++) ym[c] = hi_limb[c] + lo_limb[c];
+        }
     }
     free(scales);
     return 0;
@@ -761,20 +801,34 @@ static void kq_matmul(float *y, const float *x, const uint8_t *w, int M, int N, 
     run_quant_rows("quant_kquants", y, x, w, M, N, K, nthreads, 4, rows);
 }
 
-/* Each format compiled on its own, and for M == 1 (decode) with the tile loop resolved. */
+/* Each format compiled on its own, for M == 1 (decode) with the tile loop resolved, and in
+ * two limbs (qmm16_<fmt>). */
 #define KQ_FORMAT(name, fmt)                                                                  \
     static int rows_##name##_1(float *y, const float *x, const uint8_t *w, int M, int N,      \
                                int K, int lo, int hi) {                                       \
         (void)M;                                                                              \
-        return kq_rows(y, x, w, 1, N, K, lo, hi, fmt);                                        \
+        return kq_rows(y, x, w, 1, N, K, lo, hi, fmt, 1);                                     \
     }                                                                                         \
     static int rows_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K,   \
                            int lo, int hi) {                                                  \
-        return kq_rows(y, x, w, M, N, K, lo, hi, fmt);                                        \
+        return kq_rows(y, x, w, M, N, K, lo, hi, fmt, 1);                                     \
+    }                                                                                         \
+    static int rows16_##name##_1(float *y, const float *x, const uint8_t *w, int M, int N,    \
+                                 int K, int lo, int hi) {                                     \
+        (void)M;                                                                              \
+        return kq_rows(y, x, w, 1, N, K, lo, hi, fmt, 2);                                     \
+    }                                                                                         \
+    static int rows16_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K, \
+                             int lo, int hi) {                                                \
+        return kq_rows(y, x, w, M, N, K, lo, hi, fmt, 2);                                     \
     }                                                                                         \
     void qmm_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K,          \
                     int nthreads) {                                                           \
         kq_matmul(y, x, w, M, N, K, nthreads, M == 1 ? rows_##name##_1 : rows_##name);        \
+    }                                                                                         \
+    void qmm16_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K,        \
+                      int nthreads) {                                                         \
+        kq_matmul(y, x, w, M, N, K, nthreads, M == 1 ? rows16_##name##_1 : rows16_##name);    \
     }                                                                                         \
     void dequant_##name(float *out, const uint8_t *w, int N, int K, int nthreads) {           \
         dequant(fmt, out, w, N, K, nthreads);                                                 \

@@ -13,6 +13,17 @@ from pagedlm.kernels.loader import typed_library
 
 # The formats dequantize_panels takes (csrc/quant_kquants.c's, the GGUF files' types).
 BF16_PANEL_FORMATS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1", "iq4_nl")
+# The formats whose kernels can take x in two 8-bit limbs (qmm16_<fmt>, about 16 bits):
+# csrc/quant_kquants.c's, the same as BF16_PANEL_FORMATS.
+TWO_LIMB_FORMATS = BF16_PANEL_FORMATS
+# Steps of at most this many rows take x in two limbs outside the deterministic mode. A limb
+# doubles the integer dot products but not the weight bytes: at one row the step streams its
+# weights from memory and the second limb is nearly free; at more it is compute (1B Q4_K_M
+# matrices from memory, 2 threads, ms, 8-bit | two limbs: 8192x2048 at 1 row 0.645 | 0.656,
+# 2048x8192 q4_k 0.594 | 0.677, q6_k 0.827 | 0.961; at 8 rows 1.65 | 3.28, 1.61 | 3.07,
+# 2.44 | 4.18). On the 1B's random-weight Q4_K_M file it turned 2 of 8 prompts' greedy tokens
+# identical to transformers' on the dequantized weights into 7 (benchmarks/gguf_fidelity.py).
+TWO_LIMB_MAX_ROWS = 1
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
 library = typed_library({
@@ -33,6 +44,14 @@ library = typed_library({
     "qmm_q5_0": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm_q5_1": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm_iq4_nl": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_q4_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_q5_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_q6_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_q3_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_q2_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_q5_0": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_q5_1": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_iq4_nl": ([_p, _p, _p, _i, _i, _i, _i], None),
     "dequant_q4_k": ([_p, _p, _i, _i, _i], None),
     "dequant_q5_k": ([_p, _p, _i, _i, _i], None),
     "dequant_q6_k": ([_p, _p, _i, _i, _i], None),
@@ -127,19 +146,30 @@ def _float_dequant_gemm_min_rows(fmt: str) -> int:
     return _DEQUANT_GEMM_MIN_ROWS.get(bits, {}).get(fmt, _SCALAR_DEQUANT_GEMM_MIN_ROWS)
 
 
+def two_limbs(fmt: str, rows: int, batch_invariant: bool) -> bool:
+    """Whether a step of `rows` rows runs `fmt`'s kernel on x in two 8-bit limbs: the rows
+    up to TWO_LIMB_MAX_ROWS, outside the deterministic mode (whose kernels take x at 8 bits at
+    every row count, so a row's bits never depend on the batch)."""
+    return fmt in TWO_LIMB_FORMATS and rows <= TWO_LIMB_MAX_ROWS and not batch_invariant
+
+
 def matmul(fmt: str, y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor,
-           scale: torch.Tensor | None) -> None:
-    """y [M, N] = x [M, K] @ W^T for W = (qweight, scale) in format `fmt`; every tensor
+           scale: torch.Tensor | None, *, limbs: int = 1) -> None:
+    """y [M, N] = x [M, K] @ W^T for W = (qweight, scale) in format `fmt`, x quantized to 8
+    bits (limbs=1) or in two 8-bit limbs (limbs=2, TWO_LIMB_FORMATS); every tensor
     contiguous and already checked against the format by the caller."""
     m, n = y.shape
     k = x.shape[1]
     lib, threads = library(), torch.get_num_threads()
+    if limbs not in (1, 2) or (limbs == 2 and fmt not in TWO_LIMB_FORMATS):
+        raise ValueError(f"{fmt} kernels take x in 1 limb{' or 2' * (fmt in TWO_LIMB_FORMATS)}"
+                         f", not {limbs}")
     if fmt == "i8":
         lib.qmm_i8(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), m, n, k,
                    threads)
     else:
-        getattr(lib, f"qmm_{fmt}")(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), m, n, k,
-                                   threads)
+        getattr(lib, f"qmm{'16' if limbs == 2 else ''}_{fmt}")(
+            y.data_ptr(), x.data_ptr(), qweight.data_ptr(), m, n, k, threads)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

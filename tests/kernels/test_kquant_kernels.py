@@ -243,8 +243,8 @@ def _with_extreme_rows(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_scalar_build_gives_the_vector_builds_bits(fmt, scalar_library):
     """Random blocks and the extreme ones, against random x and (m > 1) a row whose every q_x
-    is +-127: the scalar build's unpack() and the vector build's own unpacking feed the same
-    integers to the same float steps."""
+    is +-127, at 8 bits and in two limbs: the scalar build's unpack() and the vector build's
+    own unpacking feed the same integers to the same float steps."""
     p = ctypes.c_void_p
     bw = kernels.BLOCK_WEIGHTS[fmt]
     for n, k, m in [(37, 3 * bw, 3), (261, 2 * bw, 1)]:
@@ -252,12 +252,14 @@ def test_scalar_build_gives_the_vector_builds_bits(fmt, scalar_library):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         if m > 1:
             x[0] = torch.tensor([1.0, -1.0]).repeat(k // 2)
-        expected = _kernel(fmt, x, blocks, 2)
-        for threads in (1, 2):
-            y = torch.empty(m, n)
-            getattr(scalar_library, f"qmm_{fmt}")(p(y.data_ptr()), p(x.data_ptr()),
-                                                  p(blocks.data_ptr()), m, n, k, threads)
-            assert torch.equal(y, expected), (n, k, m, threads)
+        for prefix, native_kernel in (("qmm", _kernel), ("qmm16", _kernel16)):
+            expected = native_kernel(fmt, x, blocks, 2)
+            for threads in (1, 2):
+                y = torch.empty(m, n)
+                getattr(scalar_library, f"{prefix}_{fmt}")(p(y.data_ptr()), p(x.data_ptr()),
+                                                           p(blocks.data_ptr()), m, n, k,
+                                                           threads)
+                assert torch.equal(y, expected), (prefix, n, k, m, threads)
         out = torch.empty(n, k)
         getattr(scalar_library, f"dequant_{fmt}")(p(out.data_ptr()), p(blocks.data_ptr()), n, k,
                                                   1)
@@ -291,7 +293,7 @@ def avx2_library(tmp_path_factory):
 def test_avx512_build_gives_the_256_bit_builds_bits(fmt, avx2_library):
     """q4_k, q5_k and q6_k take two weight rows per zmm in AVX-512 builds (kq_pair_block):
     every tile shape (pairs of x rows, single rows, leftover weight rows) at M 1..9 and ragged
-    N, 1 and 2 threads, gives the 256-bit kernel's bits."""
+    N, 1 and 2 threads, at 8 bits and in two limbs, gives the 256-bit kernel's bits."""
     p = ctypes.c_void_p
     bw = kernels.BLOCK_WEIGHTS[fmt]
     for n, k in [(1, bw), (6, 3 * bw), (37, 2 * bw)]:
@@ -301,10 +303,13 @@ def test_avx512_build_gives_the_256_bit_builds_bits(fmt, avx2_library):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             x[0] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # every q_x +-127
             for threads in (1, 2):
-                y = torch.empty(m, n)
-                getattr(avx2_library, f"qmm_{fmt}")(p(y.data_ptr()), p(x.data_ptr()),
-                                                    p(blocks.data_ptr()), m, n, k, threads)
-                assert torch.equal(_kernel(fmt, x, blocks, threads), y), (n, k, m, threads)
+                for prefix, native_kernel in (("qmm", _kernel), ("qmm16", _kernel16)):
+                    y = torch.empty(m, n)
+                    getattr(avx2_library, f"{prefix}_{fmt}")(
+                        p(y.data_ptr()), p(x.data_ptr()), p(blocks.data_ptr()), m, n, k,
+                        threads)
+                    assert torch.equal(native_kernel(fmt, x, blocks, threads), y), (
+                        prefix, n, k, m, threads)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -346,3 +351,93 @@ def test_without_the_kernels_the_weights_are_gguf_py_s(fmt, monkeypatch):
     torch.testing.assert_close(kernels.quantized_matmul(fmt, x, blocks), x @ w.T)
     with pytest.raises(ValueError, match="needs the native kernels"):
         kernels.quantized_matmul(fmt, x, blocks, batch_invariant=True)
+
+
+def _kernel16(fmt: str, x: torch.Tensor, blocks: torch.Tensor, threads: int) -> torch.Tensor:
+    """The two-limb kernel (qmm16_<fmt>) at any row count."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = torch.empty(x.shape[0], blocks.shape[0])
+        quant.matmul(fmt, y, x.contiguous(), blocks, None, limbs=2)
+        return y
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_limbs_match_the_reference_on_x_in_two_limbs(fmt):
+    """qmm16_<fmt> against x in the two limbs the reference makes (bit for bit the kernel's,
+    or the integer sums would differ by whole steps) times the dequantized weights in float64:
+    each limb's sum within the float32 scaling's roundings, plus the one adding them."""
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    for n, k in [(37, 3 * bw), (517, 8 * bw if bw == 32 else 2 * bw)]:
+        blocks = random_blocks(fmt, n, k, seed=7 * n + k)
+        w = kernels.dequantize_reference(fmt, blocks).double()
+        mins = _mins(fmt, blocks)
+        gen = torch.Generator().manual_seed(n + 1)
+        for m in (1, 2, 5):
+            x = torch.randn(m, k, generator=gen)
+            ref = kernels.matmul_reference_x16(fmt, x, blocks)
+            size = sum(kernels._dequantize_limb(limb).abs()
+                       for limb in kernels.activation_limbs_reference(x)) @ (
+                w.abs() + 2 * mins.abs()).T
+            tol = (k // 32 + 9) * 2.0 ** -23 * size + 1e-30
+            for threads in (1, 2):
+                got = _kernel16(fmt, x, blocks, threads)
+                assert ((got.double() - ref).abs() <= tol).all(), (n, k, m, threads)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_limbs_carry_x_to_about_16_bits(fmt):
+    """Against the exact product of the float x: each weight meets x to within half a step
+    of the residual's limb, at most amax / (2 * 127 * 254) of its 32-block's largest |x|,
+    plus float32 rounding. One limb misses that bound by far (its step is amax / 127)."""
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    n, k = 64, 2 * max(bw, 64)
+    blocks = random_blocks(fmt, n, k, seed=5)
+    w = kernels.dequantize_reference(fmt, blocks).double()
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
+    exact = x.double() @ w.T
+    amax = x.double().abs().reshape(3, -1, 32).amax(-1).repeat_interleave(32, dim=1)
+    size = x.double().abs() @ (w.abs() + 2 * _mins(fmt, blocks).abs()).T
+    bound = (amax / (2 * 127 * 254)) @ w.abs().T + (k // 32 + 9) * 2.0 ** -23 * size
+    assert ((_kernel16(fmt, x, blocks, 2).double() - exact).abs() <= bound).all()
+    assert ((_kernel(fmt, x, blocks, 2).double() - exact).abs() > bound).any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_limb_rows_do_not_depend_on_the_batch(fmt):
+    """A row's two-limb output is the same bits alone, in a batch (its limbs and the other
+    rows' in the kernel's tiles) and on 1 or 2 threads."""
+    n, k = 131, 2 * kernels.BLOCK_WEIGHTS[fmt] if fmt.endswith("_k") else 288
+    blocks = random_blocks(fmt, n, k, seed=3)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([_kernel16(fmt, x[i:i + 1], blocks, 1) for i in range(9)])
+    for threads in (1, 2):
+        assert torch.equal(_kernel16(fmt, x, blocks, threads), alone), threads
+    assert torch.equal(_kernel16(fmt, x[2:7], blocks, 2), alone[2:7])
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0"])
+def test_one_row_steps_take_two_limbs_outside_the_deterministic_mode(fmt):
+    """quantized_matmul's choice (quant.two_limbs): one row in two limbs; two rows, and any
+    row count under batch_invariant, at 8 bits."""
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    blocks = random_blocks(fmt, 40, 2 * max(bw, 64), seed=8)
+    x = torch.randn(2, blocks.shape[1] * bw, generator=torch.Generator().manual_seed(9))
+    threads = torch.get_num_threads()
+    one = kernels.quantized_matmul(fmt, x[:1], blocks)
+    assert torch.equal(one, _kernel16(fmt, x[:1], blocks, threads))
+    assert not torch.equal(one, _kernel(fmt, x[:1], blocks, threads))
+    assert torch.equal(kernels.quantized_matmul(fmt, x[:1], blocks, batch_invariant=True),
+                       _kernel(fmt, x[:1], blocks, threads))
+    assert torch.equal(kernels.quantized_matmul(fmt, x, blocks), _kernel(fmt, x, blocks,
+                                                                          threads))
+
+
+def test_two_limbs_are_refused_where_no_kernel_takes_them():
+    from pagedlm.model_executor.layers.quantization.kernels import quantize_q4_1
+    blocks = quantize_q4_1(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="q4_1 kernels take x in 1 limb, not 2"):
+        quant.matmul("q4_1", torch.empty(1, 8), torch.randn(1, 64), blocks, None, limbs=2)

@@ -108,6 +108,23 @@ void qmm_q2_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, i
 void qmm_q5_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_q5_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_iq4_nl(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+/* x in two 8-bit limbs (quant_kquants.c's header) */
+void qmm16_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                int nthreads);
+void qmm16_q5_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                int nthreads);
+void qmm16_q6_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                int nthreads);
+void qmm16_q3_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                int nthreads);
+void qmm16_q2_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                int nthreads);
+void qmm16_q5_0(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                int nthreads);
+void qmm16_q5_1(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                int nthreads);
+void qmm16_iq4_nl(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                  int nthreads);
 void dequant_q4_k(float *out, const uint8_t *w, int N, int K, int nthreads);
 void dequant_q5_k(float *out, const uint8_t *w, int N, int K, int nthreads);
 void dequant_q6_k(float *out, const uint8_t *w, int N, int K, int nthreads);
@@ -164,6 +181,7 @@ typedef struct {
     int64_t kv_type, block_size, rotary_half;
     const float *cos, *sin;
     float eps, scale;
+    int64_t x16_rows; /* steps of at most this many rows run K-quant segments by qmm16_ */
 } dims_t;
 
 int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *residual,

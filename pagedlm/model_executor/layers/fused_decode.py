@@ -99,7 +99,7 @@ class _Dims(ctypes.Structure):
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
         "kv_type", "block_size", "rotary_half")] + [
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float)]
+        ("scale", ctypes.c_float), ("x16_rows", ctypes.c_int64)]
 
 
 def _fusable_tensor(t: torch.Tensor | None) -> bool:
@@ -234,13 +234,20 @@ class FusedDecodeStack:
         lib = kernels.decode_stack.library()
         if lib is None:
             return "the native kernels are unavailable (see the loader's warning)"
+        forms = [lin.linear_method.native_form(lin) for p in parts
+                 for lin in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj)]
+        batch_invariant = all(form.batch_invariant for form in forms)
+        # The layer path's choice of limbs (quant.two_limbs), for the K-quant family's
+        # segments: one row in two limbs, unless they run at every row count.
+        deterministic = any(
+            seg.every_row_count for form in forms
+            for _, seg in (form.segments if isinstance(form, NativeSegments) else ((0, form),))
+            if seg.fmt.name.lower() in kernels.quant.TWO_LIMB_FORMATS)
         dims = _Dims(len(layers), first.input_norm.weight.shape[0], attn.num_heads,
                      attn.num_kv_heads, attn.head_dim, first.down_proj.input_size, 0, 0,
                      first.rotary.cos.shape[1], first.rotary.cos.data_ptr(),
-                     first.rotary.sin.data_ptr(), eps, attn.scale)
-        batch_invariant = all(
-            lin.linear_method.native_form(lin).batch_invariant for p in parts
-            for lin in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj))
+                     first.rotary.sin.data_ptr(), eps, attn.scale,
+                     0 if deterministic else kernels.quant.TWO_LIMB_MAX_ROWS)
         return cls(lib, dims, structs, batch_invariant)
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,

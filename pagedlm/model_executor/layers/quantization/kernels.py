@@ -12,7 +12,9 @@ Formats (W is [N, K]; blocks run along K):
 
 The block layouts are byte-for-byte ggml's, so a GGUF file's blocks are used as stored.
 Their native kernels, like llama.cpp's, first quantize each input row to 8 bits per 32-block
-(quantize_activations_reference) and then sum integer products exactly; the dequantize + GEMM
+(quantize_activations_reference) and then sum integer products exactly; the K-quant family's
+take a one-row step (outside the deterministic mode) in two 8-bit limbs, x and its residual,
+about 16 bits (activation_limbs_reference, kernels/quant.py's two_limbs); the dequantize + GEMM
 branch (large M outside the deterministic mode) multiplies the float input instead: in float32,
 or, for the GGUF files' types where AMX-BF16 runs, on AMX with x and W rounded to bfloat16
 (_amx_panels_matmul).
@@ -83,14 +85,36 @@ def quantize_activations_reference(x: torch.Tensor
     return q.to(torch.int8).reshape(m, k), d, s
 
 
+def activation_limbs_reference(x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]]:
+    """x [M, K] float32 in the two 8-bit limbs the K-quant family's qmm16_ kernels take: the
+    first is quantize_activations_reference(x), the second that of the residual x - d q,
+    rounded once to float32 (as the kernels' fmaf; in float64 the difference is exact, the
+    two terms' bits spanning fewer than 53)."""
+    m, k = x.shape
+    hi = quantize_activations_reference(x)
+    res = (x.double() - _dequantize_limb(hi)).float()
+    return [hi, quantize_activations_reference(res)]
+
+
+def _dequantize_limb(limb: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    q, d, _ = limb
+    m, k = q.shape
+    return (q.double().reshape(m, k // QK, QK) * d.double()[..., None]).reshape(m, k)
+
+
+def matmul_reference_x16(fmt: str, x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """matmul_reference_q8 for x in two limbs (activation_limbs_reference), in float64."""
+    w = dequantize_reference(fmt, qweight).double()
+    return sum(_dequantize_limb(limb) @ w.T for limb in activation_limbs_reference(x))
+
+
 def matmul_reference_q8(fmt: str, x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """What the block formats' kernels compute, in float64: x quantized as they quantize it,
     times the dequantized weights. The kernels' integer sums are exact, so they differ from
     this only by their float32 scaling and summing over the blocks."""
-    q, d, _ = quantize_activations_reference(x)
-    m, k = q.shape
-    xq = (q.double().reshape(m, k // QK, QK) * d.double()[..., None]).reshape(m, k)
-    return xq @ dequantize_reference(fmt, qweight).double().T
+    return _dequantize_limb(quantize_activations_reference(x)) @ dequantize_reference(
+        fmt, qweight).double().T
 
 
 # ------------------------------------------------------------------ packing float weights
@@ -207,7 +231,8 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
                      scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                      batch_invariant: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T (+ bias) with W in format `fmt` (see the module docstring).
-    The block formats' kernels take x at 8 bits (matmul_reference_q8); the dequantize + GEMM
+    The block formats' kernels take x at 8 bits (matmul_reference_q8), or in two limbs where
+    quant.two_limbs (matmul_reference_x16); the dequantize + GEMM
     branch, from dequant_gemm_min_rows rows on outside batch_invariant, takes it in float32, or
     in bfloat16 where quant.amx_panels(fmt).
 
@@ -244,7 +269,8 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
         return y.reshape(*lead, n).to(x.dtype)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        native.matmul(fmt, y, x2, qweight, scale)
+        native.matmul(fmt, y, x2, qweight, scale,
+                      limbs=2 if native.two_limbs(fmt, m, batch_invariant) else 1)
     if bias is not None:
         y.add_(bias)
     return y.reshape(*lead, n).to(x.dtype)
