@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import shlex
 import statistics
@@ -163,11 +164,11 @@ def main(argv=None) -> int:
     p.add_argument("--near-tie", type=float, default=0.05,
                    help="Logprob gap under which a different top token counts as a near-tie.")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-num-seqs", type=int, default=1,
-                   help="pagedlm's sequences at a time. 1, as llama.cpp's leg runs (one request "
-                        "at a time on one slot): each decode step is then one row, which the "
-                        "K-quant kernels take in two limbs (kernels/quant.py's two_limbs); "
-                        "steps of more rows take x at 8 bits.")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="pagedlm's sequences at a time (default: all the prompts together).")
+    p.add_argument("--precise-activations", action="store_true",
+                   help="Run pagedlm with PAGEDLM_PRECISE_ACTIVATIONS=1 (x in two 8-bit limbs "
+                        "where the kernels take them, float32 for many-row steps).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llamacpp", action="store_true",
                    help="Also hold llama.cpp's llama-server (from --peers-dir) to the reference.")
@@ -185,8 +186,10 @@ def main(argv=None) -> int:
             ordinary_token_ids(tokenizer), args.prompts, (args.prompt_len,) * 2,
             (args.max_tokens,) * 2, random.Random(f"{args.seed}-fidelity"))]
     quantization = None if args.quantization == "none" else args.quantization
+    if args.precise_activations:  # read as the layers' methods are made, in this process
+        os.environ["PAGEDLM_PRECISE_ACTIVATIONS"] = "1"
     engines = {"pagedlm": run_pagedlm(args.model, prompts, args.max_tokens, quantization,
-                                      args.threads, args.max_num_seqs)}
+                                      args.threads, args.max_num_seqs or len(prompts))}
     versions = {}
     if args.llamacpp:
         log_dir = Path(args.output_json).parent if args.output_json else Path(".")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     PAGEDLM_DISABLE_ONEDNN: bool
     PAGEDLM_DEFAULT_MALLOC: bool
     PAGEDLM_DISABLE_HUGE_PAGES: bool
+    PAGEDLM_PRECISE_ACTIVATIONS: bool
     PAGEDLM_ATTENTION_BACKEND: str | None
     PAGEDLM_TRITON_GEMV: bool
     PAGEDLM_TRITON_FUSED_NORM_ACT: bool
@@ -60,6 +61,13 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # 1/true/yes: the KV cache and the weight panels stay on torch's allocator (4 KiB pages)
     # instead of asking for 2 MiB transparent huge pages (huge_pages.py).
     "PAGEDLM_DISABLE_HUGE_PAGES": _flag("PAGEDLM_DISABLE_HUGE_PAGES"),
+    # 1/true/yes: quantized layers take their input at about 16 bits instead of 8 (read once,
+    # as each layer's method is made): the GGUF files' types (the K-quants, Q5_0, Q5_1,
+    # IQ4_NL) run their kernels on x in two 8-bit limbs, and their many-row steps dequantize
+    # to float32 instead of bfloat16 panels for AMX. Q4_0, Q4_1 and Q8_0 layers keep 8-bit x.
+    # Slower (kernels/quant.py's TWO_LIMB_FORMATS gives the cost); for holding a quantized
+    # file to a float reference on its dequantized weights (benchmarks/gguf_fidelity.py).
+    "PAGEDLM_PRECISE_ACTIVATIONS": _flag("PAGEDLM_PRECISE_ACTIVATIONS"),
     # "native" | "torch_sdpa" | "triton": the attention backend every model uses
     # (get_attn_backend; an error if it cannot run the model's dtype on its device). Unset or
     # empty: chosen by dtype and device (Triton on a GPU, the native kernel for float32 on the

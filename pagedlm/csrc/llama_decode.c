@@ -20,7 +20,8 @@
 
 #include "include/pagedlm_ops.h"
 
-/* x16: the K-quant family in two limbs (qmm16_), as the layer path runs one-row steps. */
+/* x16: the K-quant family in two limbs (qmm16_), as the layers take x under
+ * PAGEDLM_PRECISE_ACTIVATIONS. */
 static void segment(const segment_t *l, float *y, const float *x, int M, int N, int K, int nt,
                     int x16) {
     const uint8_t *q = (const uint8_t *)l->weight;

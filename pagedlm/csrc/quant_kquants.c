@@ -38,16 +38,13 @@
  * Each weight row has its own chain of FMAs, so 4 rows go together (kq_group) to keep 4 chains
  * in flight.
  *
- * Two limbs (qmm16_<fmt>): 8 bits of x flip a flat distribution's near-ties; on the 1B
- * random-weight Q4_K_M file's greedy tokens, 8 prompts of 16 tokens against transformers on
- * the dequantized weights, 10 positions differed (logprobs by up to 0.11). So x row m goes in
- * as two quantized rows, x itself (q_hi, d_hi) and its residual r = fmaf(-d_hi, q_hi, x)
- * (|r| <= d_hi / 2, quantized in turn), the pair one tile of x rows: y = (W q_hi d_hi) +
+ * Two limbs (qmm16_<fmt>, under PAGEDLM_PRECISE_ACTIVATIONS): 8 bits of x flip a flat
+ * distribution's near-ties against a float reference on the dequantized weights. So x row m
+ * goes in as two quantized rows, x itself (q_hi, d_hi) and its residual r = fmaf(-d_hi, q_hi,
+ * x) (|r| <= d_hi / 2, quantized in turn), the pair one tile of x rows: y = (W q_hi d_hi) +
  * (W q_lo d_lo), each sum as above. x is then held to about 1 / (127 * 254) of its block's
- * largest |x|, and those 10 positions went to 2 (gaps under 0.02). The weight bytes are read
- * once for both, so one row, which streams its weights from memory, pays little (kernels/
- * quant.py's TWO_LIMB_MAX_ROWS has the figures); at more rows the dot products are the cost
- * and double, so those steps keep 8 bits.
+ * largest |x|. The weight bytes are read once for both limbs, but the dot products double
+ * (kernels/quant.py's TWO_LIMB_FORMATS has the cost), hence not the default.
  *
  * Batch invariance: as in quant_matmul.c, each output is that fixed sequence over its row's
  * blocks in order, by one thread, from an x row quantized on its own: the same bits at any M,

@@ -13,17 +13,14 @@ from pagedlm.kernels.loader import typed_library
 
 # The formats dequantize_panels takes (csrc/quant_kquants.c's, the GGUF files' types).
 BF16_PANEL_FORMATS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1", "iq4_nl")
-# The formats whose kernels can take x in two 8-bit limbs (qmm16_<fmt>, about 16 bits):
-# csrc/quant_kquants.c's, the same as BF16_PANEL_FORMATS.
+# The formats whose kernels can take x in two 8-bit limbs (qmm16_<fmt>, about 16 bits; csrc/
+# quant_kquants.c's, the same as BF16_PANEL_FORMATS), which PAGEDLM_PRECISE_ACTIVATIONS asks
+# for. A limb doubles the integer dot products but not the weight bytes read. 1B Q4_K_M
+# matrices from memory, 2 threads, ms, 8-bit | two limbs: 8192x2048 q4_k at 1 row 0.645 |
+# 0.656, 2048x8192 q4_k 0.594 | 0.677, q6_k 0.827 | 0.961; at 8 rows 1.65 | 3.28, 1.61 | 3.07,
+# 2.44 | 4.18. Its one stream 24.2 -> 21.1 tok/s with them at one row (medians of 3 servers,
+# gguf_models.py).
 TWO_LIMB_FORMATS = BF16_PANEL_FORMATS
-# Steps of at most this many rows take x in two limbs outside the deterministic mode. A limb
-# doubles the integer dot products but not the weight bytes: at one row the step streams its
-# weights from memory and the second limb is nearly free; at more it is compute (1B Q4_K_M
-# matrices from memory, 2 threads, ms, 8-bit | two limbs: 8192x2048 at 1 row 0.645 | 0.656,
-# 2048x8192 q4_k 0.594 | 0.677, q6_k 0.827 | 0.961; at 8 rows 1.65 | 3.28, 1.61 | 3.07,
-# 2.44 | 4.18). On the 1B's random-weight Q4_K_M file it turned 2 of 8 prompts' greedy tokens
-# identical to transformers' on the dequantized weights into 7 (benchmarks/gguf_fidelity.py).
-TWO_LIMB_MAX_ROWS = 1
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
 library = typed_library({
@@ -131,9 +128,12 @@ def amx_panels(fmt: str) -> bool:
     return fmt in BF16_PANEL_FORMATS and _amx_available()
 
 
-def dequant_gemm_min_rows(fmt: str) -> int:
+def dequant_gemm_min_rows(fmt: str, limbs: int = 1) -> int:
     """Inputs of this many rows or more run faster as dequantize + GEMM (float32, or AMX over
-    bfloat16 panels where amx_panels) than through `matmul`."""
+    bfloat16 panels where amx_panels and x takes one limb) than through `matmul`. With two
+    limbs the kernels' arithmetic doubles and the float32 GEMM's does not: half the rows."""
+    if limbs == 2:
+        return max(1, _float_dequant_gemm_min_rows(fmt) // 2)
     if amx_panels(fmt):
         return _AMX_DEQUANT_MIN_ROWS.get(fmt, _AMX_DEFAULT_MIN_ROWS)
     return _float_dequant_gemm_min_rows(fmt)
@@ -144,13 +144,6 @@ def _float_dequant_gemm_min_rows(fmt: str) -> int:
     lib = library()
     bits = lib.qmm_vector_bits() if lib is not None else 0
     return _DEQUANT_GEMM_MIN_ROWS.get(bits, {}).get(fmt, _SCALAR_DEQUANT_GEMM_MIN_ROWS)
-
-
-def two_limbs(fmt: str, rows: int, batch_invariant: bool) -> bool:
-    """Whether a step of `rows` rows runs `fmt`'s kernel on x in two 8-bit limbs: the rows
-    up to TWO_LIMB_MAX_ROWS, outside the deterministic mode (whose kernels take x at 8 bits at
-    every row count, so a row's bits never depend on the batch)."""
-    return fmt in TWO_LIMB_FORMATS and rows <= TWO_LIMB_MAX_ROWS and not batch_invariant
 
 
 def matmul(fmt: str, y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor,

@@ -31,7 +31,8 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.kernels import amx, gemv, quant
+from pagedlm.kernels import amx, gemv
+from pagedlm.model_executor.layers import fused_decode
 from pagedlm.model_executor.layers.fused_decode import FusedDecode
 from pagedlm.model_executor.layers.linear import (NativeLinear, UnquantizedLinearMethod,
                                                   WeightFormat)
@@ -355,13 +356,12 @@ def test_fused_stack_equals_layer_by_layer(tiny, monkeypatch, arch, engine_args)
 
 
 @needs_kernels
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_fused_stack_runs_the_gguf_block_formats(tiny, monkeypatch, deterministic):
+@pytest.mark.parametrize("precise", [False, True])
+def test_fused_stack_runs_the_gguf_block_formats(tiny, monkeypatch, precise):
     """csrc/quant_kquants.c's formats in the stack (llama_decode.c's qmm_<format>): int4's
     layers packed as q5_0 blocks instead (gguf-py's quantizer; the tiny model's widths are not
-    multiples of the K-quants' 256) give the layer-by-layer tokens and logprobs bit for bit,
-    the one-row steps in two limbs as the layers take them (quant.two_limbs), or at 8 bits
-    like every other step in the deterministic mode."""
+    multiples of the K-quants' 256) give the layer-by-layer tokens and logprobs bit for bit, at
+    8 bits and in two limbs (PAGEDLM_PRECISE_ACTIVATIONS) alike."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
@@ -373,12 +373,13 @@ def test_fused_stack_runs_the_gguf_block_formats(tiny, monkeypatch, deterministi
         return "q5_0", torch.from_numpy(raw).contiguous(), None
 
     monkeypatch.setattr(Int4LinearMethod, "pack", pack)
-    args = {"quantization": "int4", "deterministic": deterministic}
-    ref, _ = _run(tiny["llama"], False, monkeypatch, **args)
-    got, on = _run(tiny["llama"], True, monkeypatch, **args)
+    if precise:
+        monkeypatch.setenv("PAGEDLM_PRECISE_ACTIVATIONS", "1")
+    ref, _ = _run(tiny["llama"], False, monkeypatch, quantization="int4")
+    got, on = _run(tiny["llama"], True, monkeypatch, quantization="int4")
     assert on.stack is not None and on.stack.steps > 20
     assert {layer.qkv.seg[0].fmt for layer in on.stack.layers} == {WeightFormat.Q5_0}
-    assert on.stack.dims.x16_rows == (0 if deterministic else quant.TWO_LIMB_MAX_ROWS)
+    assert on.stack.dims.x16_rows == (fused_decode._ALL_ROWS if precise else 0)
     assert got == ref
 
 

@@ -420,20 +420,28 @@ def test_two_limb_rows_do_not_depend_on_the_batch(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0"])
-def test_one_row_steps_take_two_limbs_outside_the_deterministic_mode(fmt):
-    """quantized_matmul's choice (quant.two_limbs): one row in two limbs; two rows, and any
-    row count under batch_invariant, at 8 bits."""
+def test_precise_activations_take_two_limbs_and_float32(fmt, monkeypatch):
+    """quantized_matmul(precise_activations=True): the kernel in two limbs at every row count
+    below its switch (and under batch_invariant at every one), and past the switch float32
+    dequantize + GEMM, never the bfloat16 AMX panels; without it, 8 bits."""
     bw = kernels.BLOCK_WEIGHTS[fmt]
     blocks = random_blocks(fmt, 40, 2 * max(bw, 64), seed=8)
-    x = torch.randn(2, blocks.shape[1] * bw, generator=torch.Generator().manual_seed(9))
+    k = blocks.shape[1] * bw
+    switch = quant.dequant_gemm_min_rows(fmt, limbs=2)
+    x = torch.randn(switch + 1, k, generator=torch.Generator().manual_seed(9))
     threads = torch.get_num_threads()
-    one = kernels.quantized_matmul(fmt, x[:1], blocks)
-    assert torch.equal(one, _kernel16(fmt, x[:1], blocks, threads))
-    assert not torch.equal(one, _kernel(fmt, x[:1], blocks, threads))
-    assert torch.equal(kernels.quantized_matmul(fmt, x[:1], blocks, batch_invariant=True),
-                       _kernel(fmt, x[:1], blocks, threads))
-    assert torch.equal(kernels.quantized_matmul(fmt, x, blocks), _kernel(fmt, x, blocks,
-                                                                          threads))
+    for m in (1, 2, switch - 1):
+        got = kernels.quantized_matmul(fmt, x[:m], blocks, precise_activations=True)
+        assert torch.equal(got, _kernel16(fmt, x[:m], blocks, threads)), m
+        if m < quant.dequant_gemm_min_rows(fmt):
+            assert torch.equal(kernels.quantized_matmul(fmt, x[:m], blocks),
+                               _kernel(fmt, x[:m], blocks, threads)), m
+    assert torch.equal(kernels.quantized_matmul(fmt, x, blocks, batch_invariant=True,
+                                                precise_activations=True),
+                       _kernel16(fmt, x, blocks, threads))
+    monkeypatch.setattr(kernels, "_amx_panels_matmul", None)  # a call would fail
+    many = kernels.quantized_matmul(fmt, x, blocks, precise_activations=True)
+    assert torch.equal(many, x @ kernels.dequantize(fmt, blocks).T)
 
 
 def test_two_limbs_are_refused_where_no_kernel_takes_them():

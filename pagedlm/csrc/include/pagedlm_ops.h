@@ -181,7 +181,7 @@ typedef struct {
     int64_t kv_type, block_size, rotary_half;
     const float *cos, *sin;
     float eps, scale;
-    int64_t x16_rows; /* steps of at most this many rows run K-quant segments by qmm16_ */
+    int64_t x16_rows; /* steps of at most this many rows run the K-quant family by qmm16_ */
 } dims_t;
 
 int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *residual,

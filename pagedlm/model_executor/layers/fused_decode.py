@@ -94,6 +94,10 @@ class _Layer(ctypes.Structure):
                 ("window", ctypes.c_int64)]
 
 
+# dims_t.x16_rows for "every step": more rows than any step has.
+_ALL_ROWS = 1 << 62
+
+
 class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
@@ -237,17 +241,15 @@ class FusedDecodeStack:
         forms = [lin.linear_method.native_form(lin) for p in parts
                  for lin in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj)]
         batch_invariant = all(form.batch_invariant for form in forms)
-        # The layer path's choice of limbs (quant.two_limbs), for the K-quant family's
-        # segments: one row in two limbs, unless they run at every row count.
-        deterministic = any(
-            seg.every_row_count for form in forms
-            for _, seg in (form.segments if isinstance(form, NativeSegments) else ((0, form),))
-            if seg.fmt.name.lower() in kernels.quant.TWO_LIMB_FORMATS)
+        # The K-quant family's segments take x as the layers do: all in two limbs, or none.
+        two_limbs = any(
+            seg.two_limbs for form in forms
+            for _, seg in (form.segments if isinstance(form, NativeSegments) else ((0, form),)))
         dims = _Dims(len(layers), first.input_norm.weight.shape[0], attn.num_heads,
                      attn.num_kv_heads, attn.head_dim, first.down_proj.input_size, 0, 0,
                      first.rotary.cos.shape[1], first.rotary.cos.data_ptr(),
                      first.rotary.sin.data_ptr(), eps, attn.scale,
-                     0 if deterministic else kernels.quant.TWO_LIMB_MAX_ROWS)
+                     _ALL_ROWS if two_limbs else 0)
         return cls(lib, dims, structs, batch_invariant)
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,

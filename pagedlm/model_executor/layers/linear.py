@@ -148,6 +148,9 @@ class NativeLinear:
     # From this many rows `apply` runs another kernel on the same panels (AMX_MIN_ROWS where
     # bfloat16 panels go to AMX); 0: never.
     other_kernel_from: int = 0
+    # The kernel takes x in two 8-bit limbs (a quantized format's qmm16_<fmt>, under
+    # PAGEDLM_PRECISE_ACTIVATIONS), not at 8 bits.
+    two_limbs: bool = False
 
     @property
     def batch_invariant(self) -> bool:

@@ -9,6 +9,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from pagedlm import envs
+from pagedlm.kernels.quant import TWO_LIMB_FORMATS
 from pagedlm.model_executor.layers.linear import (LinearMethodBase, NativeLinear,
                                                   UnquantizedLinearMethod, WeightFormat)
 import pagedlm.model_executor.layers.quantization.kernels as kernels
@@ -75,6 +77,11 @@ class PackedLinearMethod(UnquantizedLinearMethod):
     """The float weight is loaded as usual; `pack` turns it into (format, qweight, scale) once
     after loading, and the matmul runs on that through `kernels.quantized_matmul`."""
 
+    def __init__(self, *, deterministic: bool = False) -> None:
+        super().__init__(deterministic=deterministic)
+        # Read once: the layer's every matmul and its native form (the fused stack) agree.
+        self.precise_activations = envs.PAGEDLM_PRECISE_ACTIVATIONS
+
     def attach(self, layer: nn.Module) -> None:
         """Called once the method is set on a built layer, before loading."""
 
@@ -91,14 +98,21 @@ class PackedLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         return kernels.quantized_matmul(layer.quant_format, x, layer.qweight_data, layer.qscale,
-                                        bias, batch_invariant=self.deterministic)
+                                        bias, batch_invariant=self.deterministic,
+                                        precise_activations=self.precise_activations)
 
     def native_form(self, layer) -> NativeLinear | None:
         fmt = NATIVE_FORMATS.get(layer.quant_format)
         if type(self).apply is not PackedLinearMethod.apply or fmt is None:
             return None  # a subclass that multiplies another way describes its own form
         return NativeLinear(fmt, layer.qweight_data, layer.qscale,
-                            every_row_count=self.deterministic)
+                            every_row_count=self.deterministic,
+                            two_limbs=two_limbs(layer.quant_format, self.precise_activations))
+
+
+def two_limbs(fmt: str, precise_activations: bool) -> bool:
+    """Whether quantized_matmul takes x in two limbs for `fmt` (its native form says so)."""
+    return precise_activations and fmt in TWO_LIMB_FORMATS
 
 
 def weight_formats(model: nn.Module) -> Counter:

@@ -38,14 +38,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pagedlm import huge_pages
+from pagedlm import envs, huge_pages
 from pagedlm.kernels import gemv
 from pagedlm.model_executor.layers.linear import (PANEL_FORMATS, LinearMethodBase,
                                                   NativeLinear, NativeSegments,
                                                   RowParallelLinear, UnquantizedLinearMethod)
 import pagedlm.model_executor.layers.quantization.kernels as kernels
 from pagedlm.model_executor.layers.quantization.base import (NATIVE_FORMATS, PackedLinearMethod,
-                                                            QuantizationConfig)
+                                                            QuantizationConfig, two_limbs)
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.model_path import gguf_source
 from pagedlm.model_executor.model_loader.weight_utils import WeightShapeError
@@ -261,6 +261,10 @@ class GGUFShardedLinearMethod(LinearMethodBase):
     slice of the output (layer.quant_shards: (format, row, blocks, or a 2-byte shard's
     panels))."""
 
+    def __init__(self, *, deterministic: bool = False) -> None:
+        super().__init__(deterministic=deterministic)
+        self.precise_activations = envs.PAGEDLM_PRECISE_ACTIVATIONS  # as PackedLinearMethod's
+
     def create_weights(self, *args, **kwargs) -> None:
         raise NotImplementedError("set after loading by GGUFLinearMethod")
 
@@ -272,7 +276,8 @@ class GGUFShardedLinearMethod(LinearMethodBase):
                 y[..., row:row + rows] = out.view(*x.shape[:-1], rows)
             else:
                 y[..., row:row + rows] = kernels.quantized_matmul(
-                    fmt, x, data, batch_invariant=self.deterministic)
+                    fmt, x, data, batch_invariant=self.deterministic,
+                    precise_activations=self.precise_activations)
         if bias is not None:
             y += bias
         return y.to(x.dtype)
@@ -286,8 +291,9 @@ class GGUFShardedLinearMethod(LinearMethodBase):
             native = NATIVE_FORMATS.get(fmt)
             if native is None or data.shape[0] != rows:
                 return None  # a format no kernel of the stack runs, or rows it leaves unset
-            segments.append((rows, NativeLinear(native, data,
-                                                every_row_count=self.deterministic)))
+            segments.append((rows, NativeLinear(
+                native, data, every_row_count=self.deterministic,
+                two_limbs=two_limbs(fmt, self.precise_activations))))
         return NativeSegments(tuple(segments))
 
 

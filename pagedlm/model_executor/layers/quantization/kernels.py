@@ -12,9 +12,9 @@ Formats (W is [N, K]; blocks run along K):
 
 The block layouts are byte-for-byte ggml's, so a GGUF file's blocks are used as stored.
 Their native kernels, like llama.cpp's, first quantize each input row to 8 bits per 32-block
-(quantize_activations_reference) and then sum integer products exactly; the K-quant family's
-take a one-row step (outside the deterministic mode) in two 8-bit limbs, x and its residual,
-about 16 bits (activation_limbs_reference, kernels/quant.py's two_limbs); the dequantize + GEMM
+(quantize_activations_reference) and then sum integer products exactly, or, for the GGUF
+files' types under PAGEDLM_PRECISE_ACTIVATIONS, in two 8-bit limbs, x and its residual, about
+16 bits (activation_limbs_reference); the dequantize + GEMM
 branch (large M outside the deterministic mode) multiplies the float input instead: in float32,
 or, for the GGUF files' types where AMX-BF16 runs, on AMX with x and W rounded to bfloat16
 (_amx_panels_matmul).
@@ -229,12 +229,15 @@ def _amx_panels_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor, n: int,
 
 def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
                      scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-                     batch_invariant: bool = False) -> torch.Tensor:
+                     batch_invariant: bool = False,
+                     precise_activations: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T (+ bias) with W in format `fmt` (see the module docstring).
-    The block formats' kernels take x at 8 bits (matmul_reference_q8), or in two limbs where
-    quant.two_limbs (matmul_reference_x16); the dequantize + GEMM
+    The block formats' kernels take x at 8 bits (matmul_reference_q8); the dequantize + GEMM
     branch, from dequant_gemm_min_rows rows on outside batch_invariant, takes it in float32, or
     in bfloat16 where quant.amx_panels(fmt).
+
+    precise_activations (envs.PAGEDLM_PRECISE_ACTIVATIONS, for quant.TWO_LIMB_FORMATS): the
+    kernels take x in two limbs (matmul_reference_x16) and the many-row branch is float32.
 
     batch_invariant: the kernels at every row count, never dequantize + float GEMM (whose sum
     order changes with M): each output is then one weight row against one x row in a fixed K
@@ -255,12 +258,13 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
     m = x2.shape[0]
+    limbs = 2 if precise_activations and fmt in native.TWO_LIMB_FORMATS else 1
     if batch_invariant:
         if not available():
             raise ValueError("quantized_matmul(batch_invariant=True) needs the native kernels "
                              "(unset PAGEDLM_DISABLE_KERNELS; a C compiler must be available)")
-    elif not available() or m >= native.dequant_gemm_min_rows(fmt):
-        if available() and native.amx_panels(fmt):
+    elif not available() or m >= native.dequant_gemm_min_rows(fmt, limbs):
+        if available() and native.amx_panels(fmt) and limbs == 1:
             y = _amx_panels_matmul(fmt, x2, qweight, n, k)
             if bias is not None:
                 y.add_(bias)
@@ -269,8 +273,7 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
         return y.reshape(*lead, n).to(x.dtype)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        native.matmul(fmt, y, x2, qweight, scale,
-                      limbs=2 if native.two_limbs(fmt, m, batch_invariant) else 1)
+        native.matmul(fmt, y, x2, qweight, scale, limbs=limbs)
     if bias is not None:
         y.add_(bias)
     return y.reshape(*lead, n).to(x.dtype)
