@@ -102,9 +102,11 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, log_stats: bool = True,
                  log_stats_interval: float = 5.0, model_name: str | None = None,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, wait: bool = True) -> None:
         """`engine`: an LLMEngine, or a function that builds one, called on the engine thread
-        (raising here whatever it raised). from_engine_args builds on that thread because
+        (raising here whatever it raised; with wait=False, from wait_built, which the caller
+        must then call before anything else but shutdown, meanwhile free to do other
+        start-up work). from_engine_args builds on that thread because
         libgomp keeps a worker team per thread that has run a parallel region and, once it
         manages more threads than there are CPUs, cuts its workers' spin-wait from about
         300,000 iterations to 1,000: a model loaded on one thread and stepped on another leaves
@@ -126,15 +128,24 @@ class AsyncLLMEngine:
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(build,), name="pagedlm-engine",
                                         daemon=True)
+        self._model_name, self._given_metrics = model_name, metrics
         self._thread.start()
+        if wait:
+            self.wait_built()
+
+    def wait_built(self) -> None:
+        """Wait until the engine thread has built the engine (raising what the build raised),
+        then let its loop begin. The constructor calls it unless given wait=False."""
+        if self._started.is_set():
+            return
         self._built.wait()
         if self._build_error is not None:
             self._thread.join()
             raise self._build_error
         try:
-            name = model_name or self.engine.config.model_config.model or "default"
+            name = self._model_name or self.engine.config.model_config.model or "default"
             speculative = self.engine.config.speculative_config is not None
-            self.metrics = (metrics if metrics is not None
+            self.metrics = (self._given_metrics if self._given_metrics is not None
                             else EngineMetrics(name, speculative=speculative))
         except BaseException:
             self._started.set()
@@ -258,13 +269,18 @@ class AsyncLLMEngine:
             pass  # nothing runs any more
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop the engine thread; requests still in flight fail with AsyncEngineDeadError."""
+        """Stop the engine thread; requests still in flight fail with AsyncEngineDeadError.
+        Before wait_built (wait=False) it waits for the build to end, then shuts down the
+        engine built."""
         with self._lock:
             if self._dead is None:
                 self._commands.put(_SHUTDOWN)
+        self._started.set()  # a loop not yet begun begins, to read the shutdown
         self._thread.join(timeout)
         if self._preparer is not None:
             self._preparer.shutdown()
+        if self.engine is None:  # its build failed (or outlasted the timeout)
+            return
         try:
             self.engine.shutdown()  # stop worker processes, if any
         except Exception:

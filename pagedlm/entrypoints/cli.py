@@ -140,8 +140,14 @@ def cmd_trace(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from pagedlm.entrypoints.openai.api_server import run_server
-    run_server(args)
+    from pagedlm.entrypoints.openai.server_start import start_server
+    start = start_server(args)  # the model loads on the engine's thread from here on
+    try:
+        from pagedlm.entrypoints.openai.api_server import run_server
+    except BaseException:
+        start.close()
+        raise
+    run_server(args, start)
 
 
 def _sampling_params(args: argparse.Namespace):

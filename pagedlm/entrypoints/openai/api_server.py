@@ -20,7 +20,6 @@ import contextlib
 import gc
 import hmac
 import logging
-import socket
 
 import uvicorn
 from fastapi import FastAPI
@@ -45,6 +44,7 @@ from pagedlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedlm.entrypoints.openai.serving_engine import error_body, error_response
 from pagedlm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from pagedlm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedlm.entrypoints.openai.server_start import ServerStart, start_server
 from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -240,40 +240,17 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     return app
 
 
-def default_served_name(model: str | None) -> str:
-    from pagedlm.entrypoints.cli_args import DEFAULT_MODEL_NAME
-    return model if model is not None else DEFAULT_MODEL_NAME
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def run_server(args: argparse.Namespace, start: ServerStart | None = None) -> None:
+    """`pagedlm serve`: build the engine from the flags (or take the one `start` is building),
+    serve until interrupted. If the engine fails (a step raised, a worker died), the server
+    stops and this exits with status 1."""
+    if start is None:
+        start = start_server(args)
+    engine, names, sock = start.engine, start.served_model_names, start.sock
     try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
-
-
-def run_server(args: argparse.Namespace) -> None:
-    """`pagedlm serve`: build the engine from the flags, serve until interrupted. If the engine
-    fails (a step raised, a worker died), the server stops and this exits with status 1."""
-    from pagedlm.entrypoints.cli_args import engine_args_from_namespace
-
-    engine_args = engine_args_from_namespace(args)
-    if args.lora_modules and not engine_args.enable_lora:
-        raise SystemExit("error: --lora-modules needs --enable-lora")
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser")
-    names = args.served_model_name or [default_served_name(engine_args.model)]
-    sock = _bind(args.host, args.port)  # before the model loads: a taken port fails at once
-    try:
-        engine = AsyncLLMEngine.from_engine_args(
-            engine_args, log_stats=not args.disable_log_stats,
-            log_stats_interval=args.log_stats_interval, model_name=names[0])
+        engine.wait_built()
     except BaseException:
-        sock.close()
+        start.close()
         raise
     try:
         app = build_app(engine, served_model_names=names, api_key=args.api_key,
