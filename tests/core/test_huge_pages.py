@@ -31,7 +31,8 @@ def thp_mode() -> str:
 
 
 def huge_bytes(t: torch.Tensor) -> int:
-    """AnonHugePages of the mapping that holds t (/proc/self/smaps)."""
+    """AnonHugePages, or FilePmdMapped for a file's map, of the mapping that holds t
+    (/proc/self/smaps)."""
     addr, header = t.data_ptr(), None
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -39,8 +40,10 @@ def huge_bytes(t: torch.Tensor) -> int:
             if "-" in first and ":" not in first:
                 lo, hi = (int(x, 16) for x in first.split("-"))
                 header = lo <= addr < hi
-            elif header and line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
+            elif header and line.startswith(("AnonHugePages:", "FilePmdMapped:")):
+                found = int(line.split()[1]) * 1024
+                if found:
+                    return found
     return 0
 
 
@@ -189,3 +192,55 @@ def test_default_model_streams_its_panels_from_huge_pages():
     out = llm.generate(["The capital of France is"],
                        SamplingParams(max_tokens=6, temperature=0))
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_huge_file_maps_reads_smaps():
+    """A file map counts when nearly all its mapped pages are on 2 MiB entries; an anonymous
+    map, or a file map mostly on 4 KiB pages, does not."""
+    smaps = "\n".join([
+        "7f0000000000-7f0028000000 r--p 00000000 fe:01 1234    /models/a.gguf",
+        "Size:             655360 kB", "Rss:              655360 kB",
+        "FilePmdMapped:    651264 kB", "VmFlags: rd mr me ms hg",
+        "7f1000000000-7f1028000000 r--p 00000000 fe:01 1235    /models/b.gguf",
+        "Size:             655360 kB", "Rss:              655360 kB",
+        "FilePmdMapped:      6144 kB",
+        "7f2000000000-7f2028000000 rw-p 00000000 00:00 0 ",
+        "Size:             655360 kB", "Rss:              655360 kB",
+        "AnonHugePages:    655360 kB", "FilePmdMapped:         0 kB",
+    ])
+    assert huge_pages.huge_file_maps(smaps) == [(0x7f0000000000, 0x7f0028000000)]
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off here")
+def test_blocks_on_a_file_map_of_huge_folios_stay_in_place(tmp_path):
+    """A file read through a map advised for huge pages, with its pages not yet cached: where
+    the file system keeps 2 MiB folios (ext4 on Linux 6.16+), the map is then on 2 MiB entries
+    and gather_blocks leaves its blocks there (no copy, no release); elsewhere it moves them."""
+    import mmap
+    import os
+    path = tmp_path / "blocks.bin"
+    n = 32 * huge_pages.HUGE_PAGE
+    path.write_bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean now: the cache drops it
+        m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    huge_pages.advise_file_map(m)
+    blocks = torch.frombuffer(m, dtype=torch.uint8)[:n - huge_pages.HUGE_PAGE]
+    expected = blocks.clone()
+    layer = torch.nn.Module()
+    layer.qweight_data = blocks
+    released = []
+    in_place = huge_pages.on_huge_file_pages([blocks]) == {blocks.data_ptr()}
+    moved = huge_pages.gather_blocks(layer, release=released.append)
+    if in_place:
+        assert moved == 0 and not released and layer.qweight_data is blocks
+    else:
+        assert moved >= blocks.nbytes and len(released) == 1
+    assert torch.equal(layer.qweight_data, expected)
+    if not in_place:
+        pytest.skip("this file system kept no 2 MiB folios of the file: the blocks moved")

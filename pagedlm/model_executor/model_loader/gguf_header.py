@@ -20,6 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
+from pagedlm import huge_pages
 from pagedlm.model_executor.model_loader.gguf_file import (_MIN_METADATA_ENTRY,
                                                            _MIN_TENSOR_ENTRY, _SCALAR_FORMATS,
                                                            check_file_start,
@@ -222,7 +223,9 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     it (ValueError naming the file and the fault), and the file mapped once."""
     path = os.fspath(path)
     size = check_file_start(path)
-    header = GGUFHeader(path, np.memmap(path, mode="c"))
+    mapped = np.memmap(path, mode="c")
+    huge_pages.advise_file_map(mapped._mmap)  # before the blocks' pages are first read
+    header = GGUFHeader(path, mapped)
     try:
         header._walk()
     except (_DoesNotFit, struct.error) as e:
