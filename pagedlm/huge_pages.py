@@ -130,7 +130,7 @@ def on_huge_file_pages(tensors: list[torch.Tensor]) -> set[int]:
     That is the case when the page cache keeps the file in 2 MiB folios (advise_file_map)."""
     if not tensors or not supported():
         return set()
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for t in tensors:
         first = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
