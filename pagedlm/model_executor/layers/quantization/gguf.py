@@ -374,9 +374,10 @@ class GGUFConfig(QuantizationConfig):
             else:
                 module.weight = _float_weight(module, receiver)
         if self._file is not None:
-            # The blocks the steps stream leave the file's pages for huge pages (on the CPU;
-            # huge_pages.gather_blocks says what that gains), each one's pages dropped as it
-            # is copied, so the load never holds a weight twice.
+            # The blocks the steps stream go on huge pages (on the CPU; huge_pages.gather_blocks
+            # says what that gains): left in the file's map where its pages are 2 MiB folios,
+            # else copied, each one's file pages dropped as it is copied, so the load never
+            # holds a weight twice.
             huge_pages.gather_blocks(model, release=self._release)
             self._file.release_pages()
             self._file = None
