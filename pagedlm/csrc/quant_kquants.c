@@ -798,35 +798,27 @@ static void kq_matmul(float *y, const float *x, const uint8_t *w, int M, int N, 
     run_quant_rows("quant_kquants", y, x, w, M, N, K, nthreads, 4, rows);
 }
 
-/* Each format compiled on its own, for M == 1 (decode) with the tile loop resolved, and in
- * two limbs (qmm16_<fmt>). */
+/* One entry point per format and x precision (qmm<prefix>_<name>, limbs 1 or 2), its passes
+ * compiled on their own for M == 1 (decode), with the tile loop resolved, and for any M. */
+#define KQ_MATMUL(prefix, name, fmt, limbs)                                                   \
+    static int rows##prefix##_##name##_1(float *y, const float *x, const uint8_t *w, int M,   \
+                                         int N, int K, int lo, int hi) {                      \
+        (void)M;                                                                              \
+        return kq_rows(y, x, w, 1, N, K, lo, hi, fmt, limbs);                                 \
+    }                                                                                         \
+    static int rows##prefix##_##name(float *y, const float *x, const uint8_t *w, int M,       \
+                                     int N, int K, int lo, int hi) {                          \
+        return kq_rows(y, x, w, M, N, K, lo, hi, fmt, limbs);                                 \
+    }                                                                                         \
+    void qmm##prefix##_##name(float *y, const float *x, const uint8_t *w, int M, int N,       \
+                              int K, int nthreads) {                                          \
+        kq_matmul(y, x, w, M, N, K, nthreads,                                                 \
+                  M == 1 ? rows##prefix##_##name##_1 : rows##prefix##_##name);                \
+    }
+
 #define KQ_FORMAT(name, fmt)                                                                  \
-    static int rows_##name##_1(float *y, const float *x, const uint8_t *w, int M, int N,      \
-                               int K, int lo, int hi) {                                       \
-        (void)M;                                                                              \
-        return kq_rows(y, x, w, 1, N, K, lo, hi, fmt, 1);                                     \
-    }                                                                                         \
-    static int rows_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K,   \
-                           int lo, int hi) {                                                  \
-        return kq_rows(y, x, w, M, N, K, lo, hi, fmt, 1);                                     \
-    }                                                                                         \
-    static int rows16_##name##_1(float *y, const float *x, const uint8_t *w, int M, int N,    \
-                                 int K, int lo, int hi) {                                     \
-        (void)M;                                                                              \
-        return kq_rows(y, x, w, 1, N, K, lo, hi, fmt, 2);                                     \
-    }                                                                                         \
-    static int rows16_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K, \
-                             int lo, int hi) {                                                \
-        return kq_rows(y, x, w, M, N, K, lo, hi, fmt, 2);                                     \
-    }                                                                                         \
-    void qmm_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K,          \
-                    int nthreads) {                                                           \
-        kq_matmul(y, x, w, M, N, K, nthreads, M == 1 ? rows_##name##_1 : rows_##name);        \
-    }                                                                                         \
-    void qmm16_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K,        \
-                      int nthreads) {                                                         \
-        kq_matmul(y, x, w, M, N, K, nthreads, M == 1 ? rows16_##name##_1 : rows16_##name);    \
-    }                                                                                         \
+    KQ_MATMUL(, name, fmt, 1)                                                                 \
+    KQ_MATMUL(16, name, fmt, 2)                                                               \
     void dequant_##name(float *out, const uint8_t *w, int N, int K, int nthreads) {           \
         dequant(fmt, out, w, N, K, nthreads);                                                 \
     }                                                                                         \

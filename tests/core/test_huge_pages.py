@@ -226,7 +226,7 @@ def test_blocks_on_a_file_map_of_huge_folios_stay_in_place(tmp_path):
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean now: the cache drops it
-        m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        m = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private, as the GGUF loader's
     finally:
         os.close(fd)
     huge_pages.advise_file_map(m)
