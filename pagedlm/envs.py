@@ -62,10 +62,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # instead of asking for 2 MiB transparent huge pages (huge_pages.py).
     "PAGEDLM_DISABLE_HUGE_PAGES": _flag("PAGEDLM_DISABLE_HUGE_PAGES"),
     # 1/true/yes: quantized layers take their input at about 16 bits instead of 8 (read once,
-    # as each layer's method is made): the GGUF files' types (the K-quants, Q5_0, Q5_1,
-    # IQ4_NL) run their kernels on x in two 8-bit limbs, and their many-row steps dequantize
-    # to float32 instead of bfloat16 panels for AMX. Q4_0, Q4_1 and Q8_0 layers keep 8-bit x.
-    # Slower (kernels/quant.py's TWO_LIMB_FORMATS gives the cost); for holding a quantized
+    # as each layer's method is made): the block formats (gguf's and int4's) run their kernels
+    # on x in two 8-bit limbs, and their many-row steps dequantize to float32 instead of
+    # bfloat16 panels for AMX. Slower (kernels/quant.py's TWO_LIMB_FORMATS gives the cost); for holding a quantized
     # file to a float reference on its dequantized weights (benchmarks/gguf_fidelity.py).
     "PAGEDLM_PRECISE_ACTIVATIONS": _flag("PAGEDLM_PRECISE_ACTIVATIONS"),
     # "native" | "torch_sdpa" | "triton": the attention backend every model uses

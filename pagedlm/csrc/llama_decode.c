@@ -20,7 +20,7 @@
 
 #include "include/pagedlm_ops.h"
 
-/* x16: the K-quant family in two limbs (qmm16_), as the layers take x under
+/* x16: the block formats in two limbs (qmm16_), as the layers take x under
  * PAGEDLM_PRECISE_ACTIVATIONS. */
 static void segment(const segment_t *l, float *y, const float *x, int M, int N, int K, int nt,
                     int x16) {
@@ -30,8 +30,8 @@ static void segment(const segment_t *l, float *y, const float *x, int M, int N, 
     case W_F32_PANELS: gemm_panels_f32(y, x, (const float *)l->weight, M, N, K, nt); break;
     case W_BF16_PANELS: gemm_panels_bf16(y, x, (const uint16_t *)l->weight, M, N, K, nt); break;
     case W_F16_PANELS: gemm_panels_f16(y, x, (const uint16_t *)l->weight, M, N, K, nt); break;
-    case W_Q4_1: qmm_q4_1(y, x, q, M, N, K, nt); break;
-    case W_Q8_0: qmm_q8_0(y, x, q, M, N, K, nt); break;
+    case W_Q4_1: (x16 ? qmm16_q4_1 : qmm_q4_1)(y, x, q, M, N, K, nt); break;
+    case W_Q8_0: (x16 ? qmm16_q8_0 : qmm_q8_0)(y, x, q, M, N, K, nt); break;
     case W_Q4_K: (x16 ? qmm16_q4_k : qmm_q4_k)(y, x, q, M, N, K, nt); break;
     case W_Q5_K: (x16 ? qmm16_q5_k : qmm_q5_k)(y, x, q, M, N, K, nt); break;
     case W_Q6_K: (x16 ? qmm16_q6_k : qmm_q6_k)(y, x, q, M, N, K, nt); break;

@@ -315,49 +315,80 @@ static inline int x_block_rows(int K) {
 
 /* Weight rows [lo, hi) against all M rows of x. Each thread quantizes x itself: a row's
  * quantization is a small fraction of its dot products with hundreds of weight rows, and no
- * thread waits for another at a barrier. Returns -1 if scratch memory could not be had. */
+ * thread waits for another at a barrier. limbs 2: x in two 8-bit limbs as quant_kquants.c's
+ * kq_rows takes it (its header): quantized rows 2m (x row m) and 2m + 1 (its residual) sum into
+ * ys [2 rows, hi - lo], added into y. Returns -1 if scratch memory could not be had. */
 static inline __attribute__((always_inline)) int qrows_range(
         float *y, const float *x, const uint8_t *w, int M, int N, int K, int lo, int hi,
-        const int fmt) {
+        const int fmt, const int limbs) {
     if (lo >= hi) return 0;
-    const int nb = K / QK, mb = x_block_rows(K), xrows = M < mb ? M : mb;
+    const int nb = K / QK, width = hi - lo;
+    int mb = x_block_rows(K);
+    if (limbs == 2) mb = mb / 2 < 1 ? 1 : mb / 2;  /* both limbs' bytes in the same L2 share */
+    const int xrows = M < mb ? M : mb, qrows = limbs * xrows;
     const size_t group_bytes = (size_t)nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES) * QROWS;
-    float *scales = (float *)malloc((size_t)xrows * (2 * nb * sizeof(float) + K));
+    const size_t floats = limbs == 2 ? (size_t)K + (size_t)qrows * width : 0;
+    float *scales = (float *)malloc((size_t)qrows * (2 * nb * sizeof(float) + K) +
+                                    floats * sizeof(float));
     if (!scales) return -1;
-    int8_t *q = (int8_t *)(scales + (size_t)2 * xrows * nb);
-    const qx_t X = {q, scales, scales + (size_t)xrows * nb};
+    int8_t *q = (int8_t *)(scales + (size_t)2 * qrows * nb);
+    float *res = (float *)(q + (size_t)qrows * K);  /* K is a multiple of 32: aligned */
+    const qx_t X = {q, scales, scales + (size_t)qrows * nb};
     for (int m0 = 0; m0 < M; m0 += mb) {
-        const int mt = M - m0 < mb ? M - m0 : mb;
-        for (int m = 0; m < mt; m++)
-            quantize_row_q8(q + (size_t)m * K, scales + (size_t)m * nb,
-                            fmt == FMT_Q4_1 ? scales + (size_t)(xrows + m) * nb : NULL,
-                            x + (size_t)(m0 + m) * K, K);
-        float *ym = y + (size_t)m0 * N;
+        const int mt = M - m0 < mb ? M - m0 : mb, qt = limbs * mt;
+        for (int m = 0; m < mt; m++) {
+            const float *xm = x + (size_t)(m0 + m) * K;
+            const int r = limbs * m;
+            float *d = scales + (size_t)r * nb;
+            quantize_row_q8(q + (size_t)r * K, d,
+                            fmt == FMT_Q4_1 ? scales + (size_t)(qrows + r) * nb : NULL, xm, K);
+            if (limbs == 2) {
+                const int8_t *qh = q + (size_t)r * K;
+                for (int j = 0; j < K; j++) res[j] = fmaf(-d[j / QK], (float)qh[j], xm[j]);
+                quantize_row_q8(q + (size_t)(r + 1) * K, d + nb,
+                                fmt == FMT_Q4_1 ? scales + (size_t)(qrows + r + 1) * nb : NULL,
+                                res, K);
+            }
+        }
+        /* Where the sums go: y itself, or the limbs' rows of ys, whose column c is weight row
+         * lo + c (qgroup indexes both by its n: the weights are then counted from row lo). */
+        float *yb = limbs == 2 ? res + K : y + (size_t)m0 * N;
+        const int ystride = limbs == 2 ? width : N, col0 = limbs == 2 ? lo : 0;
+        const uint8_t *wb = w + (size_t)col0 * (group_bytes / QROWS);
         int n = lo;
         for (; n + QROWS <= hi; n += QROWS) {
             const uint8_t *next = n + 2 * QROWS <= hi
                                   ? w + (size_t)(n / QROWS + 1) * group_bytes : NULL;
-            qtile(ym, &X, w, mt, N, K, n, QROWS, fmt, next);
+            qtile(yb, &X, wb, qt, ystride, K, n - col0, QROWS, fmt, next);
         }
-        for (; n < hi; n++) qtile(ym, &X, w, mt, N, K, n, 1, fmt, NULL);
+        for (; n < hi; n++) qtile(yb, &X, wb, qt, ystride, K, n - col0, 1, fmt, NULL);
+        for (int m = 0; m < mt && limbs == 2; m++) {
+            const float *hi_limb = yb + (size_t)2 * m * width, *lo_limb = hi_limb + width;
+            float *ym = y + (size_t)(m0 + m) * N + lo;
+            for (int c = 0; c < width; c++) ym[c] = hi_limb[c] + lo_limb[c];
+        }
     }
     free(scales);
     return 0;
 }
 
-/* qrows_range compiled for each format, and on its own for M == 1 (decode), with the tile
- * loops resolved at compile time (an OpenMP region is outlined once, whatever is inlined
- * around it, so the choice is made before it). */
-#define ROWS_FN(name, m, fmt)                                                                 \
+/* qrows_range compiled for each format and x precision, and on its own for M == 1 (decode),
+ * with the tile loops resolved at compile time (an OpenMP region is outlined once, whatever is
+ * inlined around it, so the choice is made before it). */
+#define ROWS_FN(name, m, fmt, limbs)                                                          \
     static int name(float *y, const float *x, const uint8_t *w, int M, int N, int K, int lo, \
                     int hi) {                                                                 \
         (void)M;                                                                              \
-        return qrows_range(y, x, w, m, N, K, lo, hi, fmt);                                    \
+        return qrows_range(y, x, w, m, N, K, lo, hi, fmt, limbs);                             \
     }
-ROWS_FN(rows_q4_1_1, 1, FMT_Q4_1)
-ROWS_FN(rows_q4_1, M, FMT_Q4_1)
-ROWS_FN(rows_q8_0_1, 1, FMT_Q8_0)
-ROWS_FN(rows_q8_0, M, FMT_Q8_0)
+ROWS_FN(rows_q4_1_1, 1, FMT_Q4_1, 1)
+ROWS_FN(rows_q4_1, M, FMT_Q4_1, 1)
+ROWS_FN(rows_q8_0_1, 1, FMT_Q8_0, 1)
+ROWS_FN(rows_q8_0, M, FMT_Q8_0, 1)
+ROWS_FN(rows16_q4_1_1, 1, FMT_Q4_1, 2)
+ROWS_FN(rows16_q4_1, M, FMT_Q4_1, 2)
+ROWS_FN(rows16_q8_0_1, 1, FMT_Q8_0, 2)
+ROWS_FN(rows16_q8_0, M, FMT_Q8_0, 2)
 
 static void qmm(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads,
                 const rows_fn rows) {
@@ -370,6 +401,14 @@ void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, i
 
 void qmm_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
     qmm(y, x, w, M, N, K, nthreads, M == 1 ? rows_q8_0_1 : rows_q8_0);
+}
+
+void qmm16_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
+    qmm(y, x, w, M, N, K, nthreads, M == 1 ? rows16_q4_1_1 : rows16_q4_1);
+}
+
+void qmm16_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
+    qmm(y, x, w, M, N, K, nthreads, M == 1 ? rows16_q8_0_1 : rows16_q8_0);
 }
 
 /* ---------------------------------------------------------------- i8 (per output channel) */

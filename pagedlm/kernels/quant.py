@@ -13,19 +13,20 @@ from pagedlm.kernels.loader import typed_library
 
 # The formats dequantize_panels takes (csrc/quant_kquants.c's, the GGUF files' types).
 BF16_PANEL_FORMATS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1", "iq4_nl")
-# The formats whose kernels can take x in two 8-bit limbs (qmm16_<fmt>, about 16 bits; csrc/
-# quant_kquants.c's, the same as BF16_PANEL_FORMATS), which PAGEDLM_PRECISE_ACTIVATIONS asks
-# for. A limb doubles the integer dot products but not the weight bytes read. 1B Q4_K_M
-# matrices from memory, 2 threads, ms, 8-bit | two limbs: 8192x2048 q4_k at 1 row 0.645 |
-# 0.656, 2048x8192 q4_k 0.594 | 0.677, q6_k 0.827 | 0.961; at 8 rows 1.65 | 3.28, 1.61 | 3.07,
-# 2.44 | 4.18. Its one stream 24.2 -> 21.1 tok/s with them at one row (medians of 3 servers,
-# gguf_models.py).
-TWO_LIMB_FORMATS = BF16_PANEL_FORMATS
+# The formats whose kernels can take x in two 8-bit limbs (qmm16_<fmt>, about 16 bits; every
+# block format), which PAGEDLM_PRECISE_ACTIVATIONS asks for. A limb doubles the integer dot
+# products but not the weight bytes read. 1B Q4_K_M matrices from memory, 2 threads, ms, 8-bit
+# | two limbs: 8192x2048 q4_k at 1 row 0.645 | 0.656, 2048x8192 q4_k 0.594 | 0.677, q6_k
+# 0.827 | 0.961; at 8 rows 1.65 | 3.28, 1.61 | 3.07, 2.44 | 4.18. Its one stream 24.2 -> 21.1
+# tok/s with them at one row (medians of 3 servers, gguf_models.py).
+TWO_LIMB_FORMATS = ("q4_1", "q8_0", *BF16_PANEL_FORMATS)
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
 library = typed_library({
     "qmm_q4_1": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm_q8_0": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_q4_1": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qmm16_q8_0": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm_i8": ([_p, _p, _p, _p, _i, _i, _i, _i], None),
     "dequant_q4_1": ([_p, _p, _i, _i, _i], None),
     "dequant_q8_0": ([_p, _p, _i, _i, _i], None),

@@ -445,7 +445,7 @@ def test_precise_activations_take_two_limbs_and_float32(fmt, monkeypatch):
 
 
 def test_two_limbs_are_refused_where_no_kernel_takes_them():
-    from pagedlm.model_executor.layers.quantization.kernels import quantize_q4_1
-    blocks = quantize_q4_1(torch.randn(8, 64))
-    with pytest.raises(ValueError, match="q4_1 kernels take x in 1 limb, not 2"):
-        quant.matmul("q4_1", torch.empty(1, 8), torch.randn(1, 64), blocks, None, limbs=2)
+    """i8 takes float x (no limbs to split)."""
+    qweight, scale = kernels.quantize_i8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="i8 kernels take x in 1 limb, not 2"):
+        quant.matmul("i8", torch.empty(1, 8), torch.randn(1, 64), qweight, scale, limbs=2)

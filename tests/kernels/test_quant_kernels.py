@@ -213,3 +213,45 @@ def test_deterministic_linear_methods_run_one_kernel_at_every_row_count():
         alone = torch.cat([method.apply(layer, x[i:i + 1], bias) for i in range(300)])
         for rows in (9, 40, 300):
             assert torch.equal(method.apply(layer, x[:rows], bias), alone[:rows]), (cls, rows)
+
+
+def _kernel16(fmt: str, x: torch.Tensor, qweight: torch.Tensor, threads: int) -> torch.Tensor:
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = torch.empty(x.shape[0], qweight.shape[0])
+        quant.matmul(fmt, y, x.contiguous(), qweight, None, limbs=2)
+        return y
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_two_limbs_match_the_reference_and_the_batch(fmt):
+    """qmm16_q4_1 / qmm16_q8_0 (x in two 8-bit limbs, as quant_kquants.c's): against the
+    float64 product of the reference's limbs and the dequantized weights within the float32
+    roundings; within a step of the residual's limb of the exact product, which one limb
+    misses; and each row the same bits alone, in a batch and on 1 or 2 threads."""
+    for n, k in [(37, 96), (517, 576)]:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+        qweight, _ = _pack(fmt, w)
+        wd = kernels.dequantize_reference(fmt, qweight).double()
+        x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
+        ref = kernels.matmul_reference_x16(fmt, x, qweight)
+        size = sum(kernels._dequantize_limb(limb).abs()
+                   for limb in kernels.activation_limbs_reference(x)) @ wd.abs().T
+        # q4_1's offsets are summed apart, as in the 8-bit kernel (twice the terms' sizes)
+        tol = (k // 32 + 9) * 2.0 ** -23 * 2 * size + 1e-30
+        alone = torch.cat([_kernel16(fmt, x[i:i + 1], qweight, 1) for i in range(9)])
+        for threads in (1, 2):
+            got = _kernel16(fmt, x, qweight, threads)
+            assert ((got.double() - ref).abs() <= tol).all(), (n, k, threads)
+            assert torch.equal(got, alone), (n, k, threads)
+        exact = x.double() @ wd.T
+        amax = x.double().abs().reshape(9, -1, 32).amax(-1).repeat_interleave(32, dim=1)
+        bound = (amax / (2 * 127 * 254)) @ wd.abs().T + tol
+        assert ((alone.double() - exact).abs() <= bound).all()
+        one = kernels.quantized_matmul(fmt, x, qweight, batch_invariant=True)
+        assert ((one.double() - exact).abs() > bound).any()
+        assert torch.equal(kernels.quantized_matmul(fmt, x, qweight, batch_invariant=True,
+                                                    precise_activations=True), alone)

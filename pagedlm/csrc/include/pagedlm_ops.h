@@ -94,6 +94,9 @@ void qmm_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, i
 void qmm_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_i8(float *y, const float *x, const int8_t *w, const float *scale, int M, int N, int K,
             int nthreads);
+/* x in two 8-bit limbs (quant_kquants.c's header) */
+void qmm16_q4_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qmm16_q8_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void dequant_q4_1(float *out, const uint8_t *w, int N, int K, int nthreads);
 void dequant_q8_0(float *out, const uint8_t *w, int N, int K, int nthreads);
 void dequant_i8(float *out, const int8_t *w, const float *scale, int N, int K, int nthreads);
@@ -181,7 +184,7 @@ typedef struct {
     int64_t kv_type, block_size, rotary_half;
     const float *cos, *sin;
     float eps, scale;
-    int64_t x16_rows; /* steps of at most this many rows run the K-quant family by qmm16_ */
+    int64_t x16_rows; /* steps of at most this many rows run the block formats by qmm16_ */
 } dims_t;
 
 int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *residual,

@@ -12,9 +12,9 @@ Formats (W is [N, K]; blocks run along K):
 
 The block layouts are byte-for-byte ggml's, so a GGUF file's blocks are used as stored.
 Their native kernels, like llama.cpp's, first quantize each input row to 8 bits per 32-block
-(quantize_activations_reference) and then sum integer products exactly, or, for the GGUF
-files' types under PAGEDLM_PRECISE_ACTIVATIONS, in two 8-bit limbs, x and its residual, about
-16 bits (activation_limbs_reference); the dequantize + GEMM
+(quantize_activations_reference) and then sum integer products exactly, or, under
+PAGEDLM_PRECISE_ACTIVATIONS, in two 8-bit limbs, x and its residual, about 16 bits
+(activation_limbs_reference); the dequantize + GEMM
 branch (large M outside the deterministic mode) multiplies the float input instead: in float32,
 or, for the GGUF files' types where AMX-BF16 runs, on AMX with x and W rounded to bfloat16
 (_amx_panels_matmul).
