@@ -64,8 +64,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # 1/true/yes: quantized layers take their input at about 16 bits instead of 8 (read once,
     # as each layer's method is made): the block formats (gguf's and int4's) run their kernels
     # on x in two 8-bit limbs, and their many-row steps dequantize to float32 instead of
-    # bfloat16 panels for AMX. Slower (kernels/quant.py's TWO_LIMB_FORMATS gives the cost); for holding a quantized
-    # file to a float reference on its dequantized weights (benchmarks/gguf_fidelity.py).
+    # bfloat16 panels for AMX. Slower (kernels/quant.py's TWO_LIMB_FORMATS gives the cost);
+    # for holding a quantized file to a float reference on its dequantized weights
+    # (benchmarks/gguf_fidelity.py).
     "PAGEDLM_PRECISE_ACTIVATIONS": _flag("PAGEDLM_PRECISE_ACTIVATIONS"),
     # "native" | "torch_sdpa" | "triton": the attention backend every model uses
     # (get_attn_backend; an error if it cannot run the model's dtype on its device). Unset or
