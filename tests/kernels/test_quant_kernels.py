@@ -11,6 +11,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from pagedlm.kernels import loader, quant
 from pagedlm.model_executor.layers.quantization import kernels
+from tests.kernels.test_kquant_kernels import _kernel16
 
 # (N, K): SmolLM2-135M's qkv, o, gate_up, down; a Llama-7B-like down projection slice; an odd
 # N (a vocabulary slice); and a tiny test model's.
@@ -213,17 +214,6 @@ def test_deterministic_linear_methods_run_one_kernel_at_every_row_count():
         alone = torch.cat([method.apply(layer, x[i:i + 1], bias) for i in range(300)])
         for rows in (9, 40, 300):
             assert torch.equal(method.apply(layer, x[:rows], bias), alone[:rows]), (cls, rows)
-
-
-def _kernel16(fmt: str, x: torch.Tensor, qweight: torch.Tensor, threads: int) -> torch.Tensor:
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        y = torch.empty(x.shape[0], qweight.shape[0])
-        quant.matmul(fmt, y, x.contiguous(), qweight, None, limbs=2)
-        return y
-    finally:
-        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
