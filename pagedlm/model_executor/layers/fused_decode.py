@@ -241,7 +241,7 @@ class FusedDecodeStack:
         forms = [lin.linear_method.native_form(lin) for p in parts
                  for lin in (p.qkv_proj, p.o_proj, p.gate_up_proj, p.down_proj)]
         batch_invariant = all(form.batch_invariant for form in forms)
-        # The K-quant family's segments take x as the layers do: all in two limbs, or none.
+        # The block formats' segments take x as the layers do: all in two limbs, or none.
         two_limbs = any(
             seg.two_limbs for form in forms
             for _, seg in (form.segments if isinstance(form, NativeSegments) else ((0, form),)))

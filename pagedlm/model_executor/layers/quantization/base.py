@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from pagedlm import envs
-from pagedlm.kernels.quant import TWO_LIMB_FORMATS
 from pagedlm.model_executor.layers.linear import (LinearMethodBase, NativeLinear,
                                                   UnquantizedLinearMethod, WeightFormat)
 import pagedlm.model_executor.layers.quantization.kernels as kernels
@@ -107,12 +106,8 @@ class PackedLinearMethod(UnquantizedLinearMethod):
             return None  # a subclass that multiplies another way describes its own form
         return NativeLinear(fmt, layer.qweight_data, layer.qscale,
                             every_row_count=self.deterministic,
-                            two_limbs=two_limbs(layer.quant_format, self.precise_activations))
-
-
-def two_limbs(fmt: str, precise_activations: bool) -> bool:
-    """Whether quantized_matmul takes x in two limbs for `fmt` (its native form says so)."""
-    return precise_activations and fmt in TWO_LIMB_FORMATS
+                            two_limbs=kernels.activation_limbs(
+                                layer.quant_format, self.precise_activations) == 2)
 
 
 def weight_formats(model: nn.Module) -> Counter:

@@ -45,7 +45,7 @@ from pagedlm.model_executor.layers.linear import (PANEL_FORMATS, LinearMethodBas
                                                   RowParallelLinear, UnquantizedLinearMethod)
 import pagedlm.model_executor.layers.quantization.kernels as kernels
 from pagedlm.model_executor.layers.quantization.base import (NATIVE_FORMATS, PackedLinearMethod,
-                                                            QuantizationConfig, two_limbs)
+                                                            QuantizationConfig)
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.model_path import gguf_source
 from pagedlm.model_executor.model_loader.weight_utils import WeightShapeError
@@ -293,7 +293,7 @@ class GGUFShardedLinearMethod(LinearMethodBase):
                 return None  # a format no kernel of the stack runs, or rows it leaves unset
             segments.append((rows, NativeLinear(
                 native, data, every_row_count=self.deterministic,
-                two_limbs=two_limbs(fmt, self.precise_activations))))
+                two_limbs=kernels.activation_limbs(fmt, self.precise_activations) == 2)))
         return NativeSegments(tuple(segments))
 
 

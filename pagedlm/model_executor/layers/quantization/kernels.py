@@ -87,11 +87,10 @@ def quantize_activations_reference(x: torch.Tensor
 
 def activation_limbs_reference(x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]]:
-    """x [M, K] float32 in the two 8-bit limbs the K-quant family's qmm16_ kernels take: the
-    first is quantize_activations_reference(x), the second that of the residual x - d q,
-    rounded once to float32 (as the kernels' fmaf; in float64 the difference is exact, the
-    two terms' bits spanning fewer than 53)."""
-    m, k = x.shape
+    """x [M, K] float32 in the two 8-bit limbs the qmm16_ kernels take: the first is
+    quantize_activations_reference(x), the second that of the residual x - d q, rounded once
+    to float32 (as the kernels' fmaf; in float64 the difference is exact, the two terms' bits
+    spanning fewer than 53)."""
     hi = quantize_activations_reference(x)
     res = (x.double() - _dequantize_limb(hi)).float()
     return [hi, quantize_activations_reference(res)]
@@ -227,6 +226,12 @@ def _amx_panels_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor, n: int,
     return y
 
 
+def activation_limbs(fmt: str, precise_activations: bool) -> int:
+    """How many 8-bit limbs quantized_matmul's kernel takes x in for `fmt` (a layer's native
+    form says the same, for the fused decode stack)."""
+    return 2 if precise_activations and fmt in native.TWO_LIMB_FORMATS else 1
+
+
 def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
                      scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                      batch_invariant: bool = False,
@@ -258,7 +263,7 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
     m = x2.shape[0]
-    limbs = 2 if precise_activations and fmt in native.TWO_LIMB_FORMATS else 1
+    limbs = activation_limbs(fmt, precise_activations)
     if batch_invariant:
         if not available():
             raise ValueError("quantized_matmul(batch_invariant=True) needs the native kernels "
