@@ -441,7 +441,7 @@ def test_precise_activations_take_two_limbs_and_float32(fmt, monkeypatch):
                        _kernel16(fmt, x, blocks, threads))
     monkeypatch.setattr(kernels, "_amx_panels_matmul", None)  # a call would fail
     many = kernels.quantized_matmul(fmt, x, blocks, precise_activations=True)
-    assert torch.equal(many, x @ kernels.dequantize(fmt, blocks).T)
+    assert torch.equal(many, torch.nn.functional.linear(x, kernels.dequantize(fmt, blocks)))
 
 
 def test_two_limbs_are_refused_where_no_kernel_takes_them():
