@@ -194,21 +194,51 @@ def test_default_model_streams_its_panels_from_huge_pages():
     assert "Paris" in out[0].outputs[0].text
 
 
-def test_huge_file_maps_reads_smaps():
-    """A file map counts when nearly all its mapped pages are on 2 MiB entries; an anonymous
-    map, or a file map mostly on 4 KiB pages, does not."""
+def test_file_maps_reads_smaps():
+    """A file map counts as huge when nearly all its mapped pages are on 2 MiB entries; a
+    file map mostly on 4 KiB pages does not, and an anonymous map is no file map."""
     smaps = "\n".join([
-        "7f0000000000-7f0028000000 r--p 00000000 fe:01 1234    /models/a.gguf",
+        "7f0000000000-7f0028000000 r--p 00200000 fe:01 1234    /models/a.gguf",
         "Size:             655360 kB", "Rss:              655360 kB",
-        "FilePmdMapped:    651264 kB", "VmFlags: rd mr me ms hg",
-        "7f1000000000-7f1028000000 r--p 00000000 fe:01 1235    /models/b.gguf",
+        "FilePmdMapped:    651264 kB", "Anonymous:             0 kB", "VmFlags: rd mr me ms hg",
+        "7f1000000000-7f1028000000 r--p 00000000 fe:01 1235    /models/my model.gguf",
         "Size:             655360 kB", "Rss:              655360 kB",
-        "FilePmdMapped:      6144 kB",
+        "Anonymous:             8 kB", "FilePmdMapped:      6144 kB",
         "7f2000000000-7f2028000000 rw-p 00000000 00:00 0 ",
         "Size:             655360 kB", "Rss:              655360 kB",
         "AnonHugePages:    655360 kB", "FilePmdMapped:         0 kB",
     ])
-    assert huge_pages.huge_file_maps(smaps) == [(0x7f0000000000, 0x7f0028000000)]
+    a, b = huge_pages.file_maps(smaps)
+    assert a == huge_pages.FileMap(0x7f0000000000, 0x7f0028000000, 0x200000, 1234,
+                                   "/models/a.gguf", rss=655360 << 10,
+                                   pmd_mapped=651264 << 10, anonymous=0)
+    assert a.huge and not b.huge
+    assert (b.path, b.inode, b.anonymous, b.pmd_mapped) == ("/models/my model.gguf", 1235,
+                                                           8192, 6144 << 10)
+
+
+def _uncached_file(path, n: int) -> None:
+    """Write n random bytes to path and drop them from the page cache."""
+    import os
+    path.write_bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean now: the cache drops it
+    finally:
+        os.close(fd)
+
+
+def _advised_blocks(path, n: int):
+    """A private map of path advised for huge pages, as the GGUF loader's, and a layer whose
+    blocks view all of it but its last huge page."""
+    import mmap
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    huge_pages.advise_file_map(m)
+    layer = torch.nn.Module()
+    layer.qweight_data = torch.frombuffer(m, dtype=torch.uint8)[:n - huge_pages.HUGE_PAGE]
+    return m, layer
 
 
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
@@ -217,23 +247,11 @@ def test_blocks_on_a_file_map_of_huge_folios_stay_in_place(tmp_path):
     """A file read through a map advised for huge pages, with its pages not yet cached: where
     the file system keeps 2 MiB folios (ext4 on Linux 6.16+), the map is then on 2 MiB entries
     and gather_blocks leaves its blocks there (no copy, no release); elsewhere it moves them."""
-    import mmap
-    import os
-    path = tmp_path / "blocks.bin"
-    n = 32 * huge_pages.HUGE_PAGE
-    path.write_bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).numpy().tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean now: the cache drops it
-        m = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private, as the GGUF loader's
-    finally:
-        os.close(fd)
-    huge_pages.advise_file_map(m)
-    blocks = torch.frombuffer(m, dtype=torch.uint8)[:n - huge_pages.HUGE_PAGE]
+    path, n = tmp_path / "blocks.bin", 32 * huge_pages.HUGE_PAGE
+    _uncached_file(path, n)
+    _, layer = _advised_blocks(path, n)
+    blocks = layer.qweight_data
     expected = blocks.clone()
-    layer = torch.nn.Module()
-    layer.qweight_data = blocks
     released = []
     in_place = huge_pages.on_huge_file_pages([blocks]) == {blocks.data_ptr()}
     moved = huge_pages.gather_blocks(layer, release=released.append)
@@ -244,3 +262,36 @@ def test_blocks_on_a_file_map_of_huge_folios_stay_in_place(tmp_path):
     assert torch.equal(layer.qweight_data, expected)
     if not in_place:
         pytest.skip("this file system kept no 2 MiB folios of the file: the blocks moved")
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off here")
+def test_a_file_cached_in_small_folios_is_read_again_onto_huge_ones(tmp_path):
+    """A file the page cache holds in 4 KiB folios (faulted in page by page through a map
+    without the advice, readahead off) stays in them until it is dropped; on_huge_file_pages
+    reads such a map again, and its blocks then stay in place, unchanged. Needs a file system
+    that gives 2 MiB folios to an advised map in the first place (the test above)."""
+    import mmap
+    path, n = tmp_path / "blocks.bin", 32 * huge_pages.HUGE_PAGE
+    _uncached_file(path, n)
+    probe, layer = _advised_blocks(path, n)
+    if huge_pages.on_huge_file_pages([layer.qweight_data]) != {layer.qweight_data.data_ptr()}:
+        pytest.skip("this file system keeps no 2 MiB folios of a file")
+    del layer
+    probe.close()
+    _uncached_file(path, n)
+    with open(path, "rb") as f:
+        plain = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    plain.madvise(mmap.MADV_RANDOM)  # one 4 KiB folio per fault, no readahead
+    expected = torch.frombuffer(bytearray(plain[:n - huge_pages.HUGE_PAGE]), dtype=torch.uint8)
+    plain.close()
+
+    m, layer = _advised_blocks(path, n)
+    blocks = layer.qweight_data
+    int(blocks[::4096].sum())  # maps the cached small folios, as a first touch would
+    mine = [f for f in huge_pages.file_maps(open("/proc/self/smaps").read())
+            if f.start <= blocks.data_ptr() < f.end]
+    assert len(mine) == 1 and mine[0].rss >= blocks.nbytes and mine[0].pmd_mapped == 0
+    assert huge_pages.on_huge_file_pages([blocks]) == {blocks.data_ptr()}
+    assert huge_pages.gather_blocks(layer) == 0 and layer.qweight_data is blocks
+    assert torch.equal(blocks, expected)
