@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     PAGEDLM_DISABLE_ONEDNN: bool
     PAGEDLM_DEFAULT_MALLOC: bool
     PAGEDLM_DISABLE_HUGE_PAGES: bool
+    PAGEDLM_GGUF_IN_PLACE: bool
     PAGEDLM_PRECISE_ACTIVATIONS: bool
     PAGEDLM_ATTENTION_BACKEND: str | None
     PAGEDLM_TRITON_GEMV: bool
@@ -61,6 +62,12 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # 1/true/yes: the KV cache and the weight panels stay on torch's allocator (4 KiB pages)
     # instead of asking for 2 MiB transparent huge pages (huge_pages.py).
     "PAGEDLM_DISABLE_HUGE_PAGES": _flag("PAGEDLM_DISABLE_HUGE_PAGES"),
+    # 1/true/yes: a GGUF file's blocks stay on the page cache's 2 MiB folios where it has them
+    # (huge_pages.gather_blocks), instead of being copied onto fresh huge pages. Saves the copy
+    # at load (the 1B Q4_K_M file: 1.4-1.6 s on the 2-vCPU Xeon VM, the VM's first touch of
+    # the memory); the stream may read slower: there the cache's folios read at 19-21 GB/s one
+    # day and 26.6-27.3 the day before, against 26-27 for the copy.
+    "PAGEDLM_GGUF_IN_PLACE": _flag("PAGEDLM_GGUF_IN_PLACE"),
     # 1/true/yes: quantized layers take their input at about 16 bits instead of 8 (read once,
     # as each layer's method is made): the block formats (gguf's and int4's) run their kernels
     # on x in two 8-bit limbs, and their many-row steps dequantize to float32 instead of

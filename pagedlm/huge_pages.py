@@ -234,7 +234,8 @@ def reread_on_huge_folios(m: FileMap, libc: ctypes.CDLL) -> bool:
 
 
 def gather_blocks(model: torch.nn.Module,
-                  release: Callable[[torch.Tensor], None] | None = None) -> int:
+                  release: Callable[[torch.Tensor], None] | None = None,
+                  in_place: bool = False) -> int:
     """Move the quantized weight blocks the model's layers stream every step (a quantized
     layer's `qweight_data`, a sharded GGUF layer's uint8 shards) into one map on huge pages;
     returns the bytes moved (0 where the OS has no huge pages). An embedding whose row lookups
@@ -251,11 +252,17 @@ def gather_blocks(model: torch.nn.Module,
     first touch of memory it has not used lately, not the copy: 2.0 s to fault in 667 MB of
     huge pages the first time, 0.075 s the next).
 
-    Blocks that are views of a file map already on 2 MiB entries (on_huge_file_pages: the
-    page cache holds the file in 2 MiB folios, as advise_file_map gets where the file
-    system can, or as on_huge_file_pages reads a file cached in small ones again) stay where
-    they are: torch.sum read that map at 26.6-27.3 GB/s against 26.2
-    for an anonymous huge-page copy and 17.2 on 4 KiB pages, and the load saves the copy."""
+    With in_place (PAGEDLM_GGUF_IN_PLACE), blocks that are views of a file map already on
+    2 MiB entries stay where they are (on_huge_file_pages: the page cache holds the file in
+    2 MiB folios, as advise_file_map gets where the file system can, or as on_huge_file_pages
+    reads a file cached in small ones again): the load saves the copy and the fresh memory.
+    Not the default, because on the VM those folios may read slower than the copy: one day
+    torch.sum read the file's map at 26.6-27.3 GB/s against 26.2 for the copy, the next at
+    19.3-21.4 against 26.3-27.1, after evicting and reading the file again (4 times, each
+    19.2-21.4), and the 1B stream ran 22.7-23.0 tok/s in place against 27.2 copied
+    (interleaved fresh processes, medians of 3). Where the cache lands in the host's memory
+    is not this process's to see or choose; the copy lands on memory the CPU touched first.
+    And the stream runs for as long as the server does, the copy once."""
     held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tensor], None]]]] = {}
 
     def hold(t, setter):
@@ -280,7 +287,7 @@ def gather_blocks(model: torch.nn.Module,
         if isinstance(rows, torch.Tensor) and rows.data_ptr() in held:
             held[rows.data_ptr()][1].append(
                 lambda new, m=module: setattr(m.row_lookup, "blocks", new))
-    if held and supported():
+    if held and in_place and supported():
         # Views of a file map already on 2 MiB entries stay: no copy, and no fresh memory.
         for ptr in on_huge_file_pages([t for t, _ in held.values()]):
             del held[ptr]

@@ -156,27 +156,34 @@ def test_gather_blocks_moves_each_quantized_tensor_once_with_its_values():
                     reason="transparent huge pages are off here")
 def test_default_gguf_streams_its_blocks_from_huge_pages(monkeypatch):
     """The embedded SmolLM2 on its Q4_1 blocks: every block tensor the layers stream sits on
-    huge pages, the tied embedding reads the LM head's copy, and greedy tokens and logprobs are
-    the very ones the file's own pages give (PAGEDLM_DISABLE_HUGE_PAGES=1): the same kernels
-    on the same bytes."""
+    huge pages, copied there by default or left on the file's 2 MiB folios with
+    PAGEDLM_GGUF_IN_PLACE=1 where the page cache has them; the tied embedding reads the LM
+    head's blocks; and greedy tokens and logprobs are the very ones the file's own pages give
+    (PAGEDLM_DISABLE_HUGE_PAGES=1): the same kernels on the same bytes."""
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=0)
-    outs = {}
-    for disable in ("1", ""):
+    outs, models = {}, {}
+    for how, disable, in_place in (("file pages", "1", ""), ("copied", "", ""),
+                                   ("in place", "", "1")):
         monkeypatch.setenv("PAGEDLM_DISABLE_HUGE_PAGES", disable)
+        monkeypatch.setenv("PAGEDLM_GGUF_IN_PLACE", in_place)
         llm = LLM(quantization="gguf", max_model_len=256, kv_cache_memory_bytes=64 * 2**20)
         out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
-        outs[disable] = (list(out.token_ids), [lp[t].logprob for t, lp in
-                                               zip(out.token_ids, out.logprobs)])
-        model = llm.llm_engine.executor.worker.model
+        outs[how] = (list(out.token_ids), [lp[t].logprob for t, lp in
+                                           zip(out.token_ids, out.logprobs)])
+        models[how] = llm.llm_engine.executor.worker.model
         del llm
-    assert outs["1"] == outs[""] and "Paris" in out.text
-    streamed = [m.qweight_data for m in model.modules()
-                if isinstance(getattr(m, "qweight_data", None), torch.Tensor)]
-    streamed += [s[2] for m in model.modules() for s in getattr(m, "quant_shards", None) or ()]
-    assert len(streamed) >= 121  # 30 layers x 4 linears and the tied LM head
-    total = sum(t.nbytes for t in streamed)
-    assert huge_bytes(streamed[0]) >= total // 2
-    assert model.embed_tokens.row_lookup.blocks.data_ptr() == model.lm_head.qweight_data.data_ptr()
+    assert outs["file pages"] == outs["copied"] == outs["in place"] and "Paris" in out.text
+    for how in ("copied", "in place"):
+        model = models[how]
+        streamed = [m.qweight_data for m in model.modules()
+                    if isinstance(getattr(m, "qweight_data", None), torch.Tensor)]
+        streamed += [s[2] for m in model.modules()
+                     for s in getattr(m, "quant_shards", None) or ()]
+        assert len(streamed) >= 121  # 30 layers x 4 linears and the tied LM head
+        total = sum(t.nbytes for t in streamed)
+        assert huge_bytes(streamed[0]) >= total // 2, how
+        assert (model.embed_tokens.row_lookup.blocks.data_ptr()
+                == model.lm_head.qweight_data.data_ptr())
 
 
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
@@ -246,7 +253,8 @@ def _advised_blocks(path, n: int):
 def test_blocks_on_a_file_map_of_huge_folios_stay_in_place(tmp_path):
     """A file read through a map advised for huge pages, with its pages not yet cached: where
     the file system keeps 2 MiB folios (ext4 on Linux 6.16+), the map is then on 2 MiB entries
-    and gather_blocks leaves its blocks there (no copy, no release); elsewhere it moves them."""
+    and gather_blocks, asked to, leaves its blocks there (no copy, no release); elsewhere it
+    moves them."""
     path, n = tmp_path / "blocks.bin", 32 * huge_pages.HUGE_PAGE
     _uncached_file(path, n)
     _, layer = _advised_blocks(path, n)
@@ -254,7 +262,7 @@ def test_blocks_on_a_file_map_of_huge_folios_stay_in_place(tmp_path):
     expected = blocks.clone()
     released = []
     in_place = huge_pages.on_huge_file_pages([blocks]) == {blocks.data_ptr()}
-    moved = huge_pages.gather_blocks(layer, release=released.append)
+    moved = huge_pages.gather_blocks(layer, release=released.append, in_place=True)
     if in_place:
         assert moved == 0 and not released and layer.qweight_data is blocks
     else:
@@ -293,5 +301,8 @@ def test_a_file_cached_in_small_folios_is_read_again_onto_huge_ones(tmp_path):
             if f.start <= blocks.data_ptr() < f.end]
     assert len(mine) == 1 and mine[0].rss >= blocks.nbytes and mine[0].pmd_mapped == 0
     assert huge_pages.on_huge_file_pages([blocks]) == {blocks.data_ptr()}
-    assert huge_pages.gather_blocks(layer) == 0 and layer.qweight_data is blocks
-    assert torch.equal(blocks, expected)
+    assert huge_pages.gather_blocks(layer, in_place=True) == 0
+    assert layer.qweight_data is blocks and torch.equal(blocks, expected)
+    # By default they are copied all the same (gather_blocks says why).
+    assert huge_pages.gather_blocks(layer) >= blocks.nbytes
+    assert layer.qweight_data is not blocks and torch.equal(layer.qweight_data, expected)

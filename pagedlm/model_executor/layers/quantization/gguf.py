@@ -324,6 +324,7 @@ class GGUFConfig(QuantizationConfig):
         super().__init__(deterministic=deterministic)
         self.gguf_path, self.metadata_dir = gguf_path, metadata_dir
         self._header, self._file = header, None
+        self.blocks_in_place = envs.PAGEDLM_GGUF_IN_PLACE
 
     @classmethod
     def from_model_dir(cls, model_dir: str, *, deterministic: bool = False) -> "GGUFConfig":
@@ -375,9 +376,10 @@ class GGUFConfig(QuantizationConfig):
                 module.weight = _float_weight(module, receiver)
         if self._file is not None:
             # The blocks the steps stream go on huge pages (on the CPU; huge_pages.gather_blocks
-            # says what that gains): left in the file's map where its pages are 2 MiB folios,
-            # else copied, each one's file pages dropped as it is copied, so the load never
-            # holds a weight twice.
-            huge_pages.gather_blocks(model, release=self._release)
+            # says what that gains): copied, each one's file pages dropped as it is copied, so
+            # the load never holds a weight twice; or, with PAGEDLM_GGUF_IN_PLACE, left in the
+            # file's map where its pages are 2 MiB folios.
+            huge_pages.gather_blocks(model, release=self._release,
+                                     in_place=self.blocks_in_place)
             self._file.release_pages()
             self._file = None
