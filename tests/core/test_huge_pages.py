@@ -152,6 +152,44 @@ def test_gather_blocks_moves_each_quantized_tensor_once_with_its_values():
     assert huge_pages.gather_blocks(small) == 0 and small.qweight_data.data_ptr() == before
 
 
+def map_rss(t: torch.Tensor) -> int:
+    """Rss of the mapping that holds t (/proc/self/smaps)."""
+    addr, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off here")
+def test_faulting_arena_hands_out_faulted_pages_and_returns_the_rest():
+    """The threads fault the whole map in; take(n) hands out n zeroed bytes on huge pages and
+    gives the pages past them back; a request larger than the map gets None."""
+    page = huge_pages.HUGE_PAGE
+    arena = huge_pages.FaultingArena(16 * page)
+    n = 10 * page + 12345
+    buf = arena.take(n)
+    assert buf is not None and buf.nbytes == n and buf.dtype == torch.uint8
+    assert int(buf.count_nonzero()) == 0
+    assert 10 * page <= map_rss(buf) <= 11 * page  # faulted in, the other 5 pages back
+    assert huge_bytes(buf) >= 10 * page
+    assert huge_pages.FaultingArena(8 * page).take(8 * page + 1) is None
+
+
+def streamed_of(model: nn.Module) -> list[torch.Tensor]:
+    """The block tensors a GGUF model's layers stream."""
+    streamed = [m.qweight_data for m in model.modules()
+                if isinstance(getattr(m, "qweight_data", None), torch.Tensor)]
+    return streamed + [s[2] for m in model.modules()
+                       for s in getattr(m, "quant_shards", None) or ()]
+
+
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
                     reason="transparent huge pages are off here")
 def test_default_gguf_streams_its_blocks_from_huge_pages(monkeypatch):
@@ -161,7 +199,14 @@ def test_default_gguf_streams_its_blocks_from_huge_pages(monkeypatch):
     head's blocks; and greedy tokens and logprobs are the very ones the file's own pages give
     (PAGEDLM_DISABLE_HUGE_PAGES=1): the same kernels on the same bytes."""
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=0)
-    outs, models = {}, {}
+    outs, models, taken = {}, {}, []
+    take = huge_pages.FaultingArena.take
+
+    def recorded_take(self, nbytes):  # the real take, its result kept
+        taken.append(take(self, nbytes))
+        return taken[-1]
+
+    monkeypatch.setattr(huge_pages.FaultingArena, "take", recorded_take)
     for how, disable, in_place in (("file pages", "1", ""), ("copied", "", ""),
                                    ("in place", "", "1")):
         monkeypatch.setenv("PAGEDLM_DISABLE_HUGE_PAGES", disable)
@@ -175,15 +220,16 @@ def test_default_gguf_streams_its_blocks_from_huge_pages(monkeypatch):
     assert outs["file pages"] == outs["copied"] == outs["in place"] and "Paris" in out.text
     for how in ("copied", "in place"):
         model = models[how]
-        streamed = [m.qweight_data for m in model.modules()
-                    if isinstance(getattr(m, "qweight_data", None), torch.Tensor)]
-        streamed += [s[2] for m in model.modules()
-                     for s in getattr(m, "quant_shards", None) or ()]
+        streamed = streamed_of(model)
         assert len(streamed) >= 121  # 30 layers x 4 linears and the tied LM head
         total = sum(t.nbytes for t in streamed)
         assert huge_bytes(streamed[0]) >= total // 2, how
         assert (model.embed_tokens.row_lookup.blocks.data_ptr()
                 == model.lm_head.qweight_data.data_ptr())
+    # The copies went into the arena the loader faulted in while it loaded, once.
+    assert len(taken) == 1 and taken[0] is not None
+    lo, hi = taken[0].data_ptr(), taken[0].data_ptr() + taken[0].nbytes
+    assert all(lo <= t.data_ptr() < hi for t in streamed_of(models["copied"]))
 
 
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"),

@@ -325,6 +325,7 @@ class GGUFConfig(QuantizationConfig):
         self.gguf_path, self.metadata_dir = gguf_path, metadata_dir
         self._header, self._file = header, None
         self.blocks_in_place = envs.PAGEDLM_GGUF_IN_PLACE
+        self._arena: huge_pages.FaultingArena | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str, *, deterministic: bool = False) -> "GGUFConfig":
@@ -357,6 +358,7 @@ class GGUFConfig(QuantizationConfig):
         from pagedlm.model_executor.model_loader.gguf_weights import GGUFWeights
         # The float weights (a converted directory's) are not read: everything is in the file.
         self._file = GGUFWeights(self.gguf_path, self.metadata_dir, self._header)
+        self._arena = self._faulting_arena(self._header)
         self._header = None  # read once per load; the weights hold the map from here
         # F16 and BF16 matrices come as 2-byte tensors (see the module docstring).
         yield from self._file.weights(set(RUNNABLE_TYPES) | {"F16", "BF16"})
@@ -380,6 +382,25 @@ class GGUFConfig(QuantizationConfig):
             # the load never holds a weight twice; or, with PAGEDLM_GGUF_IN_PLACE, left in the
             # file's map where its pages are 2 MiB folios.
             huge_pages.gather_blocks(model, release=self._release,
-                                     in_place=self.blocks_in_place)
+                                     in_place=self.blocks_in_place, arena=self._arena)
             self._file.release_pages()
             self._file = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def _faulting_arena(self, header) -> huge_pages.FaultingArena | None:
+        """The map gather_blocks will copy the blocks into, faulted in from now on: its size is
+        every block tensor of the file (the streamed ones and, where no output.weight ties
+        nothing, the token embedding's, handed back if unused). One process only: a worker of
+        a sharded model holds a part of them."""
+        if header is None or self.blocks_in_place or not huge_pages.supported():
+            return None
+        from pagedlm.distributed.parallel_state import get_world_group
+        if get_world_group().world_size != 1:
+            return None
+        # Q4_0 runs as Q4_1 (20 bytes a block for 18).
+        blocks = [t.n_bytes * (20 if t.tensor_type.name == "Q4_0" else 18) // 18
+                  for t in header.tensors if t.tensor_type.name in RUNNABLE_TYPES]
+        nbytes = sum(-(-n // 64) * 64 for n in blocks)
+        return huge_pages.FaultingArena(nbytes) if nbytes >= huge_pages.MIN_BYTES else None
