@@ -30,21 +30,26 @@ def thp_mode() -> str:
         return "absent"
 
 
-def huge_bytes(t: torch.Tensor) -> int:
-    """AnonHugePages, or FilePmdMapped for a file's map, of the mapping that holds t
-    (/proc/self/smaps)."""
-    addr, header = t.data_ptr(), None
+def map_fields(t: torch.Tensor) -> dict[str, int]:
+    """The byte counts /proc/self/smaps gives the mapping that holds t (Rss, AnonHugePages...)."""
+    addr, inside, fields = t.data_ptr(), False, {}
     with open("/proc/self/smaps") as f:
         for line in f:
             first = line.split()[0]
             if "-" in first and ":" not in first:
+                if inside:
+                    break
                 lo, hi = (int(x, 16) for x in first.split("-"))
-                header = lo <= addr < hi
-            elif header and line.startswith(("AnonHugePages:", "FilePmdMapped:")):
-                found = int(line.split()[1]) * 1024
-                if found:
-                    return found
-    return 0
+                inside = lo <= addr < hi
+            elif inside and line.split()[-1] == "kB":
+                fields[first.rstrip(":")] = int(line.split()[1]) * 1024
+    return fields
+
+
+def huge_bytes(t: torch.Tensor) -> int:
+    """AnonHugePages, or FilePmdMapped for a file's map, of the mapping that holds t."""
+    fields = map_fields(t)
+    return fields.get("AnonHugePages", 0) or fields.get("FilePmdMapped", 0)
 
 
 def test_huge_page_tensors():
@@ -152,20 +157,6 @@ def test_gather_blocks_moves_each_quantized_tensor_once_with_its_values():
     assert huge_pages.gather_blocks(small) == 0 and small.qweight_data.data_ptr() == before
 
 
-def map_rss(t: torch.Tensor) -> int:
-    """Rss of the mapping that holds t (/proc/self/smaps)."""
-    addr, inside = t.data_ptr(), False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            first = line.split()[0]
-            if "-" in first and ":" not in first:
-                lo, hi = (int(x, 16) for x in first.split("-"))
-                inside = lo <= addr < hi
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
                     reason="transparent huge pages are off here")
 def test_faulting_arena_hands_out_faulted_pages_and_returns_the_rest():
@@ -177,7 +168,7 @@ def test_faulting_arena_hands_out_faulted_pages_and_returns_the_rest():
     buf = arena.take(n)
     assert buf is not None and buf.nbytes == n and buf.dtype == torch.uint8
     assert int(buf.count_nonzero()) == 0
-    assert 10 * page <= map_rss(buf) <= 11 * page  # faulted in, the other 5 pages back
+    assert 10 * page <= map_fields(buf)["Rss"] <= 11 * page  # faulted in, the other 5 pages back
     assert huge_bytes(buf) >= 10 * page
     assert huge_pages.FaultingArena(8 * page).take(8 * page + 1) is None
 
