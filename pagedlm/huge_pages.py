@@ -82,14 +82,16 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, zero: bool = False) -> tor
 
 
 class FaultingArena:
-    """A huge-page map of `nbytes` whose pages a thread faults in (MADV_POPULATE_WRITE, which
-    runs without the GIL) while the load goes on, for gather_blocks to copy into.
+    """A huge-page map of `nbytes` whose pages two threads fault in (MADV_POPULATE_WRITE, a
+    C call that runs without the GIL) while the load goes on, for gather_blocks to copy into.
 
-    On this VM the copy's cost is the first touch of fresh memory, not the copy: 1.4-1.6 s of
-    the 1B Q4_K_M file's 667 MB (gather_blocks), against 0.15 s into pages already faulted
-    in. The thread takes it off the loading thread, onto the core that the GIL leaves idle
-    while the model is built and the server imports its HTTP stack. `take(n)` waits for the
-    thread and hands out the first n bytes; the pages past them go back at once."""
+    On the 2-vCPU Xeon VM the copy's cost is the first touch of fresh memory, not the copy:
+    1.4-1.6 s of the 1B Q4_K_M file's 667 MB (gather_blocks), against 0.15 s into pages
+    already faulted in. The threads take it off the loading thread, onto what the GIL leaves
+    idle while the model is built (and the server imports its HTTP stack). In process the 1B
+    LLM(...) went from 1.7-2.0 to 1.2 s: the loader reached the copy 0.2-0.4 s in and waited
+    0.5-0.7 s more, against 1.0-1.3 s with one thread. `take(n)` waits for the threads and
+    hands out the first n bytes; the pages past them go back at once."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -317,7 +319,7 @@ def gather_blocks(model: torch.nn.Module,
     2 MiB entries stay where they are (on_huge_file_pages: the page cache holds the file in
     2 MiB folios, as advise_file_map gets where the file system can, or as on_huge_file_pages
     reads a file cached in small ones again): the load saves the copy and the fresh memory.
-    Not the default, because on the VM those folios may read slower than the copy: one day
+    Not the default, because on the Xeon VM those folios may read slower than the copy: one day
     torch.sum read the file's map at 26.6-27.3 GB/s against 26.2 for the copy, the next at
     19.3-21.4 against 26.3-27.1, after evicting and reading the file again (4 times, each
     19.2-21.4), and the 1B stream ran 22.7-23.0 tok/s in place against 27.2 copied
