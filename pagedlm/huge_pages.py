@@ -59,6 +59,14 @@ def supported() -> bool:
             and not envs.PAGEDLM_DISABLE_HUGE_PAGES)
 
 
+def _madvise(addr: int, length: int, advice: int) -> int:
+    """madvise(2) on a raw address range (Python's mmap.madvise takes only its own maps): 0,
+    or -1 with errno set."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(addr, length, advice)
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
     """An uninitialised (or, with zero, zeroed and faulted in) CPU tensor, on huge pages where
     it is MIN_BYTES or more and the OS supports them; else torch's own."""
@@ -105,14 +113,12 @@ class FaultingArena:
 
     @staticmethod
     def _fault(buf: torch.Tensor) -> None:  # buf: held, so the map outlives the call
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         # A piece at a time: the call holds the process's map lock, which every mmap and
         # munmap of the loading thread (its larger mallocs) waits for. An older kernel
         # (EINVAL) leaves the pages to the copy's first touch.
         for start in range(0, buf.nbytes, _FAULT_PIECE):
-            if libc.madvise(buf.data_ptr() + start, min(_FAULT_PIECE, buf.nbytes - start),
-                            _MADV_POPULATE_WRITE):
+            if _madvise(buf.data_ptr() + start, min(_FAULT_PIECE, buf.nbytes - start),
+                        _MADV_POPULATE_WRITE):
                 return
 
     def take(self, nbytes: int) -> torch.Tensor | None:
@@ -126,9 +132,7 @@ class FaultingArena:
         start = -(-(buf.data_ptr() + nbytes) // HUGE_PAGE) * HUGE_PAGE
         end = buf.data_ptr() + buf.nbytes
         if end > start:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise(start, end - start, mmap.MADV_DONTNEED)
+            _madvise(start, end - start, mmap.MADV_DONTNEED)
         return buf[:nbytes]
 
     def close(self) -> None:
@@ -201,13 +205,11 @@ def on_huge_file_pages(tensors: list[torch.Tensor]) -> set[int]:
     fresh huge pages took 1.4-1.6 s."""
     if not tensors or not supported():
         return set()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
     def populate() -> bool:
         for t in tensors:
             first = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
-            if libc.madvise(first, t.data_ptr() + t.nbytes - first, _MADV_POPULATE_READ):
+            if _madvise(first, t.data_ptr() + t.nbytes - first, _MADV_POPULATE_READ):
                 return False  # an older kernel, or not a map of a file
         return True
 
@@ -218,7 +220,8 @@ def on_huge_file_pages(tensors: list[torch.Tensor]) -> set[int]:
         return set()
     maps = _own_file_maps()
     small = [m for m in maps if not m.huge and any(inside(t, m) for t in tensors)]
-    if small and sum(reread_on_huge_folios(m, libc) for m in small) and populate():
+    reread = [reread_on_huge_folios(m) for m in small]  # each, not up to the first True
+    if any(reread) and populate():
         maps = _own_file_maps()
     return {t.data_ptr() for t in tensors if any(m.huge and inside(t, m) for m in maps)}
 
@@ -270,7 +273,7 @@ def _own_file_maps() -> list[FileMap]:
         return []
 
 
-def reread_on_huge_folios(m: FileMap, libc: ctypes.CDLL) -> bool:
+def reread_on_huge_folios(m: FileMap) -> bool:
     """Drop `m`'s pages from this process and from the page cache, so that they are read again
     through the map's huge-page advice; True if that was done. Only a map with no written
     pages (they would be lost) of a file still at its path qualifies. The page cache keeps
@@ -282,7 +285,7 @@ def reread_on_huge_folios(m: FileMap, libc: ctypes.CDLL) -> bool:
         return False
     if m.anonymous or st.st_ino != m.inode or not stat.S_ISREG(st.st_mode):
         return False
-    if libc.madvise(m.start, m.end - m.start, mmap.MADV_DONTNEED):
+    if _madvise(m.start, m.end - m.start, mmap.MADV_DONTNEED):
         return False
     try:
         fd = os.open(m.path, os.O_RDONLY)
