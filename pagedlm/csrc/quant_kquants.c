@@ -734,7 +734,7 @@ static inline __attribute__((always_inline)) int kq_rows(float *y, const float *
                 const float *dh = d + (size_t)2 * m * nbx;
                 qmm_quantize_activations(qh, d + (size_t)2 * m * nbx,
                                          sx + (size_t)2 * m * nbx, xm, 1, K);
-                for (int j = 0; j < K; j++) res[j] = fmaf(-dh[j / QK], (float)qh[j], xm[j]);
+                limb_residual(res, xm, qh, dh, K);
                 qmm_quantize_activations(qh + K, d + (size_t)(2 * m + 1) * nbx,
                                          sx + (size_t)(2 * m + 1) * nbx, res, 1, K);
             }
@@ -783,11 +783,7 @@ static inline __attribute__((always_inline)) int kq_rows(float *y, const float *
             for (int r = 0; r < qt; r++)
                 kq_group(yb + (size_t)r * ystride, &X, r, 1, w + (size_t)n * row_bytes,
                          row_bytes, 1, ystride, n - col0, fmt, NULL);
-        for (int m = 0; m < mt && limbs == 2; m++) {
-            const float *hi_limb = yb + (size_t)2 * m * width, *lo_limb = hi_limb + width;
-            float *ym = y + (size_t)(m0 + m) * N + lo;
-            for (int c = 0; c < width; c++) ym[c] = hi_limb[c] + lo_limb[c];
-        }
+        if (limbs == 2) add_limbs(y + (size_t)m0 * N + lo, N, yb, width, mt);
     }
     free(scales);
     return 0;

@@ -343,8 +343,7 @@ static inline __attribute__((always_inline)) int qrows_range(
             quantize_row_q8(q + (size_t)r * K, d,
                             fmt == FMT_Q4_1 ? scales + (size_t)(qrows + r) * nb : NULL, xm, K);
             if (limbs == 2) {
-                const int8_t *qh = q + (size_t)r * K;
-                for (int j = 0; j < K; j++) res[j] = fmaf(-d[j / QK], (float)qh[j], xm[j]);
+                limb_residual(res, xm, q + (size_t)r * K, d, K);
                 quantize_row_q8(q + (size_t)(r + 1) * K, d + nb,
                                 fmt == FMT_Q4_1 ? scales + (size_t)(qrows + r + 1) * nb : NULL,
                                 res, K);
@@ -362,11 +361,7 @@ static inline __attribute__((always_inline)) int qrows_range(
             qtile(yb, &X, wb, qt, ystride, K, n - col0, QROWS, fmt, next);
         }
         for (; n < hi; n++) qtile(yb, &X, wb, qt, ystride, K, n - col0, 1, fmt, NULL);
-        for (int m = 0; m < mt && limbs == 2; m++) {
-            const float *hi_limb = yb + (size_t)2 * m * width, *lo_limb = hi_limb + width;
-            float *ym = y + (size_t)(m0 + m) * N + lo;
-            for (int c = 0; c < width; c++) ym[c] = hi_limb[c] + lo_limb[c];
-        }
+        if (limbs == 2) add_limbs(y + (size_t)m0 * N + lo, N, yb, width, mt);
     }
     free(scales);
     return 0;

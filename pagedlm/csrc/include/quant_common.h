@@ -5,6 +5,7 @@
 #ifndef PAGEDLM_QUANT_COMMON_H
 #define PAGEDLM_QUANT_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,6 +91,24 @@ static inline __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i sc16) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc16);
 }
 #endif
+
+/* Two 8-bit limbs of x (the qmm16_ kernels; quant_kquants.c's header): the residual of x's K
+ * values against its first limb (q, with one scale d per 32-block), rounded once as fmaf
+ * does, for the second limb to quantize. */
+static inline void limb_residual(float *res, const float *x, const int8_t *q, const float *d,
+                                 int K) {
+    for (int j = 0; j < K; j++) res[j] = fmaf(-d[j / 32], (float)q[j], x[j]);
+}
+
+/* y's rows 0..mt-1 (N apart), columns 0..width-1, from the limbs' sums: row m's two limbs are
+ * rows 2m and 2m + 1 of ys (width apart). */
+static inline void add_limbs(float *y, int N, const float *ys, int width, int mt) {
+    for (int m = 0; m < mt; m++) {
+        const float *hi = ys + (size_t)2 * m * width, *lo = hi + width;
+        float *ym = y + (size_t)m * N;
+        for (int c = 0; c < width; c++) ym[c] = hi[c] + lo[c];
+    }
+}
 
 /* hsum256's order on 8 lanes held in memory: the halves, then pairs, then the last two. */
 static inline float hsum8_scalar(const float *lane) {
