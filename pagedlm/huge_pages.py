@@ -322,13 +322,16 @@ def gather_blocks(model: torch.nn.Module,
     2 MiB entries stay where they are (on_huge_file_pages: the page cache holds the file in
     2 MiB folios, as advise_file_map gets where the file system can, or as on_huge_file_pages
     reads a file cached in small ones again): the load saves the copy and the fresh memory.
-    Not the default, because on the Xeon VM those folios may read slower than the copy: one day
-    torch.sum read the file's map at 26.6-27.3 GB/s against 26.2 for the copy, the next at
-    19.3-21.4 against 26.3-27.1, after evicting and reading the file again (4 times, each
-    19.2-21.4), and the 1B stream ran 22.7-23.0 tok/s in place against 27.2 copied
-    (interleaved fresh processes, medians of 3). Where the cache lands in the host's memory
-    is not this process's to see or choose; the copy lands on memory the CPU touched first.
-    And the stream runs for as long as the server does, the copy once."""
+    Not the default, because on the Xeon VM the page cache a file was just read into streams
+    slower than the copy: torch.sum over the 1B Q4_K_M file's map read 27.2 GB/s (through
+    4 KiB entries) while the cache had held it for a day, and right after evicting and reading
+    it again 19.3 (4 KiB entries) and 22.7 (2 MiB ones; 4 times on an earlier day, each
+    19.2-21.4); 20.3-21.2 for a copy of the file just written by `cp`; 25.2-26.8 for the copy
+    onto fresh huge pages each time. The 1B stream ran 22.7-23.0 tok/s in place against 27.2
+    copied on such a day, and at the copy's speed when the cache was old. How the host backs
+    the guest's memory is not this process's to see; a cold start, the file just read from
+    the disk, is the slow case, and the copy lands on memory the CPU touched first. And the
+    stream runs for as long as the server does, the copy once."""
     held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tensor], None]]]] = {}
 
     def hold(t, setter):
