@@ -370,7 +370,7 @@ def _move_to_arena(held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tens
     huge pages and hand the copy to its setters; `copied(original)` after each. Returns the
     bytes moved: 0, and nothing moved, below MIN_BYTES or without huge pages. The originals are
     dropped as they go, so the process grows by about one tensor beyond the map."""
-    total = sum(_aligned(t.nbytes) for t, _ in held.values())
+    total = sum(aligned_bytes(t.nbytes) for t, _ in held.values())
     if total < MIN_BYTES or not supported():
         return 0
     arena = faulting.take(total) if faulting is not None else None
@@ -383,13 +383,13 @@ def _move_to_arena(held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tens
         moved.copy_(t)
         for put in setters:
             put(moved)
-        offset += _aligned(t.nbytes)
+        offset += aligned_bytes(t.nbytes)
         if copied is not None:
             copied(t)
         del t, setters  # the original's last reference here
     return total
 
 
-def _aligned(nbytes: int) -> int:
+def aligned_bytes(nbytes: int) -> int:
     """nbytes rounded up to a cache line: each panel in the arena starts on one."""
     return -(-nbytes // 64) * 64

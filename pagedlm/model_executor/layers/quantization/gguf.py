@@ -391,9 +391,10 @@ class GGUFConfig(QuantizationConfig):
 
     def _faulting_arena(self, header) -> huge_pages.FaultingArena | None:
         """The map gather_blocks will copy the blocks into, faulted in from now on: its size is
-        every block tensor of the file (the streamed ones and, where no output.weight ties
-        nothing, the token embedding's, handed back if unused). One process only: a worker of
-        a sharded model holds a part of them."""
+        every block tensor of the file, each laid out as gather_blocks lays it (the streamed
+        ones, and the token embedding's, streamed as the LM head where the file has no
+        output.weight, else handed back). One process only: a worker of a sharded model holds
+        a part of them."""
         if header is None or self.blocks_in_place or not huge_pages.supported():
             return None
         from pagedlm.distributed.parallel_state import get_world_group
@@ -402,5 +403,5 @@ class GGUFConfig(QuantizationConfig):
         # Q4_0 runs as Q4_1 (20 bytes a block for 18).
         blocks = [t.n_bytes * (20 if t.tensor_type.name == "Q4_0" else 18) // 18
                   for t in header.tensors if t.tensor_type.name in RUNNABLE_TYPES]
-        nbytes = sum(-(-n // 64) * 64 for n in blocks)
+        nbytes = sum(huge_pages.aligned_bytes(n) for n in blocks)
         return huge_pages.FaultingArena(nbytes) if nbytes >= huge_pages.MIN_BYTES else None
