@@ -63,6 +63,13 @@ def _perplexity(llm: LLM, text: str) -> float:
     return math.exp(-sum(lps) / len(lps))
 
 
+def _top2(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[dict[int, float]]]:
+    """Each greedy position's two most likely tokens and their logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    return [[{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
 
@@ -75,7 +82,7 @@ def default_runs():
     for q in (None, "gguf", "int8", "int4"):
         llm = LLM(quantization=q)
         runs[q] = {"greedy": _greedy(llm, PROMPTS, MAX_TOKENS), "ppl": _perplexity(llm, TEXT),
-                   "formats": weight_formats(_model(llm))}
+                   "formats": weight_formats(_model(llm)), "top2": _top2(llm, PROMPTS, MAX_TOKENS)}
         del llm
         gc.collect()
     return runs
@@ -89,10 +96,14 @@ def test_gguf_runs_the_files_blocks_and_matches_float32(default_runs):
     the next layer's input by a whole 8-bit step, and that spreads (such a run agreed with the
     kernels' no better than float32 does). The kernels are checked against that reference layer
     by layer (tests/kernels/test_quant_dot.py); here the model must keep float32's quality:
-    perplexity within 0.5% (issue 32) and greedy tokens as close as llama.cpp-style 8-bit
-    activations allow (measured on the AVX2 EPYC: perplexity x0.9994, 3/8 prompts identical,
-    148/256 tokens before the first difference, logprobs where the tokens agree 0.035 apart on
-    average, 0.22 at most).
+    perplexity within 0.5% (issue 32), logprobs close where the tokens agree, and every prompt's
+    first difference at a near-tie of both runs.
+
+    How far the tokens agree is a draw too: 3/8 prompts identical and 148/256 tokens before the
+    first difference on the AVX2 EPYC, 2/8 and 100/256 on the Zen 4 EPYC (AVX-512 VNNI, no
+    AMX), where a first difference's two tokens moved 0.03-0.32 against each other (the two
+    runs' margins added). So the bound is on that move, not on a count: 0.6, twice the 0.3 that
+    one token's logprob may move where the tokens agree.
 
     On TEXT's ~100 tokens that perplexity is a draw, not a fixed figure: the same 8-bit math in
     other float orders gave x1.0022 (transformers), x1.0101 (a PyTorch emulation) and x1.0237
@@ -104,20 +115,27 @@ def test_gguf_runs_the_files_blocks_and_matches_float32(default_runs):
     formats = default_runs["gguf"]["formats"]
     assert "float" not in formats and set(formats) == {"q4_1", "q8_0"}, formats
     ref, run = default_runs[None], default_runs["gguf"]
-    tokens, diffs = [], []
-    for (rt, rl), (gt, gl) in zip(ref["greedy"], run["greedy"]):
+    tokens, diffs, moves = [], [], []
+    for (rt, rl), (gt, gl), rtop, gtop in zip(ref["greedy"], run["greedy"], ref["top2"],
+                                              run["top2"]):
         n = _first_difference(rt, gt)
         tokens.append(n)
         diffs += np.abs(np.array(rl[:n]) - np.array(gl[:n])).tolist()
+        if n < MAX_TOKENS:
+            # Same prefix, so both runs rank the same two tokens at n: each run's choice must be
+            # the other's second, and the pair's margins small.
+            a, b = rt[n], gt[n]
+            assert b in rtop[n] and a in gtop[n], (n, rtop[n], gtop[n])
+            moves.append(rtop[n][a] - rtop[n][b] + gtop[n][b] - gtop[n][a])
     ratio = run["ppl"] / ref["ppl"]
     print(f"gguf: perplexity {run['ppl']:.4f} vs float32 {ref['ppl']:.4f} (x{ratio:.4f}); "
           f"prompts identical {sum(n == MAX_TOKENS for n in tokens)}/8, tokens before the first "
           f"difference {sum(tokens)}/{8 * MAX_TOKENS}; logprob differences max "
-          f"{max(diffs):.4f}, mean {np.mean(diffs):.4f}; tokens {tokens}")
+          f"{max(diffs):.4f}, mean {np.mean(diffs):.4f}; tokens {tokens}; the first "
+          f"differences' moves {[round(m, 3) for m in moves]}")
     assert abs(ratio - 1) < 0.03
-    # The first token of every prompt but one, and most of the rest.
-    assert sum(n > 0 for n in tokens) >= 7 and sum(tokens) >= 0.5 * 8 * MAX_TOKENS
     assert max(diffs) < 0.3 and np.mean(diffs) < 0.05
+    assert all(m < 0.6 for m in moves), moves
 
 
 @pytest.mark.parametrize("quantization,bound", [("int8", 1.05), ("int4", 1.15)])
