@@ -173,19 +173,29 @@ static inline void dequant_bf16_panels(dequant_fn dq, uint16_t *panels, const ui
         if ((long)N * K >= PAR_MIN_WEIGHTS && nthreads > 1) reduction(|: failed)
     for (int p = 0; p < P; p++) {
         const int rows = N - 32 * p < 32 ? N - 32 * p : 32;
-        float *buf = (float *)malloc((size_t)32 * K * sizeof(float));
+        float *buf = (float *)malloc((size_t)32 * K * sizeof(float) +
+                                     (size_t)32 * pairs * sizeof(uint32_t));
         if (!buf) {
             failed = 1;
             continue;
         }
+        uint32_t *kp = (uint32_t *)(buf + (size_t)32 * K);  /* [32 rows, pairs] */
         dq(buf, w + (size_t)32 * p * row_bytes, rows, K, 1);
         if (rows < 32) memset(buf + (size_t)rows * K, 0, (size_t)(32 - rows) * K * sizeof(float));
-        uint16_t *o = panels + (size_t)p * pairs * 64;
-        for (int j = 0; j < pairs; j++)
-            for (int c = 0; c < 32; c++) {
-                o[(size_t)j * 64 + 2 * c] = f32_to_bf16_rne(buf[(size_t)c * K + 2 * j]);
-                o[(size_t)j * 64 + 2 * c + 1] = f32_to_bf16_rne(buf[(size_t)c * K + 2 * j + 1]);
-            }
+        /* Rounded row by row along K, where the loop vectorizes, then the 32 rows' pairs
+         * transposed 16 pairs at a time: rounding while reading down the columns (K floats
+         * apart) made the panels of the 1B model's 8192 x 2048 q4_k matrix take 14.7 ms on the
+         * Zen 4 EPYC, 3x the float dequantizing. */
+        for (size_t i = 0; i < (size_t)32 * pairs; i++)
+            kp[i] = (uint32_t)f32_to_bf16_rne(buf[2 * i]) |
+                    (uint32_t)f32_to_bf16_rne(buf[2 * i + 1]) << 16;
+        uint32_t *o = (uint32_t *)panels + (size_t)p * pairs * 32;
+        for (int j0 = 0; j0 < pairs; j0 += 16) {
+            const int jn = pairs - j0 < 16 ? pairs - j0 : 16;
+            for (int c = 0; c < 32; c++)
+                for (int j = 0; j < jn; j++)
+                    o[(size_t)(j0 + j) * 32 + c] = kp[(size_t)c * pairs + j0 + j];
+        }
         free(buf);
     }
     if (failed) {  /* no error channel in this ABI, and unset panels must never pass silently */
