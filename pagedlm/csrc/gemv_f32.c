@@ -488,6 +488,19 @@ void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N
 #endif
 }
 
+/* gemm_panels_bf16 on vdpbf16ps whatever set_dpbf16 says (its caller checked
+ * gemm_panels_bf16_layout() == 2): the K-quant layers' many-row branch on panels dequantized
+ * for one call, where rounding x to bfloat16 is that branch's promise anyway. */
+void gemm_panels_bf16_dot(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                          int nthreads) {
+#ifdef BF16_PAIRS
+    gemm_panels_bf16_pairs(y, x, wp, M, N, K, nthreads);
+#else
+    (void)y, (void)x, (void)wp, (void)M, (void)N, (void)K, (void)nthreads;
+    abort();
+#endif
+}
+
 void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                      int nthreads) {
     gemm_panels(y, x, wp, PANEL_F16, M, N, K, K, nthreads);
@@ -505,6 +518,12 @@ void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, in
 void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                       int nthreads) {
     (void)y, (void)x, (void)wp, (void)M, (void)N, (void)K, (void)nthreads;
+}
+
+void gemm_panels_bf16_dot(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                          int nthreads) {
+    (void)y, (void)x, (void)wp, (void)M, (void)N, (void)K, (void)nthreads;
+    abort();
 }
 
 void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,

@@ -52,6 +52,7 @@ _library = typed_library({
     "gemv_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_f32": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_bf16": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "gemm_panels_bf16_dot": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_f16": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panel_width": ([], _i),
     "gemm_panels_bf16_layout": ([], _i),
@@ -105,6 +106,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     float32 [M, K] (copied to a contiguous tensor if it is not)."""
     n, k = weight.shape
     return _call("gemv", library().gemv_f32, x, weight, n, k, bias)
+
+
+def gemm_panels_dot(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> float32 [M, n] over bfloat16 k-pair panels [P, K / 2, W, 2]
+    (K even) with vdpbf16ps, x rounded to bfloat16, whatever `bf16_dot` says; only where
+    `bf16_dpbf16_supported()`."""
+    if not bf16_dpbf16_supported():
+        raise RuntimeError("gemm_panels_dot: this build has no vdpbf16ps (AVX512-BF16)")
+    if (panels.dtype != torch.bfloat16 or panels.dim() != 4 or panels.shape[3] != 2
+            or not panels.is_contiguous()):
+        raise ValueError(f"gemm_panels_dot: panels must be contiguous bfloat16 k-pairs "
+                         f"[P, K / 2, W, 2], got {panels.dtype} {tuple(panels.shape)}")
+    num_panels, width = panels.shape[0], panels.shape[2]
+    if not (num_panels - 1) * width < n <= num_panels * width:
+        raise ValueError(f"gemm_panels_dot: {n} output columns do not fit {num_panels} panels "
+                         f"of {width}")
+    return _call("gemm_panels_dot", library().gemm_panels_bf16_dot, x, panels, n,
+                 2 * panels.shape[1], None)
 
 
 def _call(name: str, fn, x: torch.Tensor, weight: torch.Tensor, n: int, k: int,

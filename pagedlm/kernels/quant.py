@@ -9,6 +9,7 @@ import functools
 import torch
 
 import pagedlm.kernels.amx as amx
+import pagedlm.kernels.gemv as gemv
 from pagedlm.kernels.loader import typed_library
 
 # The formats dequantize_panels takes (csrc/quant_kquants.c's, the GGUF files' types).
@@ -114,6 +115,18 @@ _SCALAR_DEQUANT_GEMM_MIN_ROWS = 16
 # others, whose kernels spend no less per weight than q6_k's, 32.
 _AMX_DEQUANT_MIN_ROWS = {"q4_k": 40, "q5_k": 40}
 _AMX_DEFAULT_MIN_ROWS = 32
+# Where AVX512-BF16 runs without AMX (the Zen 4 EPYC), the same panels go to the panel kernel's
+# vdpbf16ps GEMM (gemv.gemm_panels_dot), which there retires one zmm a cycle, twice the rate of
+# the widened float32 chain (on the Xeon it is half as fast, gemv.py). The Zen 4 EPYC, 2
+# threads, medians of 7, ms for dpbf16 panels (dequantizing and the chunks' first touch
+# included, so noisy) | the kernel | dequantize + float32 GEMM: q4_k 8192x2048 at 64 rows 30.0
+# | 13.8 | 59.7, 96 18.5 | 19.3 | 35.5, 128 22.3 | 25.7 | 58.4, 192 37.0 | 38.5 | 70.0; q6_k
+# 2048x8192 at 64 17.8 | 16.9 | 41.6, 96 18.9 | 25.4 | 44.9, 192 28.1 | 52.0 | 71.9; q6_k
+# 8192x2048 at 96 21.3 | 27.8 | 56.8; q4_k 2048x2048 at 96 7.0 | 4.9 | 11.0, 128 5.0 | 6.4 |
+# 11.5. So the panels win from 128 rows for q4_k (and q5_k), from 96 for the rest, and beat
+# the float32 branch they replace by 1.9-2.6x.
+_DPBF16_DEQUANT_MIN_ROWS = {"q4_k": 128, "q5_k": 128}
+_DPBF16_DEFAULT_MIN_ROWS = 96
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,20 +136,33 @@ def _amx_available() -> bool:
     return amx.available()
 
 
-def amx_panels(fmt: str) -> bool:
-    """Whether the many-row branch of `fmt` runs on AMX over dequantize_panels's panels (the
-    native kernels available, which the caller checks first)."""
-    return fmt in BF16_PANEL_FORMATS and _amx_available()
+@functools.lru_cache(maxsize=None)
+def _dpbf16_available() -> bool:
+    return gemv.bf16_dpbf16_supported()
+
+
+def panel_gemm(fmt: str) -> str | None:
+    """What the many-row branch of `fmt` runs over dequantize_panels's bfloat16 panels: "amx"
+    (amx.gemm_panels), "dpbf16" (gemv.gemm_panels_dot), or None (dequantize to float32 and
+    the float32 GEMM). The native kernels must be available, which the caller checks first."""
+    if fmt not in BF16_PANEL_FORMATS:
+        return None
+    if _amx_available():
+        return "amx"
+    return "dpbf16" if _dpbf16_available() else None
 
 
 def dequant_gemm_min_rows(fmt: str, limbs: int = 1) -> int:
-    """Inputs of this many rows or more run faster as dequantize + GEMM (float32, or AMX over
-    bfloat16 panels where amx_panels and x takes one limb) than through `matmul`. With two
+    """Inputs of this many rows or more run faster as dequantize + GEMM (float32, or bfloat16
+    panels where panel_gemm says and x takes one limb) than through `matmul`. With two
     limbs the kernels' arithmetic doubles and the float32 GEMM's does not: half the rows."""
     if limbs == 2:
         return max(1, _float_dequant_gemm_min_rows(fmt) // 2)
-    if amx_panels(fmt):
+    route = panel_gemm(fmt)
+    if route == "amx":
         return _AMX_DEQUANT_MIN_ROWS.get(fmt, _AMX_DEFAULT_MIN_ROWS)
+    if route == "dpbf16":
+        return _DPBF16_DEQUANT_MIN_ROWS.get(fmt, _DPBF16_DEFAULT_MIN_ROWS)
     return _float_dequant_gemm_min_rows(fmt)
 
 

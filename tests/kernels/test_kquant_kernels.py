@@ -173,20 +173,21 @@ def test_bf16_panels_are_the_rounded_weights_in_k_pairs(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_many_rows_run_on_amx_within_bfloat16_rounding(fmt, monkeypatch):
-    """From the switch on, where AMX-BF16 runs, the matmul takes the bfloat16 panels in chunks
-    (here of 64 rows, so 100 weight rows take two): every output within the rounding of x and
-    W to bfloat16 (2**-8 of the sum of |x w| terms) of the float64 product; the rows below the
-    switch still get the kernel's bits. Without AMX the switch is the float32 GEMM's."""
-    if not quant.amx_panels(fmt):
-        pytest.skip("AMX-BF16 is not available on this CPU: the float32 branch runs (tested in "
-                    "test_quant_kernels.py)")
+def test_many_rows_run_on_bf16_panels_within_bfloat16_rounding(fmt, monkeypatch):
+    """From the switch on, where AMX-BF16 or AVX512-BF16 runs, the matmul takes the bfloat16
+    panels in chunks (here of 64 rows, so 100 weight rows take two) on AMX or vdpbf16ps: every
+    output within the rounding of x and W to bfloat16 (2**-8 of the sum of |x w| terms) of the
+    float64 product; the rows below the switch still get the kernel's bits. Without either the
+    switch is the float32 GEMM's."""
+    if quant.panel_gemm(fmt) is None:
+        pytest.skip("neither AMX-BF16 nor AVX512-BF16 on this CPU: the float32 branch runs "
+                    "(tested in test_quant_kernels.py)")
     n, k = 100, 512
-    monkeypatch.setattr(kernels, "_AMX_CHUNK_BYTES", 64 * 2 * k)
+    monkeypatch.setattr(kernels, "_PANEL_CHUNK_BYTES", 64 * 2 * k)
     blocks = random_blocks(fmt, n, k, seed=5)
     w = kernels.dequantize_reference(fmt, blocks).double()
     switch = quant.dequant_gemm_min_rows(fmt)
-    assert switch <= 40
+    assert switch <= 128
     gen = torch.Generator().manual_seed(6)
     x, bias = torch.randn(switch + 3, k, generator=gen), torch.randn(n, generator=gen)
     got = kernels.quantized_matmul(fmt, x, blocks, bias=bias).double()
@@ -199,8 +200,8 @@ def test_many_rows_run_on_amx_within_bfloat16_rounding(fmt, monkeypatch):
                        kernels.quantized_matmul(fmt, below, blocks, batch_invariant=True))
     no_rows = torch.empty(0, *blocks.shape[1:], dtype=torch.uint8)  # a rank's empty slice
     assert kernels.quantized_matmul(fmt, x, no_rows).shape == (switch + 3, 0)
-    monkeypatch.setattr(quant, "_amx_available", lambda: False)
-    assert quant.dequant_gemm_min_rows(fmt) > switch
+    monkeypatch.setattr(quant, "panel_gemm", lambda fmt: None)
+    assert quant.dequant_gemm_min_rows(fmt) == quant._float_dequant_gemm_min_rows(fmt)
 
 
 def test_shape_errors_name_the_block_size():
@@ -439,7 +440,7 @@ def test_precise_activations_take_two_limbs_and_float32(fmt, monkeypatch):
     assert torch.equal(kernels.quantized_matmul(fmt, x, blocks, batch_invariant=True,
                                                 precise_activations=True),
                        _kernel16(fmt, x, blocks, threads))
-    monkeypatch.setattr(kernels, "_amx_panels_matmul", None)  # a call would fail
+    monkeypatch.setattr(kernels, "_panels_matmul", None)  # a call would fail
     many = kernels.quantized_matmul(fmt, x, blocks, precise_activations=True)
     assert torch.equal(many, torch.nn.functional.linear(x, kernels.dequantize(fmt, blocks)))
 

@@ -74,6 +74,9 @@ int gemm_panels_bf16_dpbf16(void);
 int gemm_panels_bf16_set_dpbf16(int on);
 void gemm_panels_bf16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                       int nthreads);
+/* gemm_panels_bf16 on k-pairs multiplied with vdpbf16ps whatever the setting (layout 2 only) */
+void gemm_panels_bf16_dot(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
+                          int nthreads);
 void gemm_panels_f16(float *y, const float *x, const uint16_t *wp, int M, int N, int K,
                      int nthreads);
 

@@ -16,8 +16,8 @@ Their native kernels, like llama.cpp's, first quantize each input row to 8 bits 
 PAGEDLM_PRECISE_ACTIVATIONS, in two 8-bit limbs, x and its residual, about 16 bits
 (activation_limbs_reference); the dequantize + GEMM
 branch (large M outside the deterministic mode) multiplies the float input instead: in float32,
-or, for the GGUF files' types where AMX-BF16 runs, on AMX with x and W rounded to bfloat16
-(_amx_panels_matmul).
+or, for the GGUF files' types where AMX-BF16 or AVX512-BF16 runs, on AMX or vdpbf16ps with x
+and W rounded to bfloat16 (_panels_matmul).
 """
 from __future__ import annotations
 
@@ -200,26 +200,28 @@ def dequantize(fmt: str, qweight: torch.Tensor, scale: torch.Tensor | None = Non
     return out
 
 
-# The bfloat16 panels of one AMX call. 16 MiB stays under the 32 MiB mmap threshold that
+# The bfloat16 panels of one panel GEMM call. 16 MiB stays under the 32 MiB mmap threshold that
 # worker/malloc_tuning.py sets, so each chunk reuses heap memory: a fresh 67 MB float32 matrix
 # (the 1B model's gate, 8192 x 2048) took 20 ms of page faults where filling a reused one took
 # 2.6. Each call rounds x to bfloat16 again, a small cost beside a chunk's GEMM.
-_AMX_CHUNK_BYTES = 16 << 20
+_PANEL_CHUNK_BYTES = 16 << 20
 
 
-def _amx_panels_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor, n: int,
-                       k: int) -> torch.Tensor:
+def _panels_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor, n: int, k: int,
+                   route: str) -> torch.Tensor:
     """x [M, k] float32 @ W^T, W's rows dequantized chunk by chunk into bfloat16 k-pair panels
-    and multiplied on AMX (x rounded to bfloat16, float32 sums): where the kernels' cost grows
-    with every row, this one's is mostly the dequantizing, paid once a call."""
-    from pagedlm.kernels import amx
-    rows = max(32, _AMX_CHUNK_BYTES // (2 * k) // 32 * 32)
+    and multiplied on AMX or with vdpbf16ps (`route`, quant.panel_gemm; x rounded to
+    bfloat16, float32 sums): where the kernels' cost grows with every row, this one's is mostly
+    the dequantizing, paid once a call."""
+    from pagedlm.kernels import amx, gemv
+    gemm = amx.gemm_panels if route == "amx" else gemv.gemm_panels_dot
+    rows = max(32, _PANEL_CHUNK_BYTES // (2 * k) // 32 * 32)
     y = torch.empty(x.shape[0], n) if rows < n or n == 0 else None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         panels = torch.empty(-(-(r1 - r0) // 32), k // 2, 32, 2, dtype=torch.bfloat16)
         native.dequantize_panels(fmt, panels, qweight[r0:r1], r1 - r0, k)
-        out = amx.gemm_panels(x, panels, r1 - r0)
+        out = gemm(x, panels, r1 - r0)
         if y is None:
             return out
         y[:, r0:r1] = out
@@ -239,7 +241,7 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
     """y [M, N] = x [M, K] @ W^T (+ bias) with W in format `fmt` (see the module docstring).
     The block formats' kernels take x at 8 bits (matmul_reference_q8); the dequantize + GEMM
     branch, from dequant_gemm_min_rows rows on outside batch_invariant, takes it in float32, or
-    in bfloat16 where quant.amx_panels(fmt).
+    in bfloat16 over panels where quant.panel_gemm(fmt) says.
 
     precise_activations (envs.PAGEDLM_PRECISE_ACTIVATIONS, for quant.TWO_LIMB_FORMATS): the
     kernels take x in two limbs (matmul_reference_x16) and the many-row branch is float32.
@@ -269,8 +271,9 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
             raise ValueError("quantized_matmul(batch_invariant=True) needs the native kernels "
                              "(unset PAGEDLM_DISABLE_KERNELS; a C compiler must be available)")
     elif not available() or m >= native.dequant_gemm_min_rows(fmt, limbs):
-        if available() and native.amx_panels(fmt) and limbs == 1:
-            y = _amx_panels_matmul(fmt, x2, qweight, n, k)
+        route = native.panel_gemm(fmt) if available() and limbs == 1 else None
+        if route is not None:
+            y = _panels_matmul(fmt, x2, qweight, n, k, route)
             if bias is not None:
                 y.add_(bias)
         else:
