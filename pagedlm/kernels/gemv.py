@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from typing import Callable
 
 import torch
@@ -108,11 +109,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     return _call("gemv", library().gemv_f32, x, weight, n, k, bias)
 
 
+@functools.lru_cache(maxsize=None)
+def _dot_supported(lib) -> bool:
+    # Once per library: bf16_dpbf16_supported() flips the process-wide setting to ask, which a
+    # call per chunk of a many-row step should not do.
+    return bf16_dpbf16_supported()
+
+
 def gemm_panels_dot(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> float32 [M, n] over bfloat16 k-pair panels [P, K / 2, W, 2]
     (K even) with vdpbf16ps, x rounded to bfloat16, whatever `bf16_dot` says; only where
     `bf16_dpbf16_supported()`."""
-    if not bf16_dpbf16_supported():
+    if not _dot_supported(library()):
         raise RuntimeError("gemm_panels_dot: this build has no vdpbf16ps (AVX512-BF16)")
     if (panels.dtype != torch.bfloat16 or panels.dim() != 4 or panels.shape[3] != 2
             or not panels.is_contiguous()):
