@@ -116,22 +116,10 @@ def _dot_supported(lib) -> bool:
     return bf16_dpbf16_supported()
 
 
-def gemm_panels_dot(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] float32 @ W^T -> float32 [M, n] over bfloat16 k-pair panels [P, K / 2, W, 2]
-    (K even) with vdpbf16ps, x rounded to bfloat16, whatever `bf16_dot` says; only where
-    `bf16_dpbf16_supported()`."""
-    if not _dot_supported(library()):
-        raise RuntimeError("gemm_panels_dot: this build has no vdpbf16ps (AVX512-BF16)")
-    if (panels.dtype != torch.bfloat16 or panels.dim() != 4 or panels.shape[3] != 2
-            or not panels.is_contiguous()):
-        raise ValueError(f"gemm_panels_dot: panels must be contiguous bfloat16 k-pairs "
-                         f"[P, K / 2, W, 2], got {panels.dtype} {tuple(panels.shape)}")
-    num_panels, width = panels.shape[0], panels.shape[2]
-    if not (num_panels - 1) * width < n <= num_panels * width:
-        raise ValueError(f"gemm_panels_dot: {n} output columns do not fit {num_panels} panels "
-                         f"of {width}")
-    return _call("gemm_panels_dot", library().gemm_panels_bf16_dot, x, panels, n,
-                 2 * panels.shape[1], None)
+def bf16_dot_available() -> bool:
+    """Whether `gemm_panels(..., dot=True)` runs here (a build with AVX512-BF16)."""
+    lib = library()
+    return lib is not None and _dot_supported(lib)
 
 
 def _call(name: str, fn, x: torch.Tensor, weight: torch.Tensor, n: int, k: int,
@@ -275,16 +263,21 @@ def panel_rows(panels: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, *, dot: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> float32 [M, n] for the W that `pack_panels` turned into
     `panels` (float32, bfloat16 or float16: the products and sums are float32 in each, x
     rounded to bfloat16 under `bf16_dpbf16()`); x must be float32 [M, K] (copied to a contiguous
-    tensor if it is not), bias float32 [n]."""
+    tensor if it is not), bias float32 [n]. dot: bfloat16 k-pairs on vdpbf16ps whatever
+    `bf16_dpbf16()` says (only where `bf16_dot_available()`)."""
+    if dot and not bf16_dot_available():
+        raise RuntimeError("gemm_panels(dot=True): this build has no vdpbf16ps (AVX512-BF16)")
     num_panels, width = panels.shape[0], panels.shape[2]
     if not (num_panels - 1) * width < n <= num_panels * width:
         raise ValueError(f"gemm_panels: {n} output columns do not fit {num_panels} panels of "
                          f"{width}")
     name = _PANEL_KERNELS.get(panels.dtype)
+    if dot and panels.dtype != torch.bfloat16:
+        raise ValueError(f"gemm_panels(dot=True): panels must be bfloat16, got {panels.dtype}")
     if name is None or not panels.is_contiguous():
         raise ValueError(f"gemm_panels: panels must be contiguous float32, bfloat16 or "
                          f"float16, got {panels.dtype}"
@@ -297,4 +290,4 @@ def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
     k = panels.shape[1]
     if pairs:  # K is x's, if it is even or odd as the panels' last pair says
         k = x.shape[-1] if x.dim() == 2 and (x.shape[-1] + 1) // 2 == k else 2 * k
-    return _call("gemm_panels", getattr(library(), name), x, panels, n, k, bias)
+    return _call("gemm_panels", getattr(library(), name + "_dot" * dot), x, panels, n, k, bias)

@@ -116,8 +116,8 @@ _SCALAR_DEQUANT_GEMM_MIN_ROWS = 16
 _AMX_DEQUANT_MIN_ROWS = {"q4_k": 40, "q5_k": 40}
 _AMX_DEFAULT_MIN_ROWS = 32
 # Where AVX512-BF16 runs without AMX (the Zen 4 EPYC), the same panels go to the panel kernel's
-# vdpbf16ps GEMM (gemv.gemm_panels_dot), which there retires one zmm a cycle, twice the rate of
-# the widened float32 chain (on the Xeon it is half as fast, gemv.py). The Zen 4 EPYC, 2
+# vdpbf16ps GEMM (gemv.gemm_panels(dot=True)), which there retires one zmm a cycle, twice the
+# rate of the widened float32 chain (on the Xeon it is half as fast, gemv.py). The Zen 4 EPYC, 2
 # threads, medians of 7, ms for dpbf16 panels (dequantizing and the chunks' first touch
 # included, so noisy) | the kernel | dequantize + float32 GEMM: q4_k 8192x2048 at 64 rows 30.0
 # | 13.8 | 59.7, 96 18.5 | 19.3 | 35.5, 128 22.3 | 25.7 | 58.4, 192 37.0 | 38.5 | 70.0; q6_k
@@ -136,20 +136,15 @@ def _amx_available() -> bool:
     return amx.available()
 
 
-@functools.lru_cache(maxsize=None)
-def _dpbf16_available() -> bool:
-    return gemv.bf16_dpbf16_supported()
-
-
 def panel_gemm(fmt: str) -> str | None:
     """What the many-row branch of `fmt` runs over dequantize_panels's bfloat16 panels: "amx"
-    (amx.gemm_panels), "dpbf16" (gemv.gemm_panels_dot), or None (dequantize to float32 and
+    (amx.gemm_panels), "dpbf16" (gemv.gemm_panels(dot=True)), or None (dequantize to float32 and
     the float32 GEMM). The native kernels must be available, which the caller checks first."""
     if fmt not in BF16_PANEL_FORMATS:
         return None
     if _amx_available():
         return "amx"
-    return "dpbf16" if _dpbf16_available() else None
+    return "dpbf16" if gemv.bf16_dot_available() else None
 
 
 def dequant_gemm_min_rows(fmt: str, limbs: int = 1) -> int:

@@ -21,6 +21,8 @@ and W rounded to bfloat16 (_panels_matmul).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -214,7 +216,7 @@ def _panels_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor, n: int, k: 
     bfloat16, float32 sums): where the kernels' cost grows with every row, this one's is mostly
     the dequantizing, paid once a call."""
     from pagedlm.kernels import amx, gemv
-    gemm = amx.gemm_panels if route == "amx" else gemv.gemm_panels_dot
+    gemm = amx.gemm_panels if route == "amx" else functools.partial(gemv.gemm_panels, dot=True)
     rows = max(32, _PANEL_CHUNK_BYTES // (2 * k) // 32 * 32)
     y = torch.empty(x.shape[0], n) if rows < n or n == 0 else None
     for r0 in range(0, n, rows):
