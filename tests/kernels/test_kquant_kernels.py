@@ -293,8 +293,9 @@ def avx2_library(tmp_path_factory):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_avx512_build_gives_the_256_bit_builds_bits(fmt, avx2_library):
     """q4_k, q5_k and q6_k take two weight rows per zmm in AVX-512 builds (kq_pair_block):
-    every tile shape (pairs of x rows, single rows, leftover weight rows) at M 1..9 and ragged
-    N, 1 and 2 threads, at 8 bits and in two limbs, gives the 256-bit kernel's bits."""
+    every tile shape (quads and pairs of x rows, single rows, leftover weight rows) at M 1..9
+    and ragged N, 1 and 2 threads, at 8 bits and in two limbs, gives the 256-bit kernel's
+    bits."""
     p = ctypes.c_void_p
     bw = kernels.BLOCK_WEIGHTS[fmt]
     for n, k in [(1, bw), (6, 3 * bw), (37, 2 * bw)]:
