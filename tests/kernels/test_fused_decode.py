@@ -344,10 +344,11 @@ def test_fused_stack_equals_layer_by_layer(tiny, monkeypatch, arch, engine_args)
     # On the panel kernel the stack takes decode steps of any size (here the 10-decode ones
     # too); on other kernels only those the layers run on the same kernel.
     panels = _has_panels() and "quantization" not in engine_args
-    # Except bfloat16 panels where the layers take AMX from linear.AMX_MIN_ROWS rows (not in
-    # the deterministic mode): the stack stops at GEMV_MAX_ROWS (NativeLinear.other_kernel_from).
+    # Except bfloat16 panels where the layers take AMX from linear.AMX_MIN_ROWS rows, or
+    # vdpbf16ps from linear.DPBF16_MIN_ROWS (not in the deterministic mode): the stack stops at
+    # GEMV_MAX_ROWS (NativeLinear.other_kernel_from).
     amx_rows = (engine_args.get("dtype") == "bfloat16" and not engine_args.get("deterministic")
-                and amx.available())
+                and (amx.available() or (gemv.bf16_dot_available() and not gemv.bf16_dpbf16())))
     assert stack.max_rows == (sys.maxsize if panels and not amx_rows else gemv.GEMV_MAX_ROWS)
     two_byte = {"bfloat16": WeightFormat.BF16_PANELS, "float16": WeightFormat.F16_PANELS}
     if engine_args.get("dtype") in two_byte:  # 2-byte weights: on their own panels

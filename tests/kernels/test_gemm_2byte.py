@@ -251,3 +251,46 @@ def test_gemm_panels_refuses_bad_input(kind):
                          .transpose(1, 2), 20)
     with pytest.raises(ValueError, match="do not fit"):
         gemv.gemm_panels(torch.randn(2, 8), panels, panels.shape[0] * panels.shape[2] + 1)
+
+
+def test_bf16_layers_take_the_cpus_bfloat16_unit_from_its_switch():
+    """A bfloat16 layer (UnquantizedLinearMethod) runs the widened panel kernel up to its
+    switch, then AMX where the CPU has it, else vdpbf16ps where the build has AVX512-BF16 (the
+    Zen 4 EPYC), else the widened kernel at every row count; deterministic, always the widened
+    kernel. The expected route is this CPU's, so every CPU checks the one it takes."""
+    from pagedlm.kernels import amx
+    from pagedlm.model_executor.layers import linear
+    g = torch.Generator().manual_seed(7)
+    n, k = 100, 128  # a K the AMX kernel takes
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(40, k, generator=g)
+    fast, det = linear.UnquantizedLinearMethod(), linear.UnquantizedLinearMethod(deterministic=True)
+    layers = []
+    for method in (fast, det):
+        layer = torch.nn.Module()
+        method.create_weights(layer, k, [n], k, n, torch.bfloat16, None)
+        layer.weight.data.copy_(w)
+        method.process_weights_after_loading(layer)
+        layers.append(layer)
+    layer, det_layer = layers
+    panels = layer.panel_weight
+    if amx.available():
+        switch, many = linear.AMX_MIN_ROWS, amx.gemm_panels
+    elif gemv.bf16_dot_available() and not gemv.bf16_dpbf16():
+        switch = linear.DPBF16_MIN_ROWS
+
+        def many(x, panels, n):
+            return gemv.gemm_panels(x, panels, n, dot=True)
+    else:
+        switch, many = 0, None
+    assert (layer.amx_from or layer.dot_from) == switch
+    assert det_layer.amx_from == det_layer.dot_from == 0
+    assert fast.native_form(layer).other_kernel_from == switch
+    assert switch == 0 or switch > gemv.GEMV_MAX_ROWS  # the fused decode stack stays below
+    for m in (1, gemv.GEMV_MAX_ROWS, linear.DPBF16_MIN_ROWS, linear.AMX_MIN_ROWS, 40):
+        want = many(x[:m], panels, n) if switch and m >= switch else \
+            gemv.gemm_panels(x[:m], panels, n)
+        assert torch.equal(fast.apply(layer, x[:m]), want), m
+        assert torch.equal(det.apply(det_layer, x[:m]), gemv.gemm_panels(x[:m], panels, n)), m
+    if switch:  # the routes give other bits, so the checks above tell them apart
+        assert not torch.equal(many(x, panels, n), gemv.gemm_panels(x, panels, n))

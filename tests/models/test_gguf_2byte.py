@@ -125,9 +125,10 @@ def test_matches_the_float_path_bit_for_bit(runs):
     """Each 2-byte layer is the float path's float32 weight widened (the panels' rows, element
     for element), and the run gives the float path's greedy tokens and logprobs, bit for bit,
     where the panel kernel widens both 2-byte types (the default). Under the opt-in vdpbf16ps
-    math (gemv.bf16_dpbf16), and on AMX (bfloat16 layers from linear.AMX_MIN_ROWS rows where
-    the CPU has it: here the BF16 LM head at decode steps of that many sequences), the BF16
-    layers round x to bfloat16: there the tokens must still be the float path's and the
+    math (gemv.bf16_dpbf16), and on AMX or vdpbf16ps (bfloat16 layers from
+    linear.AMX_MIN_ROWS rows where the CPU has AMX, from linear.DPBF16_MIN_ROWS where it has
+    AVX512-BF16 without: here the BF16 LM head at decode steps of that many sequences), the
+    BF16 layers round x to bfloat16: there the tokens must still be the float path's and the
     logprobs within BF16_X_TOL."""
     quantized, floats = runs["gguf"]["model"], runs[None]["model"]
     float_layers = dict(floats.named_modules())
@@ -145,7 +146,8 @@ def test_matches_the_float_path_bit_for_bit(runs):
             assert torch.equal(layer.weight, ref.weight), name
     assert runs["gguf"]["tokens"] == runs[None]["tokens"]
     rounds_x = gemv.library() is not None and (
-        gemv.bf16_dpbf16() or any(getattr(m, "amx_from", 0) for m in quantized.modules()))
+        gemv.bf16_dpbf16() or any(getattr(m, "amx_from", 0) or getattr(m, "dot_from", 0)
+                                  for m in quantized.modules()))
     if rounds_x:
         torch.testing.assert_close(torch.tensor(runs["gguf"]["logprobs"]),
                                    torch.tensor(runs[None]["logprobs"]), rtol=0, atol=BF16_X_TOL)

@@ -120,6 +120,14 @@ class WeightFormat(enum.IntEnum):
 # kernel as the layers.
 AMX_MIN_ROWS = 12
 assert AMX_MIN_ROWS > gemv.GEMV_MAX_ROWS
+# Where AVX512-BF16 runs without AMX (the Zen 4 EPYC), the fewest rows a bfloat16 layer on
+# k-pair panels runs on vdpbf16ps (gemv.gemm_panels(dot=True)) instead of the widened float32
+# chain: there one vdpbf16ps retires a zmm a cycle, twice the chain's rate. The 1B Llama's
+# shapes, 2 threads, medians of 15, widened / vdpbf16ps ms: 8192x2048 at 1 row 0.71 / 0.79, 8
+# 1.64 / 0.84, 12 2.85 / 1.48, 32 6.91 / 3.47, 128 24.39 / 11.87; 2048x8192 at 8 1.41 / 0.70,
+# 32 5.73 / 2.87; 2048x2048 at 8 0.35 / 0.16. So as few as the fused decode stack, which runs
+# the panel kernel up to gemv.GEMV_MAX_ROWS rows, leaves to the layers.
+DPBF16_MIN_ROWS = gemv.GEMV_MAX_ROWS + 1
 
 # The dtypes the Triton GEMV takes (UnquantizedLinearMethod.apply, PAGEDLM_TRITON_GEMV).
 TRITON_GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -146,7 +154,7 @@ class NativeLinear:
     # batch sizes; panel weights do, but bfloat16 ones where `apply` takes many rows to AMX.
     every_row_count: bool = False
     # From this many rows `apply` runs another kernel on the same panels (AMX_MIN_ROWS where
-    # bfloat16 panels go to AMX); 0: never.
+    # bfloat16 panels go to AMX, DPBF16_MIN_ROWS where they go to vdpbf16ps); 0: never.
     other_kernel_from: int = 0
     # The kernel takes x in two 8-bit limbs (a quantized format's qmm16_<fmt>, under
     # PAGEDLM_PRECISE_ACTIVATIONS), not at 8 bits.
@@ -236,11 +244,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
     mode's promise (a row's bits do not depend on its batch) needs one kernel at every row
     count: it keeps the panels. SmolLM2-135M's four shapes once (a Sapphire Rapids-class Xeon,
     2 threads): 0.45 ms at 128 rows against the panel kernel's 1.76 and torch's bfloat16
-    F.linear's 0.54, 6.3 at 2048 against 28.2 and 3.8 (csrc/amx_bf16.c has the table). A
-    oneDNN-packed copy beside the panels would double the weights' memory. The fused decode
-    stack, which runs the panel kernel, then takes decode steps only up to gemv.GEMV_MAX_ROWS
-    rows (< AMX_MIN_ROWS, so it still computes what the layers do: native_form says
-    `other_kernel_from`)."""
+    F.linear's 0.54, 6.3 at 2048 against 28.2 and 3.8 (csrc/amx_bf16.c has the table). Where
+    the build has AVX512-BF16 but the CPU no AMX (Zen 4), the same panels go to vdpbf16ps from
+    DPBF16_MIN_ROWS rows instead, x rounded to bfloat16 as on AMX. A oneDNN-packed copy beside
+    the panels would double the weights' memory. The fused decode stack, which runs the panel
+    kernel, then takes decode steps only up to gemv.GEMV_MAX_ROWS rows (below both switches,
+    so it still computes what the layers do: native_form says `other_kernel_from`)."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader) -> None:
@@ -252,7 +261,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
         layer.packed_weight = layer.panel_weight = None
         layer.use_gemv = False
-        layer.amx_from = 0
+        layer.amx_from = layer.dot_from = 0
 
     def process_weights_after_loading(self, layer) -> None:
         if layer.weight.is_meta and getattr(layer, "panel_weight", None) is not None:
@@ -264,6 +273,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
                               else gemv.pack_panels(layer.weight))
         layer.use_gemv = gemv.runs(layer.weight)
         layer.amx_from = self._amx_from(layer)
+        layer.dot_from = 0 if layer.amx_from else self._dot_from(layer)
         if self.deterministic and layer.panel_weight is None and not layer.use_gemv:
             raise ValueError(f"deterministic=True needs pagedlm's native kernels for every "
                              f"linear layer; a {layer.weight.dtype} weight of shape "
@@ -301,6 +311,15 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 and not self.deterministic and amx.available()
                 and amx.runs(layer.weight.shape[1]) else 0)
 
+    def _dot_from(self, layer) -> int:
+        """The row count from which `apply` runs the layer on vdpbf16ps where AMX does not
+        take it; 0: never (deterministic, no AVX512-BF16 in the build, or already every row
+        under PAGEDLM_BF16_DPBF16)."""
+        panels = getattr(layer, "panel_weight", None)
+        return (DPBF16_MIN_ROWS if panels is not None and panels.dtype == torch.bfloat16
+                and not self.deterministic and gemv.bf16_dot_available()
+                and not gemv.bf16_dpbf16() else 0)
+
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         if (x.is_cuda and x.dim() == 2 and x.shape[0] <= TRITON_GEMV_MAX_ROWS
                 and x.dtype in TRITON_GEMV_DTYPES and layer.weight.dtype == x.dtype
@@ -314,7 +333,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
             amx_from = getattr(layer, "amx_from", 0)
             if amx_from and x.shape[0] >= amx_from:
                 return amx.gemm_panels(x, panels, layer.weight.shape[0], bias)
-            return gemv.gemm_panels(x, panels, layer.weight.shape[0], bias)
+            dot_from = getattr(layer, "dot_from", 0)
+            return gemv.gemm_panels(x, panels, layer.weight.shape[0], bias,
+                                    dot=bool(dot_from) and x.shape[0] >= dot_from)
         if panels is not None and layer.weight.is_meta:  # no plain weight left for F.linear
             n = layer.weight.shape[0]
             y = gemv.gemm_panels(x.reshape(-1, x.shape[-1]).float(), panels, n, bias)
@@ -334,7 +355,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         panels = getattr(layer, "panel_weight", None)
         if panels is not None:
             return NativeLinear(PANEL_FORMATS[panels.dtype], panels,
-                                other_kernel_from=getattr(layer, "amx_from", 0))
+                                other_kernel_from=(getattr(layer, "amx_from", 0)
+                                                   or getattr(layer, "dot_from", 0)))
         if getattr(layer, "use_gemv", False):
             return NativeLinear(WeightFormat.FLOAT, layer.weight,
                                 every_row_count=self.deterministic)
