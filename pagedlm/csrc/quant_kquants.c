@@ -849,3 +849,170 @@ KQ_FORMAT(q2_k, F_Q2_K)
 KQ_FORMAT(q5_0, F_Q5_0)
 KQ_FORMAT(q5_1, F_Q5_1)
 KQ_FORMAT(iq4_nl, F_IQ4_NL)
+
+#if defined(KQ_AVX512) && defined(__AVX512VNNI__)
+#define KQ_GEMM 1
+/* The many-row q4_k GEMM (qgemm_q4_k; AVX512-VNNI builds, outside the deterministic mode):
+ * kq_rows spends, per x row and 32 weights of a pair of rows, a vpdpbusd and then three float
+ * operations (the scale's vpermps, a convert, an FMA), since each vpdpbusd lane holds 4
+ * weights of one 32-block whose scale it must meet at once. Here each lane is one weight row
+ * instead: 16 rows' blocks are unpacked and transposed (transpose16) so that one zmm holds 4
+ * consecutive weights of each of the 16 rows, and the 8 vpdpbusd of a 32-block sum exactly in
+ * int32 before one convert and FMA: per 512 products 8 integer instructions and 4 float ones
+ * instead of 8 and 24. Each output is then its own chain over its row's 32-blocks in order:
+ *     acc = fma((d sc_b) d_x, I_b, acc),  summ = fma(dmin mn_b, s_x, summ),  y = acc - summ
+ * with I_b the exact integer sum of the 32-block: other bits than kq_rows' 8 lanes (so not the
+ * deterministic mode's kernel), the same at any M, tile and thread count. Rows past the last
+ * whole 16 take kq_rows. */
+#define GR 16
+#define QG_X_BYTES (512 * 1024)
+
+/* r[i] (16 dwords each) -> r[c] = dword c of r[0..15]. */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* r[4g + e], 128-bit lane l: rows 4g..4g+3, dword 4l+e */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {  /* the 4 x 4 transpose of 128-bit lanes */
+        const __m512i v0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
+        const __m512i v1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xdd);
+        const __m512i w0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
+        const __m512i w1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xdd);
+        t[e] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        t[4 + e] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        t[8 + e] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+        t[12 + e] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+static inline __m512i bcast4(const int8_t *p) {
+    return _mm512_set1_epi32(load_u32((const uint8_t *)p));
+}
+
+/* One 64-weight chunk (32-blocks gb, gb + 1) of 16 rows, transposed in W, against x rows
+ * m0 .. m0+mt-1: the two exact sums per row, then the float steps into acc / summ [m][16]. */
+static inline __attribute__((always_inline)) void qg_chunk(
+        float *acc, float *summ, const qx_t *X, int m0, const int mt, const __m512i *W,
+        int gb, const float *dsc, const float *mns) {
+    const int nbx = X->K / QK;
+    const __m512 D0 = _mm512_load_ps(dsc), D1 = _mm512_load_ps(dsc + GR);
+    const __m512 N0 = _mm512_load_ps(mns), N1 = _mm512_load_ps(mns + GR);
+    for (int m = m0; m < m0 + mt; m++) {
+        const int8_t *xq = X->q + (size_t)m * X->K + (size_t)gb * QK;
+        /* 4 chains: integer sums are exact in any order */
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
+        for (int t = 0; t < 8; t += 2) {
+            a0 = _mm512_dpbusd_epi32(a0, W[t], bcast4(xq + 4 * t));
+            a1 = _mm512_dpbusd_epi32(a1, W[t + 1], bcast4(xq + 4 * t + 4));
+            b0 = _mm512_dpbusd_epi32(b0, W[8 + t], bcast4(xq + 32 + 4 * t));
+            b1 = _mm512_dpbusd_epi32(b1, W[9 + t], bcast4(xq + 36 + 4 * t));
+        }
+        const float *dx = X->d + (size_t)m * nbx + gb, *sx = X->s + (size_t)m * nbx + gb;
+        float *am = acc + (size_t)m * GR, *sm = summ + (size_t)m * GR;
+        __m512 a = _mm512_load_ps(am), s = _mm512_load_ps(sm);
+        a = _mm512_fmadd_ps(_mm512_mul_ps(D0, _mm512_set1_ps(dx[0])),
+                            _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), a);
+        a = _mm512_fmadd_ps(_mm512_mul_ps(D1, _mm512_set1_ps(dx[1])),
+                            _mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), a);
+        s = _mm512_fmadd_ps(N0, _mm512_set1_ps(sx[0]), s);
+        s = _mm512_fmadd_ps(N1, _mm512_set1_ps(sx[1]), s);
+        _mm512_store_ps(am, a);
+        _mm512_store_ps(sm, s);
+    }
+}
+
+static int qg_rows_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                        int lo, int hi) {
+    if (lo >= hi) return 0;
+    const int nbx = K / QK, nb = K / QK_K, whole = lo + (hi - lo) / GR * GR;
+    const size_t row_bytes = (size_t)nb * 144;
+    if (whole > lo) {
+        int mb = QG_X_BYTES / K;  /* x rows a chunk: their bytes stay in L2 */
+        mb = mb < 2 ? 2 : mb;
+        const int xrows = M < mb ? M : mb;
+        /* acc and summ [xrows][16], the scales [8][16] twice, then x's d, s and q */
+        const size_t floats = (size_t)(2 * xrows + 16) * GR + (size_t)2 * xrows * nbx +
+                              (size_t)xrows * K / 4;
+        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        if (!buf) return -1;
+        float *acc = buf, *summ = acc + (size_t)xrows * GR, *dsc = summ + (size_t)xrows * GR;
+        float *mns = dsc + 8 * GR, *d = mns + 8 * GR, *sx = d + (size_t)xrows * nbx;
+        int8_t *q = (int8_t *)(sx + (size_t)xrows * nbx);
+        const __m512i low4 = _mm512_set1_epi8(0x0f);
+        for (int m0 = 0; m0 < M; m0 += mb) {
+            const int mt = M - m0 < mb ? M - m0 : mb;
+            qmm_quantize_activations(q, d, sx, x + (size_t)m0 * K, mt, K);
+            const qx_t X = {q, d, sx, NULL, K};
+            for (int n0 = lo; n0 < whole; n0 += GR) {
+                memset(acc, 0, (size_t)2 * xrows * GR * sizeof(float));
+                const uint8_t *w0 = w + (size_t)n0 * row_bytes;
+                for (int bi = 0; bi < nb; bi++) {
+                    for (int r = 0; r < GR; r++) {
+                        const uint8_t *b = w0 + (size_t)r * row_bytes + (size_t)bi * 144;
+                        uint8_t sc8[8], mn8[8];
+                        k4_scales(b + 4, sc8, mn8);
+                        const float dd = fp16_to_f32(load_u16(b));
+                        const float dm = fp16_to_f32(load_u16(b + 2));
+                        for (int j = 0; j < 8; j++) {
+                            dsc[j * GR + r] = dd * (float)sc8[j];
+                            mns[j * GR + r] = dm * (float)mn8[j];
+                        }
+                    }
+                    for (int i = 0; i < 4; i++) {
+                        __m512i W[16];
+                        for (int r = 0; r < GR; r++) {
+                            const __m256i v = _mm256_loadu_si256((const __m256i *)(
+                                w0 + (size_t)r * row_bytes + (size_t)bi * 144 + 16 + 32 * i));
+                            const __m512i vv = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+                            /* bytes 0..31 the low nibbles (32-block 2i), 32..63 the high */
+                            W[r] = _mm512_and_si512(_mm512_mask_srli_epi16(
+                                vv, (__mmask32)0xffff0000u, vv, 4), low4);
+                        }
+                        transpose16(W);
+                        const int gb = bi * 8 + 2 * i;
+                        int m = 0;
+                        for (; m + 2 <= mt; m += 2)
+                            qg_chunk(acc, summ, &X, m, 2, W, gb, dsc + 2 * i * GR,
+                                     mns + 2 * i * GR);
+                        if (m < mt)
+                            qg_chunk(acc, summ, &X, m, 1, W, gb, dsc + 2 * i * GR,
+                                     mns + 2 * i * GR);
+                    }
+                }
+                for (int m = 0; m < mt; m++)
+                    _mm512_storeu_ps(y + (size_t)(m0 + m) * N + n0,
+                                     _mm512_sub_ps(_mm512_load_ps(acc + (size_t)m * GR),
+                                                   _mm512_load_ps(summ + (size_t)m * GR)));
+            }
+        }
+        free(buf);
+    }
+    return whole < hi ? rows_q4_k(y, x, w, M, N, K, whole, hi) : 0;
+}
+#endif
+
+/* The many-row q4_k GEMM where the build has AVX512-VNNI (qgemm_available() says), its own
+ * bits (see qg_rows_q4_k); elsewhere it is not called. */
+int qgemm_available(void) {
+#ifdef KQ_GEMM
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void qgemm_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
+#ifdef KQ_GEMM
+    run_quant_rows("quant_kquants", y, x, w, M, N, K, nthreads, GR, qg_rows_q4_k);
+#else
+    qmm_q4_k(y, x, w, M, N, K, nthreads);
+#endif
+}

@@ -43,6 +43,8 @@ library = typed_library({
     "qmm_q5_0": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm_q5_1": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm_iq4_nl": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qgemm_available": ([], _i),
+    "qgemm_q4_k": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm16_q4_k": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm16_q5_k": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm16_q6_k": ([_p, _p, _p, _i, _i, _i, _i], None),
@@ -156,6 +158,8 @@ def dequant_gemm_min_rows(fmt: str, limbs: int = 1) -> int:
     route = panel_gemm(fmt)
     if route == "amx":
         return _AMX_DEQUANT_MIN_ROWS.get(fmt, _AMX_DEFAULT_MIN_ROWS)
+    if qgemm_min_rows(fmt):
+        return QGEMM_ONLY
     if route == "dpbf16":
         return _DPBF16_DEQUANT_MIN_ROWS.get(fmt, _DPBF16_DEFAULT_MIN_ROWS)
     return _float_dequant_gemm_min_rows(fmt)
@@ -166,6 +170,45 @@ def _float_dequant_gemm_min_rows(fmt: str) -> int:
     lib = library()
     bits = lib.qmm_vector_bits() if lib is not None else 0
     return _DEQUANT_GEMM_MIN_ROWS.get(bits, {}).get(fmt, _SCALAR_DEQUANT_GEMM_MIN_ROWS)
+
+
+# The formats with a many-row GEMM of their own (qgemm_<fmt>, csrc/quant_kquants.c: each
+# vpdpbusd lane one of 16 weight rows, so a 32-block's integer sums finish before its one float
+# step; AVX512-VNNI builds), which outside the deterministic mode takes their steps from
+# QGEMM_MIN_ROWS rows up to the dequantize + GEMM switch. Its bits are not the kernels', so it
+# starts above gemv.GEMV_MAX_ROWS, the most rows the fused decode stack runs the kernels on.
+QGEMM_FORMATS = ("q4_k",)
+QGEMM_MIN_ROWS = gemv.GEMV_MAX_ROWS + 1
+# Where AMX does not run, the GEMM keeps every many-row step of its formats: no row count
+# reaches this switch. The Zen 4 EPYC, 2 threads, medians of 21 (9 from 128 rows) alternating,
+# ms for the kernel | qgemm | dpbf16 panels: q4_k 8192x2048 at 9 rows 1.91 | 1.33, 32 6.30 |
+# 3.07, 128 24.98 | 9.29 | 39.59, 512 101.3 | 36.2 | 82.7; 2048x8192 at 32 6.23 | 3.09, 128
+# 24.14 | 10.82 | 25.22, 512 101.2 | 44.3 | 74.1; 2048x2048 at 512 25.6 | 9.45 | 18.4. Past
+# 512 rows both grow linearly (the panels' dequantizing is spread thin by then, and their
+# GEMM computes no faster than the 470 GFLOP/s qgemm reaches). On AMX (from 40 rows) not
+# measured against it yet.
+QGEMM_ONLY = 1 << 30
+
+
+@functools.lru_cache(maxsize=None)
+def _qgemm_built() -> bool:
+    lib = library()
+    return lib is not None and lib.qgemm_available() == 1
+
+
+def qgemm_min_rows(fmt: str, limbs: int = 1) -> int:
+    """The fewest rows `qgemm` takes in format `fmt` (0: never here: another format, two
+    limbs, or a build without AVX512-VNNI)."""
+    return QGEMM_MIN_ROWS if fmt in QGEMM_FORMATS and limbs == 1 and _qgemm_built() else 0
+
+
+def qgemm(fmt: str, y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor) -> None:
+    """y [M, N] = x [M, K] @ W^T as `matmul` with one limb, on the many-row GEMM (where
+    qgemm_min_rows(fmt) is nonzero): x at 8 bits, each output its own chain of the 32-blocks'
+    exact integer sums, so other bits than `matmul`'s."""
+    m, n = y.shape
+    getattr(library(), f"qgemm_{fmt}")(y.data_ptr(), x.data_ptr(), qweight.data_ptr(), m, n,
+                                       x.shape[1], torch.get_num_threads())
 
 
 def matmul(fmt: str, y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor,

@@ -132,8 +132,65 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(fmt):
     for start, size in [(1, 1), (1, 2), (2, 3), (3, 5), (5, 7)]:
         assert torch.equal(_kernel(fmt, x[start:start + size], blocks, 2),
                            alone[start:start + size]), (start, size)
-    below = min(rows, quant.dequant_gemm_min_rows(fmt) - 1)
+    below = min(rows, quant.dequant_gemm_min_rows(fmt) - 1,
+                (quant.qgemm_min_rows(fmt) or rows + 1) - 1)
     assert torch.equal(kernels.quantized_matmul(fmt, x[:below], blocks), alone[:below])
+
+
+def _qgemm(fmt: str, x: torch.Tensor, blocks: torch.Tensor, threads: int) -> torch.Tensor:
+    y = torch.empty(x.shape[0], blocks.shape[0])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        quant.qgemm(fmt, y, x.contiguous(), blocks)
+    finally:
+        torch.set_num_threads(old)
+    return y
+
+
+@pytest.mark.parametrize("fmt", quant.QGEMM_FORMATS)
+def test_many_row_gemm_matches_the_reference_and_its_own_rows(fmt):
+    """qgemm (16 weight rows a vpdpbusd lane each, AVX512-VNNI builds): within the kernels'
+    bound of the float64 reference on x quantized as they quantize it; each row the same bits
+    alone and in any batch, on 1 or 2 threads; the rows past the last whole 16 the kernel's
+    bits; and quantized_matmul takes it from QGEMM_MIN_ROWS rows up to its many-row switch,
+    never under batch_invariant. Where it is not built, qgemm_min_rows says 0 and the layers
+    never call it (checked too)."""
+    if not quant.qgemm_min_rows(fmt):
+        x = torch.randn(40, 256)
+        blocks = random_blocks(fmt, 20, 256, seed=1)
+        assert torch.equal(kernels.quantized_matmul(fmt, x[:20], blocks),
+                           _kernel(fmt, x[:20], blocks, 2))
+        pytest.skip("qgemm needs a build with AVX512-VNNI (and F, BW, DQ, VL): this CPU lacks "
+                    "it; the layers run the kernels instead (checked)")
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    for n, k in [(16, bw), (37, 3 * bw), (100, 2 * bw)]:
+        blocks = random_blocks(fmt, n, k, seed=11 * n + k)
+        w = kernels.dequantize_reference(fmt, blocks).double()
+        mins = _mins(fmt, blocks)
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(40, k, generator=gen)
+        x[0] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # every q_x +-127
+        ref = kernels.matmul_reference_q8(fmt, x, blocks)
+        q, d, _ = kernels.quantize_activations_reference(x)
+        x_abs = (q.double().reshape(40, -1, 32) * d.double()[..., None]).reshape(40, k).abs()
+        tol = (k // 32 + 8) * 2.0 ** -23 * (x_abs @ (w.abs() + 2 * mins.abs()).T) + 1e-30
+        alone = torch.cat([_qgemm(fmt, x[i:i + 1], blocks, 1) for i in range(40)])
+        assert ((alone.double() - ref).abs() <= tol).all(), (n, k)
+        for threads in (1, 2):
+            for start, size in [(0, 40), (1, 9), (3, 17), (5, 2)]:
+                assert torch.equal(_qgemm(fmt, x[start:start + size], blocks, threads),
+                                   alone[start:start + size]), (n, k, threads, start, size)
+        tail = n // 16 * 16
+        assert torch.equal(alone[:, tail:], _kernel(fmt, x, blocks, 1)[:, tail:])
+        if tail:  # another order than the kernel's: the check above tells them apart
+            assert not torch.equal(alone[:, :tail], _kernel(fmt, x, blocks, 1)[:, :tail])
+        switch = quant.qgemm_min_rows(fmt)
+        for m in (switch - 1, switch, min(40, quant.dequant_gemm_min_rows(fmt) - 1)):
+            want = alone[:m] if m >= switch else _kernel(fmt, x[:m], blocks, 2)
+            assert torch.equal(kernels.quantized_matmul(fmt, x[:m], blocks), want), m
+            assert torch.equal(kernels.quantized_matmul(fmt, x[:m], blocks, batch_invariant=True),
+                               _kernel(fmt, x[:m], blocks, 2)), m
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -184,6 +241,8 @@ def test_many_rows_run_on_bf16_panels_within_bfloat16_rounding(fmt, monkeypatch)
                     "(tested in test_quant_kernels.py)")
     n, k = 100, 512
     monkeypatch.setattr(kernels, "_PANEL_CHUNK_BYTES", 64 * 2 * k)
+    # Where qgemm keeps q4_k's many-row steps the panels are reached only without it.
+    monkeypatch.setattr(quant, "qgemm_min_rows", lambda fmt, limbs=1: 0)
     blocks = random_blocks(fmt, n, k, seed=5)
     w = kernels.dequantize_reference(fmt, blocks).double()
     switch = quant.dequant_gemm_min_rows(fmt)
@@ -435,7 +494,7 @@ def test_precise_activations_take_two_limbs_and_float32(fmt, monkeypatch):
     for m in (1, 2, switch - 1):
         got = kernels.quantized_matmul(fmt, x[:m], blocks, precise_activations=True)
         assert torch.equal(got, _kernel16(fmt, x[:m], blocks, threads)), m
-        if m < quant.dequant_gemm_min_rows(fmt):
+        if m < min(quant.dequant_gemm_min_rows(fmt), quant.qgemm_min_rows(fmt) or m + 1):
             assert torch.equal(kernels.quantized_matmul(fmt, x[:m], blocks),
                                _kernel(fmt, x[:m], blocks, threads)), m
     assert torch.equal(kernels.quantized_matmul(fmt, x, blocks, batch_invariant=True,

@@ -107,6 +107,10 @@ void dequant_i8(float *out, const int8_t *w, const float *scale, int N, int K, i
 /* ---------------------------------------------------------------- quant_kquants.c */
 
 void qmm_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+/* the many-row q4_k GEMM (AVX512-VNNI builds; qgemm_available() 1 where built) */
+int qgemm_available(void);
+void qgemm_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                int nthreads);
 void qmm_q5_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_q6_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_q3_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);

@@ -243,7 +243,10 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
     """y [M, N] = x [M, K] @ W^T (+ bias) with W in format `fmt` (see the module docstring).
     The block formats' kernels take x at 8 bits (matmul_reference_q8); the dequantize + GEMM
     branch, from dequant_gemm_min_rows rows on outside batch_invariant, takes it in float32, or
-    in bfloat16 over panels where quant.panel_gemm(fmt) says.
+    in bfloat16 over panels where quant.panel_gemm(fmt) says. Below that switch, from
+    quant.qgemm_min_rows rows, the formats with a many-row GEMM (quant.QGEMM_FORMATS, where
+    the build has AVX512-VNNI) run it instead of the kernels: x at 8 bits as theirs, its own
+    sum order.
 
     precise_activations (envs.PAGEDLM_PRECISE_ACTIVATIONS, for quant.TWO_LIMB_FORMATS): the
     kernels take x in two limbs (matmul_reference_x16) and the many-row branch is float32.
@@ -282,7 +285,10 @@ def quantized_matmul(fmt: str, x: torch.Tensor, qweight: torch.Tensor,
             y = F.linear(x2, dequantize(fmt, qweight, scale), bias)
         return y.reshape(*lead, n).to(x.dtype)
     y = torch.empty(m, n, dtype=torch.float32)
-    if m:
+    qgemm_from = 0 if batch_invariant else native.qgemm_min_rows(fmt, limbs)
+    if qgemm_from and m >= qgemm_from:
+        native.qgemm(fmt, y, x2, qweight)
+    elif m:
         native.matmul(fmt, y, x2, qweight, scale, limbs=limbs)
     if bias is not None:
         y.add_(bias)
