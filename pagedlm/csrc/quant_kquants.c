@@ -852,18 +852,21 @@ KQ_FORMAT(iq4_nl, F_IQ4_NL)
 
 #if defined(KQ_AVX512) && defined(__AVX512VNNI__)
 #define KQ_GEMM 1
-/* The many-row q4_k GEMM (qgemm_q4_k; AVX512-VNNI builds, outside the deterministic mode):
- * kq_rows spends, per x row and 32 weights of a pair of rows, a vpdpbusd and then three float
- * operations (the scale's vpermps, a convert, an FMA), since each vpdpbusd lane holds 4
- * weights of one 32-block whose scale it must meet at once. Here each lane is one weight row
- * instead: 16 rows' blocks are unpacked and transposed (transpose16) so that one zmm holds 4
- * consecutive weights of each of the 16 rows, and the 8 vpdpbusd of a 32-block sum exactly in
- * int32 before one convert and FMA: per 512 products 8 integer instructions and 4 float ones
- * instead of 8 and 24. Each output is then its own chain over its row's 32-blocks in order:
- *     acc = fma((d sc_b) d_x, I_b, acc),  summ = fma(dmin mn_b, s_x, summ),  y = acc - summ
- * with I_b the exact integer sum of the 32-block: other bits than kq_rows' 8 lanes (so not the
- * deterministic mode's kernel), the same at any M, tile and thread count. Rows past the last
- * whole 16 take kq_rows. */
+/* The many-row GEMM of q4_k and q6_k (qgemm_<fmt>; AVX512-VNNI builds, outside the
+ * deterministic mode): kq_rows spends, per x row and 32 weights of a pair of rows, a vpdpbusd
+ * and then three float operations (the scale's vpermps, a convert, an FMA), since each
+ * vpdpbusd lane holds 4 weights of one 32-block whose scale it must meet at once. Here each
+ * lane is one weight row instead: 16 rows' blocks are unpacked and transposed (transpose16)
+ * so that one zmm holds 4 consecutive weights of each of the 16 rows, and the vpdpbusd of a
+ * scale's weights sum exactly in int32 before its one convert and FMA: per 512 products 8
+ * integer instructions and 4-6 float ones instead of 8 and 24. Each output is then its own
+ * chain over its row's blocks in order, I the exact integer sums:
+ *   q4_k, per 32-block b:  acc = fma((d sc_b) d_x, I_b, acc),  summ = fma(dmin mn_b, s_x, summ)
+ *                          y = acc - summ
+ *   q6_k, per 16 weights g of 32-block b (u = q + 32 in 0..63, bs_g the sum of x's q over g):
+ *                          acc = fma((d sc_g) d_x, I_g - 32 bs_g, acc),  y = acc
+ * other bits than kq_rows' 8 lanes (so not the deterministic mode's kernel), the same at any
+ * M, tile and thread count. Rows past the last whole 16 take kq_rows. */
 #define GR 16
 #define QG_X_BYTES (512 * 1024)
 
@@ -897,110 +900,170 @@ static inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(load_u32((const uint8_t *)p));
 }
 
-/* One 64-weight chunk (32-blocks gb, gb + 1) of 16 rows, transposed in W, against x rows
- * m0 .. m0+mt-1: the two exact sums per row, then the float steps into acc / summ [m][16]. */
+/* Row r's 64 weights of chunk c of its block b (32-blocks 2c and 2c + 1), as bytes 0..63. */
+static inline __attribute__((always_inline)) __m512i qg_unpack(const uint8_t *b, int c,
+                                                                const int fmt) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    if (fmt == F_Q4_K) {  /* the low nibbles of 32 bytes (32-block 2c), then their high ones */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+        const __m512i vv = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+        return _mm512_and_si512(_mm512_mask_srli_epi16(vv, (__mmask32)0xffff0000u, vv, 4),
+                                low4);
+    }
+    /* q6_k: 32-blocks 4h + s and 4h + s + 1 (h = c / 2, s = 2 (c % 2)) from ql's 64 bytes of
+     * half h (nibble s / 2) and qh's 32 (bits 2s, 2s + 2 for the two) */
+    const int h = c / 2, s = 2 * (c % 2);
+    __m512i v = _mm512_loadu_si512((const void *)(b + 64 * h));
+    if (s) v = _mm512_srli_epi16(v, 4);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(
+        b + 128 + 32 * h)));
+    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * s)),
+                                          _mm256_set1_epi16((short)(2 * s + 2)), 1);
+    const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(qh, sh), _mm512_set1_epi8(3));
+    return _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_slli_epi16(hb, 4));
+}
+
+/* Chunk c (32-blocks gb = 8 bi + 2c and gb + 1) of 16 rows, transposed in W, against x rows
+ * m0 .. m0+mt-1, into acc / summ [m][16]. sc: q4_k's d sc_b and dmin mn_b ([8][16] each),
+ * q6_k's d sc_g ([16][16]). */
 static inline __attribute__((always_inline)) void qg_chunk(
-        float *acc, float *summ, const qx_t *X, int m0, const int mt, const __m512i *W,
-        int gb, const float *dsc, const float *mns) {
+        float *acc, float *summ, const qx_t *X, const int32_t *bs, int m0, const int mt,
+        const __m512i *W, int gb, int c, const float *sc, const int fmt) {
     const int nbx = X->K / QK;
-    const __m512 D0 = _mm512_load_ps(dsc), D1 = _mm512_load_ps(dsc + GR);
-    const __m512 N0 = _mm512_load_ps(mns), N1 = _mm512_load_ps(mns + GR);
     for (int m = m0; m < m0 + mt; m++) {
         const int8_t *xq = X->q + (size_t)m * X->K + (size_t)gb * QK;
-        /* 4 chains: integer sums are exact in any order */
-        __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
-        for (int t = 0; t < 8; t += 2) {
-            a0 = _mm512_dpbusd_epi32(a0, W[t], bcast4(xq + 4 * t));
-            a1 = _mm512_dpbusd_epi32(a1, W[t + 1], bcast4(xq + 4 * t + 4));
-            b0 = _mm512_dpbusd_epi32(b0, W[8 + t], bcast4(xq + 32 + 4 * t));
-            b1 = _mm512_dpbusd_epi32(b1, W[9 + t], bcast4(xq + 36 + 4 * t));
+        const float *dx = X->d + (size_t)m * nbx + gb;
+        float *am = acc + (size_t)m * GR;
+        __m512 a = _mm512_load_ps(am);
+        if (fmt == F_Q4_K) {
+            /* 4 chains: integer sums are exact in any order */
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
+            for (int t = 0; t < 8; t += 2) {
+                a0 = _mm512_dpbusd_epi32(a0, W[t], bcast4(xq + 4 * t));
+                a1 = _mm512_dpbusd_epi32(a1, W[t + 1], bcast4(xq + 4 * t + 4));
+                b0 = _mm512_dpbusd_epi32(b0, W[8 + t], bcast4(xq + 32 + 4 * t));
+                b1 = _mm512_dpbusd_epi32(b1, W[9 + t], bcast4(xq + 36 + 4 * t));
+            }
+            const float *dsc = sc + 2 * c * GR, *mns = sc + 8 * GR + 2 * c * GR;
+            const float *sx = X->s + (size_t)m * nbx + gb;
+            float *sm = summ + (size_t)m * GR;
+            __m512 s = _mm512_load_ps(sm);
+            a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_load_ps(dsc), _mm512_set1_ps(dx[0])),
+                                _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), a);
+            a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_load_ps(dsc + GR), _mm512_set1_ps(dx[1])),
+                                _mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), a);
+            s = _mm512_fmadd_ps(_mm512_load_ps(mns), _mm512_set1_ps(sx[0]), s);
+            s = _mm512_fmadd_ps(_mm512_load_ps(mns + GR), _mm512_set1_ps(sx[1]), s);
+            _mm512_store_ps(sm, s);
+        } else {  /* q6_k: a chain per 16 weights */
+            __m512i g[4];
+            for (int u = 0; u < 4; u++) {
+                g[u] = _mm512_setzero_si512();
+                for (int t = 0; t < 4; t++)
+                    g[u] = _mm512_dpbusd_epi32(g[u], W[4 * u + t], bcast4(xq + 16 * u + 4 * t));
+            }
+            const int32_t *bm = bs + (size_t)m * (X->K / 16) + 2 * gb;
+            const float *dsc = sc + 4 * c * GR;
+            for (int u = 0; u < 4; u++) {
+                const __m512i i = _mm512_sub_epi32(g[u], _mm512_set1_epi32(32 * bm[u]));
+                a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_load_ps(dsc + u * GR),
+                                                  _mm512_set1_ps(dx[u / 2])),
+                                    _mm512_cvtepi32_ps(i), a);
+            }
         }
-        const float *dx = X->d + (size_t)m * nbx + gb, *sx = X->s + (size_t)m * nbx + gb;
-        float *am = acc + (size_t)m * GR, *sm = summ + (size_t)m * GR;
-        __m512 a = _mm512_load_ps(am), s = _mm512_load_ps(sm);
-        a = _mm512_fmadd_ps(_mm512_mul_ps(D0, _mm512_set1_ps(dx[0])),
-                            _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), a);
-        a = _mm512_fmadd_ps(_mm512_mul_ps(D1, _mm512_set1_ps(dx[1])),
-                            _mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), a);
-        s = _mm512_fmadd_ps(N0, _mm512_set1_ps(sx[0]), s);
-        s = _mm512_fmadd_ps(N1, _mm512_set1_ps(sx[1]), s);
         _mm512_store_ps(am, a);
-        _mm512_store_ps(sm, s);
     }
 }
 
-static int qg_rows_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
-                        int lo, int hi) {
+static inline __attribute__((always_inline)) int qg_rows(
+        float *y, const float *x, const uint8_t *w, int M, int N, int K, int lo, int hi,
+        const int fmt, const rows_fn tail) {
     if (lo >= hi) return 0;
     const int nbx = K / QK, nb = K / QK_K, whole = lo + (hi - lo) / GR * GR;
-    const size_t row_bytes = (size_t)nb * 144;
+    const int bb = BLOCK_B[fmt];
+    const size_t row_bytes = (size_t)nb * bb;
     if (whole > lo) {
         int mb = QG_X_BYTES / K;  /* x rows a chunk: their bytes stay in L2 */
         mb = mb < 2 ? 2 : mb;
         const int xrows = M < mb ? M : mb;
-        /* acc and summ [xrows][16], the scales [8][16] twice, then x's d, s and q */
+        /* acc and summ [xrows][16], the scales [16][16], x's d, s, bs (int32 per 16), q */
         const size_t floats = (size_t)(2 * xrows + 16) * GR + (size_t)2 * xrows * nbx +
-                              (size_t)xrows * K / 4;
+                              (size_t)xrows * (K / 16) + (size_t)xrows * K / 4;
         float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         if (!buf) return -1;
-        float *acc = buf, *summ = acc + (size_t)xrows * GR, *dsc = summ + (size_t)xrows * GR;
-        float *mns = dsc + 8 * GR, *d = mns + 8 * GR, *sx = d + (size_t)xrows * nbx;
-        int8_t *q = (int8_t *)(sx + (size_t)xrows * nbx);
-        const __m512i low4 = _mm512_set1_epi8(0x0f);
+        float *acc = buf, *summ = acc + (size_t)xrows * GR, *sc = summ + (size_t)xrows * GR;
+        float *d = sc + 16 * GR, *sx = d + (size_t)xrows * nbx;
+        int32_t *bs = (int32_t *)(sx + (size_t)xrows * nbx);
+        int8_t *q = (int8_t *)(bs + (size_t)xrows * (K / 16));
         for (int m0 = 0; m0 < M; m0 += mb) {
             const int mt = M - m0 < mb ? M - m0 : mb;
             qmm_quantize_activations(q, d, sx, x + (size_t)m0 * K, mt, K);
+            if (fmt == F_Q6_K)
+                for (size_t i = 0; i < (size_t)mt * (K / 16); i++) {
+                    int sum = 0;
+                    for (int j = 0; j < 16; j++) sum += q[16 * i + j];
+                    bs[i] = sum;
+                }
             const qx_t X = {q, d, sx, NULL, K};
             for (int n0 = lo; n0 < whole; n0 += GR) {
                 memset(acc, 0, (size_t)2 * xrows * GR * sizeof(float));
                 const uint8_t *w0 = w + (size_t)n0 * row_bytes;
                 for (int bi = 0; bi < nb; bi++) {
                     for (int r = 0; r < GR; r++) {
-                        const uint8_t *b = w0 + (size_t)r * row_bytes + (size_t)bi * 144;
-                        uint8_t sc8[8], mn8[8];
-                        k4_scales(b + 4, sc8, mn8);
-                        const float dd = fp16_to_f32(load_u16(b));
-                        const float dm = fp16_to_f32(load_u16(b + 2));
-                        for (int j = 0; j < 8; j++) {
-                            dsc[j * GR + r] = dd * (float)sc8[j];
-                            mns[j * GR + r] = dm * (float)mn8[j];
+                        const uint8_t *b = w0 + (size_t)r * row_bytes + (size_t)bi * bb;
+                        if (fmt == F_Q4_K) {
+                            uint8_t sc8[8], mn8[8];
+                            k4_scales(b + 4, sc8, mn8);
+                            const float dd = fp16_to_f32(load_u16(b));
+                            const float dm = fp16_to_f32(load_u16(b + 2));
+                            for (int j = 0; j < 8; j++) {
+                                sc[j * GR + r] = dd * (float)sc8[j];
+                                sc[(8 + j) * GR + r] = dm * (float)mn8[j];
+                            }
+                        } else {
+                            const float dd = fp16_to_f32(load_u16(b + 208));
+                            for (int g = 0; g < 16; g++)
+                                sc[g * GR + r] = dd * (float)(int8_t)b[192 + g];
                         }
                     }
-                    for (int i = 0; i < 4; i++) {
+                    for (int c = 0; c < 4; c++) {
                         __m512i W[16];
-                        for (int r = 0; r < GR; r++) {
-                            const __m256i v = _mm256_loadu_si256((const __m256i *)(
-                                w0 + (size_t)r * row_bytes + (size_t)bi * 144 + 16 + 32 * i));
-                            const __m512i vv = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
-                            /* bytes 0..31 the low nibbles (32-block 2i), 32..63 the high */
-                            W[r] = _mm512_and_si512(_mm512_mask_srli_epi16(
-                                vv, (__mmask32)0xffff0000u, vv, 4), low4);
-                        }
+                        for (int r = 0; r < GR; r++)
+                            W[r] = qg_unpack(w0 + (size_t)r * row_bytes + (size_t)bi * bb, c,
+                                             fmt);
                         transpose16(W);
-                        const int gb = bi * 8 + 2 * i;
+                        const int gb = bi * 8 + 2 * c;
                         int m = 0;
                         for (; m + 2 <= mt; m += 2)
-                            qg_chunk(acc, summ, &X, m, 2, W, gb, dsc + 2 * i * GR,
-                                     mns + 2 * i * GR);
-                        if (m < mt)
-                            qg_chunk(acc, summ, &X, m, 1, W, gb, dsc + 2 * i * GR,
-                                     mns + 2 * i * GR);
+                            qg_chunk(acc, summ, &X, bs, m, 2, W, gb, c, sc, fmt);
+                        if (m < mt) qg_chunk(acc, summ, &X, bs, m, 1, W, gb, c, sc, fmt);
                     }
                 }
-                for (int m = 0; m < mt; m++)
-                    _mm512_storeu_ps(y + (size_t)(m0 + m) * N + n0,
-                                     _mm512_sub_ps(_mm512_load_ps(acc + (size_t)m * GR),
-                                                   _mm512_load_ps(summ + (size_t)m * GR)));
+                for (int m = 0; m < mt; m++) {
+                    __m512 v = _mm512_load_ps(acc + (size_t)m * GR);
+                    if (fmt == F_Q4_K) v = _mm512_sub_ps(v, _mm512_load_ps(summ + (size_t)m * GR));
+                    _mm512_storeu_ps(y + (size_t)(m0 + m) * N + n0, v);
+                }
             }
         }
         free(buf);
     }
-    return whole < hi ? rows_q4_k(y, x, w, M, N, K, whole, hi) : 0;
+    return whole < hi ? tail(y, x, w, M, N, K, whole, hi) : 0;
+}
+
+static int qg_rows_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                        int lo, int hi) {
+    return qg_rows(y, x, w, M, N, K, lo, hi, F_Q4_K, rows_q4_k);
+}
+
+static int qg_rows_q6_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                        int lo, int hi) {
+    return qg_rows(y, x, w, M, N, K, lo, hi, F_Q6_K, rows_q6_k);
 }
 #endif
 
-/* The many-row q4_k GEMM where the build has AVX512-VNNI (qgemm_available() says), its own
- * bits (see qg_rows_q4_k); elsewhere it is not called. */
+/* The many-row GEMM where the build has AVX512-VNNI (qgemm_available() says), its own bits
+ * (see qg_rows); elsewhere it is not called. */
 int qgemm_available(void) {
 #ifdef KQ_GEMM
     return 1;
@@ -1009,10 +1072,18 @@ int qgemm_available(void) {
 #endif
 }
 
-void qgemm_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads) {
 #ifdef KQ_GEMM
-    run_quant_rows("quant_kquants", y, x, w, M, N, K, nthreads, GR, qg_rows_q4_k);
+#define QGEMM(name)                                                                           \
+    void qgemm_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K,        \
+                      int nthreads) {                                                         \
+        run_quant_rows("quant_kquants", y, x, w, M, N, K, nthreads, GR, qg_rows_##name);      \
+    }
 #else
-    qmm_q4_k(y, x, w, M, N, K, nthreads);
+#define QGEMM(name)                                                                           \
+    void qgemm_##name(float *y, const float *x, const uint8_t *w, int M, int N, int K,        \
+                      int nthreads) {                                                         \
+        qmm_##name(y, x, w, M, N, K, nthreads);                                               \
+    }
 #endif
-}
+QGEMM(q4_k)
+QGEMM(q6_k)
