@@ -191,6 +191,15 @@ def test_many_row_gemm_matches_the_reference_and_its_own_rows(fmt):
             assert torch.equal(kernels.quantized_matmul(fmt, x[:m], blocks), want), m
             assert torch.equal(kernels.quantized_matmul(fmt, x[:m], blocks, batch_invariant=True),
                                _kernel(fmt, x[:m], blocks, 2)), m
+    # K = 8192: x's rows come in chunks of 64 (QG_X_BYTES), so 70 rows take two.
+    k = 32 * bw
+    blocks = random_blocks(fmt, 20, k, seed=12)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(13))
+    alone = torch.cat([_qgemm(fmt, x[i:i + 1], blocks, 1) for i in (0, 63, 64, 69)])
+    assert torch.equal(_qgemm(fmt, x, blocks, 2)[[0, 63, 64, 69]], alone)
+    ref = kernels.matmul_reference_q8(fmt, x, blocks)
+    got = _qgemm(fmt, x, blocks, 2).double()
+    assert ((got - ref).abs() <= 1e-4 * ref.abs().max()).all()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
