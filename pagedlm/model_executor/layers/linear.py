@@ -273,7 +273,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
                               else gemv.pack_panels(layer.weight))
         layer.use_gemv = gemv.runs(layer.weight)
         layer.amx_from = self._amx_from(layer)
-        layer.dot_from = 0 if layer.amx_from else self._dot_from(layer)
+        layer.dot_from = self._dot_from(layer)
         if self.deterministic and layer.panel_weight is None and not layer.use_gemv:
             raise ValueError(f"deterministic=True needs pagedlm's native kernels for every "
                              f"linear layer; a {layer.weight.dtype} weight of shape "
@@ -312,13 +312,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 and amx.runs(layer.weight.shape[1]) else 0)
 
     def _dot_from(self, layer) -> int:
-        """The row count from which `apply` runs the layer on vdpbf16ps where AMX does not
-        take it; 0: never (deterministic, no AVX512-BF16 in the build, or already every row
-        under PAGEDLM_BF16_DPBF16)."""
+        """The row count from which `apply` runs the layer on vdpbf16ps; 0: never
+        (deterministic, no AVX512-BF16 in the build, already every row under
+        PAGEDLM_BF16_DPBF16, or a CPU with AMX, where vdpbf16ps runs at half the widened
+        chain's rate even for the layers AMX does not take)."""
         panels = getattr(layer, "panel_weight", None)
         return (DPBF16_MIN_ROWS if panels is not None and panels.dtype == torch.bfloat16
-                and not self.deterministic and gemv.bf16_dot_available()
-                and not gemv.bf16_dpbf16() else 0)
+                and not self.deterministic and not amx.available()
+                and gemv.bf16_dot_available() and not gemv.bf16_dpbf16() else 0)
 
     def apply(self, layer, x, bias=None) -> torch.Tensor:
         if (x.is_cuda and x.dim() == 2 and x.shape[0] <= TRITON_GEMV_MAX_ROWS
