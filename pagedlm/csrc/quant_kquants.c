@@ -852,7 +852,7 @@ KQ_FORMAT(iq4_nl, F_IQ4_NL)
 
 #if defined(KQ_AVX512) && defined(__AVX512VNNI__)
 #define KQ_GEMM 1
-/* The many-row GEMM of q4_k and q6_k (qgemm_<fmt>; AVX512-VNNI builds, outside the
+/* The many-row GEMM of q4_k, q5_k and q6_k (qgemm_<fmt>; AVX512-VNNI builds, outside the
  * deterministic mode): kq_rows spends, per x row and 32 weights of a pair of rows, a vpdpbusd
  * and then three float operations (the scale's vpermps, a convert, an FMA), since each
  * vpdpbusd lane holds 4 weights of one 32-block whose scale it must meet at once. Here each
@@ -861,8 +861,8 @@ KQ_FORMAT(iq4_nl, F_IQ4_NL)
  * scale's weights sum exactly in int32 before its one convert and FMA: per 512 products 8
  * integer instructions and 4-6 float ones instead of 8 and 24. Each output is then its own
  * chain over its row's blocks in order, I the exact integer sums:
- *   q4_k, per 32-block b:  acc = fma((d sc_b) d_x, I_b, acc),  summ = fma(dmin mn_b, s_x, summ)
- *                          y = acc - summ
+ *   q4_k, q5_k, per 32-block b:  acc = fma((d sc_b) d_x, I_b, acc),
+ *                                summ = fma(dmin mn_b, s_x, summ),  y = acc - summ
  *   q6_k, per 16 weights g of 32-block b (u = q + 32 in 0..63, bs_g the sum of x's q over g):
  *                          acc = fma((d sc_g) d_x, I_g - 32 bs_g, acc),  y = acc
  * other bits than kq_rows' 8 lanes (so not the deterministic mode's kernel), the same at any
@@ -904,11 +904,20 @@ static inline __m512i bcast4(const int8_t *p) {
 static inline __attribute__((always_inline)) __m512i qg_unpack(const uint8_t *b, int c,
                                                                 const int fmt) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    if (fmt == F_Q4_K) {  /* the low nibbles of 32 bytes (32-block 2c), then their high ones */
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+    if (fmt == F_Q4_K || fmt == F_Q5_K) {
+        /* the low nibbles of 32 bytes (32-block 2c), then their high ones; q5_k's fifth bits
+         * from qh: bit 2c of byte l for weight l of 32-block 2c, bit 2c + 1 for 2c + 1 */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(
+            b + (fmt == F_Q4_K ? 16 : 48) + 32 * c));
         const __m512i vv = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
-        return _mm512_and_si512(_mm512_mask_srli_epi16(vv, (__mmask32)0xffff0000u, vv, 4),
-                                low4);
+        const __m512i q = _mm512_and_si512(
+            _mm512_mask_srli_epi16(vv, (__mmask32)0xffff0000u, vv, 4), low4);
+        if (fmt == F_Q4_K) return q;
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+        const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)),
+                                              _mm256_set1_epi16((short)(2 * c + 1)), 1);
+        return _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(
+            _mm512_srlv_epi16(qh, sh), _mm512_set1_epi8(1)), 4));
     }
     /* q6_k: 32-blocks 4h + s and 4h + s + 1 (h = c / 2, s = 2 (c % 2)) from ql's 64 bytes of
      * half h (nibble s / 2) and qh's 32 (bits 2s, 2s + 2 for the two) */
@@ -935,7 +944,7 @@ static inline __attribute__((always_inline)) void qg_chunk(
         const float *dx = X->d + (size_t)m * nbx + gb;
         float *am = acc + (size_t)m * GR;
         __m512 a = _mm512_load_ps(am);
-        if (fmt == F_Q4_K) {
+        if (fmt != F_Q6_K) {
             /* 4 chains: integer sums are exact in any order */
             __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
             for (int t = 0; t < 8; t += 2) {
@@ -1011,7 +1020,7 @@ static inline __attribute__((always_inline)) int qg_rows(
                 for (int bi = 0; bi < nb; bi++) {
                     for (int r = 0; r < GR; r++) {
                         const uint8_t *b = w0 + (size_t)r * row_bytes + (size_t)bi * bb;
-                        if (fmt == F_Q4_K) {
+                        if (fmt != F_Q6_K) {
                             uint8_t sc8[8], mn8[8];
                             k4_scales(b + 4, sc8, mn8);
                             const float dd = fp16_to_f32(load_u16(b));
@@ -1041,7 +1050,7 @@ static inline __attribute__((always_inline)) int qg_rows(
                 }
                 for (int m = 0; m < mt; m++) {
                     __m512 v = _mm512_load_ps(acc + (size_t)m * GR);
-                    if (fmt == F_Q4_K) v = _mm512_sub_ps(v, _mm512_load_ps(summ + (size_t)m * GR));
+                    if (fmt != F_Q6_K) v = _mm512_sub_ps(v, _mm512_load_ps(summ + (size_t)m * GR));
                     _mm512_storeu_ps(y + (size_t)(m0 + m) * N + n0, v);
                 }
             }
@@ -1054,6 +1063,11 @@ static inline __attribute__((always_inline)) int qg_rows(
 static int qg_rows_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
                         int lo, int hi) {
     return qg_rows(y, x, w, M, N, K, lo, hi, F_Q4_K, rows_q4_k);
+}
+
+static int qg_rows_q5_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
+                        int lo, int hi) {
+    return qg_rows(y, x, w, M, N, K, lo, hi, F_Q5_K, rows_q5_k);
 }
 
 static int qg_rows_q6_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
@@ -1086,4 +1100,5 @@ int qgemm_available(void) {
     }
 #endif
 QGEMM(q4_k)
+QGEMM(q5_k)
 QGEMM(q6_k)

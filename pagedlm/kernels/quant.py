@@ -45,6 +45,7 @@ library = typed_library({
     "qmm_iq4_nl": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qgemm_available": ([], _i),
     "qgemm_q4_k": ([_p, _p, _p, _i, _i, _i, _i], None),
+    "qgemm_q5_k": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qgemm_q6_k": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm16_q4_k": ([_p, _p, _p, _i, _i, _i, _i], None),
     "qmm16_q5_k": ([_p, _p, _p, _i, _i, _i, _i], None),
@@ -178,7 +179,7 @@ def _float_dequant_gemm_min_rows(fmt: str) -> int:
 # step; AVX512-VNNI builds), which outside the deterministic mode takes their steps from
 # QGEMM_MIN_ROWS rows up to the dequantize + GEMM switch. Its bits are not the kernels', so it
 # starts above gemv.GEMV_MAX_ROWS, the most rows the fused decode stack runs the kernels on.
-QGEMM_FORMATS = ("q4_k", "q6_k")
+QGEMM_FORMATS = ("q4_k", "q5_k", "q6_k")
 QGEMM_MIN_ROWS = gemv.GEMV_MAX_ROWS + 1
 # Where AMX does not run, the GEMM keeps every many-row step of its formats: no row count
 # reaches this switch. The Zen 4 EPYC, 2 threads, medians of 21 (9 from 128 rows) alternating,
@@ -186,7 +187,8 @@ QGEMM_MIN_ROWS = gemv.GEMV_MAX_ROWS + 1
 # 2.33, 128 22.8 | 7.84 | 20.8, 512 90.5 | 28.9 | 55.8; 2048x8192 at 32 6.23 | 3.09, 128
 # 24.1 | 10.8 | 25.2, 512 101.2 | 44.3 | 74.1; q6_k 8192x2048 at 9 2.12 | 1.29, 32 7.04 |
 # 3.48, 128 28.0 | 9.72 | 20.5, 512 111.6 | 35.5 | 54.0; 2048x8192 at 512 112.3 | 43.2 | 55.6;
-# 2048x2048 at 512 28.8 | 8.84 | 13.4. Past 512 rows both grow linearly (the panels'
+# 2048x2048 at 512 28.8 | 8.84 | 13.4; q5_k 8192x2048 at 9 2.68 | 1.97, 32 8.29 | 4.16, 128
+# 24.5 | 8.13 | 32.1. Past 512 rows both grow linearly (the panels'
 # dequantizing is spread thin by then, and their GEMM computes no faster than the 480-590
 # GFLOP/s qgemm reaches). On AMX (from 32-40 rows) not measured against it yet.
 QGEMM_ONLY = 1 << 30

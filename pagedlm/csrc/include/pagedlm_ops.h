@@ -114,9 +114,10 @@ void qmm_q2_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, i
 void qmm_q5_0(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_q5_1(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qmm_iq4_nl(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
-/* the many-row GEMM of q4_k and q6_k (AVX512-VNNI builds: qgemm_available() 1) */
+/* the many-row GEMM of q4_k, q5_k and q6_k (AVX512-VNNI builds: qgemm_available() 1) */
 int qgemm_available(void);
 void qgemm_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
+void qgemm_q5_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 void qgemm_q6_k(float *y, const float *x, const uint8_t *w, int M, int N, int K, int nthreads);
 /* x in two 8-bit limbs (quant_kquants.c's header) */
 void qmm16_q4_k(float *y, const float *x, const uint8_t *w, int M, int N, int K,
