@@ -127,10 +127,11 @@ _AMX_DEFAULT_MIN_ROWS = 32
 # | 13.8 | 59.7, 96 18.5 | 19.3 | 35.5, 128 22.3 | 25.7 | 58.4, 192 37.0 | 38.5 | 70.0; q6_k
 # 2048x8192 at 64 17.8 | 16.9 | 41.6, 96 18.9 | 25.4 | 44.9, 192 28.1 | 52.0 | 71.9; q6_k
 # 8192x2048 at 96 21.3 | 27.8 | 56.8; q4_k 2048x2048 at 96 7.0 | 4.9 | 11.0, 128 5.0 | 6.4 |
-# 11.5. So the panels win from 128 rows for q4_k (and q5_k), from 96 for the rest, and beat
-# the float32 branch they replace by 1.9-2.6x.
-_DPBF16_DEQUANT_MIN_ROWS = {"q4_k": 128, "q5_k": 128}
-_DPBF16_DEFAULT_MIN_ROWS = 96
+# 11.5. So the panels win from 96 rows over q6_k's kernel and beat the float32 branch they
+# replace by 1.9-2.6x. q4_k, q5_k and q6_k never reach this switch: every CPU with
+# AVX512-BF16 has VNNI, where qgemm keeps their many-row steps (QGEMM_ONLY); the other
+# formats' kernels spend no less per weight than q6_k's.
+_DPBF16_DEQUANT_MIN_ROWS = 96
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,7 +164,7 @@ def dequant_gemm_min_rows(fmt: str, limbs: int = 1) -> int:
     if qgemm_min_rows(fmt):
         return QGEMM_ONLY
     if route == "dpbf16":
-        return _DPBF16_DEQUANT_MIN_ROWS.get(fmt, _DPBF16_DEFAULT_MIN_ROWS)
+        return _DPBF16_DEQUANT_MIN_ROWS
     return _float_dequant_gemm_min_rows(fmt)
 
 
