@@ -41,10 +41,10 @@ HUGE_PAGE = 2 << 20
 HUGE_FILE_MAP_SHARE = 0.9
 # madvise(2)'s MADV_POPULATE_READ (Linux 5.14): map a range's pages without touching them.
 _MADV_POPULATE_READ = 22
-# And MADV_POPULATE_WRITE: fault a range's pages in writable, as a first write would.
-_MADV_POPULATE_WRITE = 23
-# FaultingArena faults this much at a time.
-_FAULT_PIECE = 8 * HUGE_PAGE
+# mremap(2)'s flags: the pages may move, to exactly the address given.
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+# FileMapMove moves this much at a time: the memory it holds beyond the weights.
+_MOVE_PIECE = 16 * HUGE_PAGE
 # Below this a tensor stays on torch's allocator: rounding it up to a huge page would waste
 # more than an eighth of it.
 MIN_BYTES = 8 * HUGE_PAGE
@@ -59,12 +59,23 @@ def supported() -> bool:
             and not envs.PAGEDLM_DISABLE_HUGE_PAGES)
 
 
-def _madvise(addr: int, length: int, advice: int) -> int:
-    """madvise(2) on a raw address range (Python's mmap.madvise takes only its own maps): 0,
-    or -1 with errno set."""
+def _libc() -> ctypes.CDLL:
+    """The C library with the memory calls this module makes on raw addresses (Python's mmap
+    module works only on its own maps) typed; ctypes lets the GIL go during each."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(addr, length, advice)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    libc.mremap.restype = ctypes.c_void_p  # variadic: its arguments are typed at the call
+    return libc
+
+
+def _madvise(addr: int, length: int, advice: int) -> int:
+    """madvise(2) on a raw address range: 0, or -1 with errno set."""
+    return _libc().madvise(addr, length, advice)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
@@ -87,59 +98,6 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, zero: bool = False) -> tor
     if zero:
         out.zero_()  # anonymous memory reads as zeros; this faults it in now
     return out
-
-
-class FaultingArena:
-    """A huge-page map of `nbytes` whose pages two threads fault in (MADV_POPULATE_WRITE, a
-    C call that runs without the GIL) while the load goes on, for gather_blocks to copy into.
-
-    On the 2-vCPU Xeon VM the copy's cost is the first touch of fresh memory, not the copy:
-    1.4-1.6 s of the 1B Q4_K_M file's 667 MB (gather_blocks), against 0.15 s into pages
-    already faulted in. The threads take it off the loading thread, onto what the GIL leaves
-    idle while the model is built (and the server imports its HTTP stack). In process the 1B
-    LLM(...) went from 1.7-2.0 to 1.2 s: the loader reached the copy 0.2-0.4 s in and waited
-    0.5-0.7 s more, against 1.0-1.3 s with one thread. `take(n)` waits for the threads and
-    hands out the first n bytes; the pages past them go back at once."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._buf: torch.Tensor | None = empty((nbytes,), torch.uint8)
-        half = self._buf.nbytes // 2 // HUGE_PAGE * HUGE_PAGE
-        self._threads = [threading.Thread(target=self._fault, args=(part,),
-                                          name="pagedlm-arena-fault", daemon=True)
-                         for part in (self._buf[:half], self._buf[half:])]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _fault(buf: torch.Tensor) -> None:  # buf: held, so the map outlives the call
-        # A piece at a time: the call holds the process's map lock, which every mmap and
-        # munmap of the loading thread (its larger mallocs) waits for. An older kernel
-        # (EINVAL) leaves the pages to the copy's first touch.
-        for start in range(0, buf.nbytes, _FAULT_PIECE):
-            if _madvise(buf.data_ptr() + start, min(_FAULT_PIECE, buf.nbytes - start),
-                        _MADV_POPULATE_WRITE):
-                return
-
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """The first nbytes of the map, faulted in; None (and the map let go) if it is too
-        small. The pages past them are handed back."""
-        for t in self._threads:
-            t.join()
-        buf, self._buf = self._buf, None
-        if buf is None or nbytes > buf.nbytes:
-            return None
-        start = -(-(buf.data_ptr() + nbytes) // HUGE_PAGE) * HUGE_PAGE
-        end = buf.data_ptr() + buf.nbytes
-        if end > start:
-            _madvise(start, end - start, mmap.MADV_DONTNEED)
-        return buf[:nbytes]
-
-    def close(self) -> None:
-        """Let the map go unless take handed it out (its views keep it)."""
-        for t in self._threads:
-            t.join()
-        self._buf = None
 
 
 def gather_panels(model: torch.nn.Module, release: Callable[[], None] | None = None) -> int:
@@ -298,40 +256,11 @@ def reread_on_huge_folios(m: FileMap) -> bool:
     return True
 
 
-def gather_blocks(model: torch.nn.Module,
-                  release: Callable[[torch.Tensor], None] | None = None,
-                  in_place: bool = False, arena: FaultingArena | None = None) -> int:
-    """Move the quantized weight blocks the model's layers stream every step (a quantized
-    layer's `qweight_data`, a sharded GGUF layer's uint8 shards) into one map on huge pages;
-    returns the bytes moved (0 where the OS has no huge pages). An embedding whose row lookups
-    read the same blocks (a tied LM head's table) is pointed at the copy too. `release(t)` is
-    called on each original once it is copied (GGUFConfig: drop the file map's pages under it,
-    so the process never holds a weight twice). The copies go into `arena` where it is large
-    enough (the GGUF loader faults one in while it loads), else into a fresh map.
-
-    Why: a GGUF file's blocks are views of its memory map, on the page cache's 4 KiB pages, and
-    the copies loading makes (fused or permuted rows) are on malloc's. On the 2-vCPU Xeon,
-    the 1B Q4_K_M file's greedy stream (LLM.generate, 256 tokens, medians of 4) ran 29.0-29.5
-    tok/s against 21.3 with PAGEDLM_DISABLE_HUGE_PAGES=1, and torch.sum reads 29.0-29.4 GB/s
-    on 2 MiB pages against 23.6-24.8 on 4 KiB ones. The price is at load: 1.4-1.6 s for this
-    file's 667 MB there against 0.15 s for the copy into pages already faulted in (this VM's
-    first touch of memory it has not used lately, not the copy: 2.0 s to fault in 667 MB of
-    huge pages the first time, 0.075 s the next).
-
-    With in_place (PAGEDLM_GGUF_IN_PLACE), blocks that are views of a file map already on
-    2 MiB entries stay where they are (on_huge_file_pages: the page cache holds the file in
-    2 MiB folios, as advise_file_map gets where the file system can, or as on_huge_file_pages
-    reads a file cached in small ones again): the load saves the copy and the fresh memory.
-    Not the default, because on the Xeon VM the page cache a file was just read into streams
-    slower than the copy: torch.sum over the 1B Q4_K_M file's map read 27.2 GB/s (through
-    4 KiB entries) while the cache had held it for a day, and right after evicting and reading
-    it again 19.3 (4 KiB entries) and 22.7 (2 MiB ones; 4 times on an earlier day, each
-    19.2-21.4); 20.3-21.2 for a copy of the file just written by `cp`; 25.2-26.8 for the copy
-    onto fresh huge pages each time. The 1B stream ran 22.7-23.0 tok/s in place against 27.2
-    copied on such a day, and at the copy's speed when the cache was old. How the host backs
-    the guest's memory is not this process's to see; a cold start, the file just read from
-    the disk, is the slow case, and the copy lands on memory the CPU touched first. And the
-    stream runs for as long as the server does, the copy once."""
+def streamed_blocks(model: torch.nn.Module) -> dict[int, tuple[torch.Tensor, list[Callable]]]:
+    """The quantized weight blocks the model's layers stream every step (a quantized layer's
+    `qweight_data`, a sharded GGUF layer's uint8 shards), by address, each with the setters that
+    would point its holders at a copy: its layers, and an embedding whose row lookups read the
+    same blocks (a tied LM head's table)."""
     held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tensor], None]]]] = {}
 
     def hold(t, setter):
@@ -356,16 +285,151 @@ def gather_blocks(model: torch.nn.Module,
         if isinstance(rows, torch.Tensor) and rows.data_ptr() in held:
             held[rows.data_ptr()][1].append(
                 lambda new, m=module: setattr(m.row_lookup, "blocks", new))
+    return held
+
+
+def gather_blocks(model: torch.nn.Module,
+                  release: Callable[[torch.Tensor], None] | None = None,
+                  in_place: bool = False, stay_in: tuple[int, int] | None = None) -> int:
+    """Move the quantized weight blocks the model's layers stream every step (streamed_blocks)
+    into one fresh map on huge pages; returns the bytes moved (0 where the OS has no huge
+    pages). `release(t)` is called on each original once it is copied (GGUFConfig: drop the
+    file map's pages under it, so the process never holds a weight twice). Blocks that lie
+    inside the address range `stay_in` (a file map whose pages FileMapMove will move under
+    them) are left where they are.
+
+    Why: a GGUF file's blocks are views of its memory map, on the page cache's 4 KiB pages, and
+    the copies loading makes (fused or permuted rows) are on malloc's. On the 2-vCPU Xeon,
+    the 1B Q4_K_M file's greedy stream (LLM.generate, 256 tokens, medians of 4) ran 29.0-29.5
+    tok/s against 21.3 with PAGEDLM_DISABLE_HUGE_PAGES=1, and torch.sum reads 29.0-29.4 GB/s
+    on 2 MiB pages against 23.6-24.8 on 4 KiB ones. The price is at load: 1.4-1.6 s for this
+    file's 667 MB there against 0.15 s for the copy into pages already faulted in (this VM's
+    first touch of memory it has not used lately, not the copy: 2.0 s to fault in 667 MB of
+    huge pages the first time, 0.075 s the next); FileMapMove pays it after the load.
+
+    With in_place (PAGEDLM_GGUF_IN_PLACE), blocks that are views of a file map already on
+    2 MiB entries stay where they are for good (on_huge_file_pages: the page cache holds the
+    file in 2 MiB folios, as advise_file_map gets where the file system can, or as
+    on_huge_file_pages reads a file cached in small ones again): no fresh memory at all. Not
+    the default, because on the Xeon VM the page cache a file was just read into streams
+    slower than fresh memory: torch.sum over the 1B Q4_K_M file's map read 27.2 GB/s (through
+    4 KiB entries) while the cache had held it for a day, and right after evicting and reading
+    it again 19.3 (4 KiB entries) and 22.7 (2 MiB ones; 4 times on an earlier day, each
+    19.2-21.4); 20.3-21.2 for a copy of the file just written by `cp`; 25.2-26.8 for the copy
+    onto fresh huge pages each time. The 1B stream ran 22.7-23.0 tok/s in place against 27.2
+    copied on such a day, and at the copy's speed when the cache was old. How the host backs
+    the guest's memory is not this process's to see; a cold start, the file just read from
+    the disk, is the slow case, and the copy lands on memory the CPU touched first. (On the
+    Zen 4 EPYC both read 34-37 GB/s, cold or not.)"""
+    held = streamed_blocks(model)
     if held and in_place and supported():
         # Views of a file map already on 2 MiB entries stay: no copy, and no fresh memory.
         for ptr in on_huge_file_pages([t for t, _ in held.values()]):
             del held[ptr]
-    return _move_to_arena(held, release, arena)
+    if stay_in is not None:
+        lo, hi = stay_in
+        for ptr in [p for p, (t, _) in held.items() if lo <= p and p + t.nbytes <= hi]:
+            del held[ptr]
+    return _move_to_arena(held, release)
+
+
+class FileMapMove:
+    """Move the pages under given spans of a private file map onto fresh anonymous huge pages,
+    at the same addresses, in a thread: each piece (_MOVE_PIECE) is copied into a new map
+    advised for huge pages, and mremap(2) then puts that map's pages in place of the file's
+    (MREMAP_FIXED replaces what lay there). Tensors, and the raw pointers the fused decode
+    stack took, stay valid throughout: every read sees the same bytes, from the file's pages
+    before a piece's move and from its copy after, so the engine serves while this runs.
+
+    Why: the blocks a GGUF model streams are fastest on memory this process faulted in fresh
+    (gather_blocks says where the page cache read slower), but faulting 667 MB of it took the
+    1B Q4_K_M load 1.4-1.6 s on the Xeon VM, ~0.9 s of `pagedlm serve`'s 3.3 s to ready on the
+    Zen 4 EPYC; this way the server is ready on the file's pages and the fresh ones follow.
+    The memory it holds beyond the weights is one piece; the spans are rounded out to whole
+    huge pages (within the map), so up to 2 MiB of a neighbouring tensor on each side of a gap
+    comes along.
+
+    After a move the range is anonymous memory: nothing may MADV_DONTNEED it (that zeroes
+    anonymous pages), so the loader drops the file's pages (release_pages) before it starts.
+    Where a call fails (no mremap, out of memory) the move stops, the rest staying on the
+    file's pages. `owner` (the map) is held until the thread ends, so it outlives the copy."""
+
+    def __init__(self, owner: object, lo: int, hi: int, spans: list[tuple[int, int]]) -> None:
+        """lo, hi: the map's first and past-the-last address; spans: (address, bytes) in it."""
+        self.pieces = _pieces(lo, hi, spans)
+        self.moved = 0  # bytes now on fresh pages
+        self._owner = owner
+        self._thread = threading.Thread(target=self._run, name="pagedlm-blocks-move",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the move has ended (every piece moved, or it stopped), waiting up to
+        `timeout` seconds for it."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        libc = _libc()
+        try:
+            for dst, n in self.pieces:
+                if not _move_piece(libc, dst, n):
+                    return
+                self.moved += n
+        finally:
+            self._owner = None
+
+
+def _pieces(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(address, bytes) pieces that cover the spans, each span rounded out to huge pages and
+    clipped to [lo, hi) rounded out to 4 KiB pages; spans less than a huge page apart are
+    joined; pieces end on multiples of _MOVE_PIECE, so all but a clipped end are whole huge
+    pages."""
+    lo = lo - lo % mmap.PAGESIZE
+    hi = -(-hi // mmap.PAGESIZE) * mmap.PAGESIZE
+    ranges: list[list[int]] = []
+    for start, n in sorted(spans):
+        a = max(lo, start - start % HUGE_PAGE)
+        b = min(hi, -(-(start + n) // HUGE_PAGE) * HUGE_PAGE)
+        if ranges and a <= ranges[-1][1]:
+            ranges[-1][1] = max(ranges[-1][1], b)
+        elif a < b:
+            ranges.append([a, b])
+    pieces = []
+    for a, b in ranges:
+        while a < b:
+            end = min(b, (a // _MOVE_PIECE + 1) * _MOVE_PIECE)
+            pieces.append((a, end - a))
+            a = end
+    return pieces
+
+
+def _move_piece(libc: ctypes.CDLL, dst: int, n: int) -> bool:
+    """Put fresh anonymous pages holding a copy of [dst, dst + n) at dst; False if a call
+    failed (the range then unchanged)."""
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    raw = libc.mmap(None, n + HUGE_PAGE, prot, flags, -1, 0)
+    if raw is None or raw == ctypes.c_void_p(-1).value:
+        return False
+    # The copy sits at dst's offset within a huge page, so that mremap moves whole 2 MiB
+    # entries; the slack around it goes back unused.
+    tmp = raw + (dst - raw) % HUGE_PAGE
+    if tmp > raw:
+        libc.munmap(raw, tmp - raw)
+    if raw + n + HUGE_PAGE > tmp + n:
+        libc.munmap(tmp + n, raw + n + HUGE_PAGE - (tmp + n))
+    libc.madvise(tmp, n, mmap.MADV_HUGEPAGE)  # without THP: ordinary pages, still fresh
+    libc.memcpy(tmp, dst, n)
+    moved = libc.mremap(ctypes.c_void_p(tmp), ctypes.c_size_t(n), ctypes.c_size_t(n),
+                        ctypes.c_int(_MREMAP_MAYMOVE | _MREMAP_FIXED), ctypes.c_void_p(dst))
+    if moved != dst:
+        libc.munmap(tmp, n)
+        return False
+    return True
 
 
 def _move_to_arena(held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tensor], None]]]],
-                   copied: Callable[[torch.Tensor], None] | None = None,
-                   faulting: FaultingArena | None = None) -> int:
+                   copied: Callable[[torch.Tensor], None] | None = None) -> int:
     """Copy each held tensor (by address: each once, however many hold it) into one map on
     huge pages and hand the copy to its setters; `copied(original)` after each. Returns the
     bytes moved: 0, and nothing moved, below MIN_BYTES or without huge pages. The originals are
@@ -373,9 +437,7 @@ def _move_to_arena(held: dict[int, tuple[torch.Tensor, list[Callable[[torch.Tens
     total = sum(aligned_bytes(t.nbytes) for t, _ in held.values())
     if total < MIN_BYTES or not supported():
         return 0
-    arena = faulting.take(total) if faulting is not None else None
-    if arena is None:
-        arena = empty((total,), torch.uint8)
+    arena = empty((total,), torch.uint8)
     offset = 0
     while held:
         t, setters = held.popitem()[1]

@@ -157,22 +157,6 @@ def test_gather_blocks_moves_each_quantized_tensor_once_with_its_values():
     assert huge_pages.gather_blocks(small) == 0 and small.qweight_data.data_ptr() == before
 
 
-@pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
-                    reason="transparent huge pages are off here")
-def test_faulting_arena_hands_out_faulted_pages_and_returns_the_rest():
-    """The threads fault the whole map in; take(n) hands out n zeroed bytes on huge pages and
-    gives the pages past them back; a request larger than the map gets None."""
-    page = huge_pages.HUGE_PAGE
-    arena = huge_pages.FaultingArena(16 * page)
-    n = 10 * page + 12345
-    buf = arena.take(n)
-    assert buf is not None and buf.nbytes == n and buf.dtype == torch.uint8
-    assert int(buf.count_nonzero()) == 0
-    assert 10 * page <= map_fields(buf)["Rss"] <= 11 * page  # faulted in, the other 5 pages back
-    assert huge_bytes(buf) >= 10 * page
-    assert huge_pages.FaultingArena(8 * page).take(8 * page + 1) is None
-
-
 def streamed_of(model: nn.Module) -> list[torch.Tensor]:
     """The block tensors a GGUF model's layers stream."""
     streamed = [m.qweight_data for m in model.modules()
@@ -184,43 +168,59 @@ def streamed_of(model: nn.Module) -> list[torch.Tensor]:
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
                     reason="transparent huge pages are off here")
 def test_default_gguf_streams_its_blocks_from_huge_pages(monkeypatch):
-    """The embedded SmolLM2 on its Q4_1 blocks: every block tensor the layers stream sits on
-    huge pages, copied there by default or left on the file's 2 MiB folios with
-    PAGEDLM_GGUF_IN_PLACE=1 where the page cache has them; the tied embedding reads the LM
-    head's blocks; and greedy tokens and logprobs are the very ones the file's own pages give
-    (PAGEDLM_DISABLE_HUGE_PAGES=1): the same kernels on the same bytes."""
+    """The embedded SmolLM2 on its Q4_1 blocks: every block tensor the layers stream ends on
+    huge pages, by default moved there under the same addresses after the load (anonymous
+    memory once the move has ended, the model serving meanwhile), or left on the file's 2 MiB
+    folios with PAGEDLM_GGUF_IN_PLACE=1 where the page cache has them; the tied embedding reads
+    the LM head's blocks; and greedy tokens and logprobs are the very ones the file's own pages
+    give (PAGEDLM_DISABLE_HUGE_PAGES=1): the same kernels on the same bytes."""
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=0)
-    outs, models, taken = {}, {}, []
-    take = huge_pages.FaultingArena.take
+    outs, models, at_load = {}, {}, {}
 
-    def recorded_take(self, nbytes):  # the real take, its result kept
-        taken.append(take(self, nbytes))
-        return taken[-1]
+    def run(llm) -> tuple[str, list[int], list[float]]:
+        out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
+        return (out.text, list(out.token_ids),
+                [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
 
-    monkeypatch.setattr(huge_pages.FaultingArena, "take", recorded_take)
-    for how, disable, in_place in (("file pages", "1", ""), ("copied", "", ""),
+    for how, disable, in_place in (("file pages", "1", ""), ("moved", "", ""),
                                    ("in place", "", "1")):
         monkeypatch.setenv("PAGEDLM_DISABLE_HUGE_PAGES", disable)
         monkeypatch.setenv("PAGEDLM_GGUF_IN_PLACE", in_place)
         llm = LLM(quantization="gguf", max_model_len=256, kv_cache_memory_bytes=64 * 2**20)
-        out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
-        outs[how] = (list(out.token_ids), [lp[t].logprob for t, lp in
-                                           zip(out.token_ids, out.logprobs)])
-        models[how] = llm.llm_engine.executor.worker.model
+        models[how] = model = llm.llm_engine.executor.worker.model
+        at_load[how] = [t.data_ptr() for t in streamed_of(model)]
+        outs[how] = run(llm)  # the move may still run: every read sees the same bytes
+        if how == "moved":
+            assert model.blocks_move.wait(60)
+            assert outs[how] == run(llm)
+        else:
+            assert not hasattr(model, "blocks_move")
         del llm
-    assert outs["file pages"] == outs["copied"] == outs["in place"] and "Paris" in out.text
-    for how in ("copied", "in place"):
+    assert outs["file pages"] == outs["moved"] == outs["in place"]
+    assert "Paris" in outs["moved"][0]
+    for how in ("moved", "in place"):
         model = models[how]
         streamed = streamed_of(model)
+        assert [t.data_ptr() for t in streamed] == at_load[how]
         assert len(streamed) >= 121  # 30 layers x 4 linears and the tied LM head
-        total = sum(t.nbytes for t in streamed)
-        assert huge_bytes(streamed[0]) >= total // 2, how
         assert (model.embed_tokens.row_lookup.blocks.data_ptr()
                 == model.lm_head.qweight_data.data_ptr())
-    # The copies went into the arena the loader faulted in while it loaded, once.
-    assert len(taken) == 1 and taken[0] is not None
-    lo, hi = taken[0].data_ptr(), taken[0].data_ptr() + taken[0].nbytes
-    assert all(lo <= t.data_ptr() < hi for t in streamed_of(models["copied"]))
+    # Moved: every piece, and the blocks' maps (one a piece) are now anonymous memory on huge
+    # pages. In place: one file map, mostly on 2 MiB entries.
+    move = models["moved"].blocks_move
+    streamed = streamed_of(models["moved"])
+    assert move.pieces and move.moved == sum(n for _, n in move.pieces)
+    total = sum(t.nbytes for t in streamed)
+    assert sum(t.nbytes for t in streamed if on_fresh_huge_pages(t)) >= 0.9 * total
+    streamed = streamed_of(models["in place"])
+    assert huge_bytes(streamed[0]) >= sum(t.nbytes for t in streamed) // 2
+
+
+def on_fresh_huge_pages(t: torch.Tensor) -> bool:
+    """Whether the map holding t's first byte is anonymous memory, some of it on huge pages
+    (a file's private map has no Anonymous bytes until it is written)."""
+    fields = map_fields(t)
+    return 0 < fields["Rss"] == fields.get("Anonymous", 0) and fields.get("AnonHugePages", 0) > 0
 
 
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
@@ -343,3 +343,85 @@ def test_a_file_cached_in_small_folios_is_read_again_onto_huge_ones(tmp_path):
     # By default they are copied all the same (gather_blocks says why).
     assert huge_pages.gather_blocks(layer) >= blocks.nbytes
     assert layer.qweight_data is not blocks and torch.equal(layer.qweight_data, expected)
+
+
+def test_move_pieces_cover_the_spans_in_whole_huge_pages_within_the_map():
+    """Spans rounded out to huge pages and clipped to the map (its end to a 4 KiB page), those
+    less than a huge page apart joined, cut where a _MOVE_PIECE ends."""
+    page, piece = huge_pages.HUGE_PAGE, huge_pages._MOVE_PIECE
+    lo = 100 * piece + 4096  # a map that starts inside a huge page
+    hi = lo + 3 * piece + 5000
+    spans = [(lo + 10, 100),                          # clipped to the map's start
+             (lo + 3 * page, page),                   # joined with the next (gap < a page)
+             (lo + 4 * page + 8192, 2 * piece),       # across two piece boundaries
+             (hi - 10, 10)]                           # clipped to the map's end, page-rounded
+    pieces = huge_pages._pieces(lo, hi, spans)
+    first_page = lo - lo % page + page
+    assert pieces[0] == (lo, first_page - lo)
+    starts = [a for a, _ in pieces]
+    assert starts == sorted(starts)
+    for (a, n), (b, _) in zip(pieces, pieces[1:]):
+        assert a + n <= b
+    for a, n in pieces[1:]:
+        assert a % page == 0 and a // piece == (a + n - 1) // piece  # within one piece
+        assert (a + n) % page == 0 or a + n == -(-hi // 4096) * 4096
+    assert pieces[-1][0] + pieces[-1][1] == -(-hi // 4096) * 4096
+    covered = [(a, a + n) for a, n in pieces]
+    for start, n in spans:
+        assert any(a <= start and start + n <= b for a, b in _joined(covered))
+    # The gap of more than a huge page between the first span's page and the second stays out.
+    assert not any(a < lo + 2 * page <= a + n - 1 for a, n in pieces if a > first_page)
+
+
+def _joined(ranges):
+    out = []
+    for a, b in ranges:
+        if out and a == out[-1][1]:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def test_file_map_move_keeps_addresses_and_bytes_while_others_read(tmp_path):
+    """A private map of a file, as the GGUF loader's: the move puts fresh anonymous pages under
+    the spans at the same addresses, with the same bytes, while another thread keeps reading
+    them (every read sees the file's bytes); the pages outside the spans stay the file's."""
+    import mmap
+    import threading
+    page = huge_pages.HUGE_PAGE
+    path, n = tmp_path / "blocks.bin", 24 * page + 12345
+    path.write_bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).numpy().tobytes())
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    expected = whole.clone()
+    blocks = whole[3 * page + 100: 20 * page]  # 17 huge pages' worth, rounded out to 18
+    ptr, total = blocks.data_ptr(), int(blocks.sum())
+    stop, reading, bad, reads = threading.Event(), threading.Event(), [], [0]
+
+    def reader():
+        while not stop.is_set():
+            reads[0] += 1
+            if int(blocks.sum()) != total:
+                bad.append(reads[0])
+            reading.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert reading.wait(10)
+    lo = whole.data_ptr()
+    move = huge_pages.FileMapMove(m, lo, lo + n, [(ptr, blocks.nbytes)])
+    assert move.wait(60)
+    stop.set()
+    thread.join()
+    assert not bad and reads[0] > 0
+    rounded = -(-(ptr + blocks.nbytes) // page) * page - ptr // page * page
+    assert move.moved == sum(k for _, k in move.pieces) == rounded
+    assert blocks.data_ptr() == ptr and torch.equal(whole, expected)
+    fields = map_fields(blocks)
+    assert fields["Rss"] == fields.get("Anonymous", 0) > 0
+    if thp_mode() in ("always", "madvise"):
+        assert fields.get("AnonHugePages", 0) > 0
+    outside = map_fields(whole[-100:])  # past the spans' last huge page: the file's
+    assert outside.get("Anonymous", 0) == 0

@@ -124,6 +124,14 @@ class GGUFWeights:
         if hasattr(mmap, "MADV_DONTNEED"):  # Linux; elsewhere the pages simply stay
             self._mmap.madvise(mmap.MADV_DONTNEED)
 
+    def map_range(self) -> tuple[int, int]:
+        """The first and past-the-last address of the file's map."""
+        return self._map.ctypes.data, self._map.ctypes.data + len(self._map)
+
+    def map_owner(self) -> object:
+        """What keeps the file's map mapped while it is held."""
+        return self._map
+
     def release(self, tensor: torch.Tensor) -> None:
         """Drop the map's pages under `tensor`, if it is a view of the map, once it has been
         copied (2-byte matrices packed into panels): without this every packed matrix's pages

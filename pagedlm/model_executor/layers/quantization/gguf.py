@@ -325,7 +325,6 @@ class GGUFConfig(QuantizationConfig):
         self.gguf_path, self.metadata_dir = gguf_path, metadata_dir
         self._header, self._file = header, None
         self.blocks_in_place = envs.PAGEDLM_GGUF_IN_PLACE
-        self._arena: huge_pages.FaultingArena | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str, *, deterministic: bool = False) -> "GGUFConfig":
@@ -358,7 +357,6 @@ class GGUFConfig(QuantizationConfig):
         from pagedlm.model_executor.model_loader.gguf_weights import GGUFWeights
         # The float weights (a converted directory's) are not read: everything is in the file.
         self._file = GGUFWeights(self.gguf_path, self.metadata_dir, self._header)
-        self._arena = self._faulting_arena(self._header)
         self._header = None  # read once per load; the weights hold the map from here
         # F16 and BF16 matrices come as 2-byte tensors (see the module docstring).
         yield from self._file.weights(set(RUNNABLE_TYPES) | {"F16", "BF16"})
@@ -376,32 +374,27 @@ class GGUFConfig(QuantizationConfig):
                 module.weight = None
             else:
                 module.weight = _float_weight(module, receiver)
-        if self._file is not None:
-            # The blocks the steps stream go on huge pages (on the CPU; huge_pages.gather_blocks
-            # says what that gains): copied, each one's file pages dropped as it is copied, so
-            # the load never holds a weight twice; or, with PAGEDLM_GGUF_IN_PLACE, left in the
-            # file's map where its pages are 2 MiB folios.
-            huge_pages.gather_blocks(model, release=self._release,
-                                     in_place=self.blocks_in_place, arena=self._arena)
-            self._file.release_pages()
-            self._file = None
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
-
-    def _faulting_arena(self, header) -> huge_pages.FaultingArena | None:
-        """The map gather_blocks will copy the blocks into, faulted in from now on: its size is
-        every block tensor of the file, each laid out as gather_blocks lays it (the streamed
-        ones, and the token embedding's, streamed as the LM head where the file has no
-        output.weight, else handed back). One process only: a worker of a sharded model holds
-        a part of them."""
-        if header is None or self.blocks_in_place or not huge_pages.supported():
-            return None
-        from pagedlm.distributed.parallel_state import get_world_group
-        if get_world_group().world_size != 1:
-            return None
-        # Q4_0 runs as Q4_1 (20 bytes a block for 18).
-        blocks = [t.n_bytes * (20 if t.tensor_type.name == "Q4_0" else 18) // 18
-                  for t in header.tensors if t.tensor_type.name in RUNNABLE_TYPES]
-        nbytes = sum(huge_pages.aligned_bytes(n) for n in blocks)
-        return huge_pages.FaultingArena(nbytes) if nbytes >= huge_pages.MIN_BYTES else None
+        if self._file is None:
+            return
+        # The blocks the steps stream go on huge pages (on the CPU; huge_pages.gather_blocks
+        # says what that gains). Those still in the file's map stay there, and once it is
+        # loaded a thread moves the pages under them onto fresh huge pages
+        # (huge_pages.FileMapMove: the addresses stay, so the model runs meanwhile); the
+        # others (permuted rows, a worker's shards) are copied now, each one's file pages
+        # dropped as it is copied, so the process never holds a weight twice. With
+        # PAGEDLM_GGUF_IN_PLACE, blocks stay in the file's map where its pages are 2 MiB
+        # folios, for good.
+        mapped = self._file.map_range()
+        move = not self.blocks_in_place and huge_pages.supported()
+        huge_pages.gather_blocks(model, release=self._release, in_place=self.blocks_in_place,
+                                 stay_in=mapped if move else None)
+        # Before the move: it would zero the moved (anonymous) pages.
+        self._file.release_pages()
+        if move:
+            lo, hi = mapped
+            spans = [(t.data_ptr(), t.nbytes)
+                     for t, _ in huge_pages.streamed_blocks(model).values()
+                     if lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi]
+            if spans:  # the model keeps it, for whoever needs the move to have ended
+                model.blocks_move = huge_pages.FileMapMove(self._file.map_owner(), lo, hi, spans)
+        self._file = None
