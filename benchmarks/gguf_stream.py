@@ -25,7 +25,8 @@ prints each figure's median over the rounds and the ratio to the baseline's:
 
 `--server-env K=V` sets an environment variable for the server legs; with
 `--baseline-server-env K=V` (and no --baseline-commit) the same tree runs twice, the two
-settings being what is compared. `--bandwidth` also measures the read bandwidth (torch.sum over
+settings being what is compared. `--model FILE.gguf` runs another file (one whose tokenizer is
+the default model's, as benchmarks/make_gguf_model.py builds them) instead. `--bandwidth` also measures the read bandwidth (torch.sum over
 1 GiB of float32, the best of 5, at the process's thread count), for the roofline: bytes a token
 reads (`weight_bytes`) over it. `--py-spy` records each server with `py-spy record --native -r
 200`; on the 2-vCPU VMs that sampling stopped the server so often that it ran at about 1 tok/s,
@@ -88,7 +89,7 @@ def offline_leg(args) -> dict:
     from pagedlm.metrics.stats import StepObserver
 
     prompt = stream_prompt()
-    llm = LLM(quantization="gguf", max_model_len=MAX_LEN, max_num_seqs=1,
+    llm = LLM(args.model, quantization="gguf", max_model_len=MAX_LEN, max_num_seqs=1,
               num_gpu_blocks_override=NUM_BLOCKS, seed=0)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
@@ -177,7 +178,7 @@ def server_leg(tree: Path, args, prompt: list[int], log_dir: Path, label: str) -
                              plan_pagedlm)
     spec = SystemSpec("pagedlm:gguf", "pagedlm", extra_args=("--quantization", "gguf"))
     port = free_port()
-    launch = plan_pagedlm(spec, ServerSettings(1, MAX_LEN, args.threads, None), port, label)
+    launch = plan_pagedlm(spec, ServerSettings(1, MAX_LEN, args.threads, args.model), port, label)
     launch.env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
     launch.env.update(dict(kv.split("=", 1) for kv in args.server_env))
@@ -258,7 +259,8 @@ def run_offline(tree: Path, args, tmp: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
     argv = [sys.executable, str(Path(__file__).resolve()), "--leg", "offline",
-            "--output-json", str(out)] + (["--bandwidth"] if args.bandwidth else [])
+            "--output-json", str(out)] + (["--bandwidth"] if args.bandwidth else []) + (
+                ["--model", args.model] if args.model else [])
     subprocess.run(argv, check=True, cwd=tree, env=env)
     fig = json.loads(out.read_text())
     if os.path.realpath(fig["pagedlm_path"]) != os.path.realpath(tree / "pagedlm"):
@@ -289,6 +291,8 @@ def main() -> int:
                    help="the baseline's server env instead (with no --baseline-commit: "
                         "the same tree twice, the settings being what is compared)")
     p.add_argument("--bandwidth", action="store_true")
+    p.add_argument("--model", default=None, metavar="FILE.gguf",
+                   help="a GGUF file with the default model's tokenizer (default: that model)")
     p.add_argument("--py-spy", action="store_true", help="py-spy record the server legs")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
