@@ -20,7 +20,7 @@ from pagedlm.device_config import DeviceConfig
 from pagedlm.distributed.utils import get_pp_indices
 from pagedlm.model_executor.models.registry import resolve_architecture
 from pagedlm.pooling_params import PoolerConfig
-from pagedlm.resolved_config import load_hf_config, read_resolved_config
+from pagedlm.resolved_config import resolve_hf_config
 from pagedlm.speculative_config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -247,11 +247,9 @@ class ModelConfig:
         """The config of the HF-format model in `model_dir`; `settings` are the remaining
         fields (quantization, runner, pooler_config, max_logprobs, deterministic,
         tokenizer, device_type, enforce_eager)."""
-        # A directory pagedlm wrote (a GGUF file's) has its config resolved already: AutoConfig's
-        # imports cost about 2 s of a start-up (resolved_config.py).
-        hf = read_resolved_config(model_dir)
-        if hf is None:
-            hf = load_hf_config(model_dir)
+        # Resolved once and recorded: AutoConfig's imports cost 1.5-2 s of a start-up
+        # (resolved_config.py).
+        hf = resolve_hf_config(model_dir)
         arch = resolve_architecture(getattr(hf, "architectures", None))
         if dtype not in _DTYPES and dtype != "auto":
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}.")

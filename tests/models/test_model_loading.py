@@ -442,6 +442,42 @@ def test_cache_root_honours_env(monkeypatch, tmp_path):
     assert cache_root() == Path.home() / ".cache" / "pagedlm"
 
 
+def test_a_users_hf_directory_has_its_config_resolved_once_in_the_cache(tmp_path, monkeypatch):
+    """A directory pagedlm does not own: its first ModelConfig goes through AutoConfig and
+    leaves a record in the cache under config.json's digest (nothing is written beside it);
+    the next reads the record, with AutoConfig's values; a changed config.json reads through
+    AutoConfig again."""
+    from pagedlm import resolved_config
+    from pagedlm.config import ModelConfig
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = tmp_path / "hf"
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(model_dir)
+    calls = []
+    load = resolved_config.load_hf_config
+    monkeypatch.setattr(resolved_config, "load_hf_config",
+                        lambda d: calls.append(d) or load(d))
+    first = ModelConfig.from_dir(None, str(model_dir), "auto", None, 0)
+    assert calls == [str(model_dir)] and os.listdir(model_dir) == ["config.json"]
+    assert len(list((tmp_path / "cache" / "configs").glob("*.json"))) == 1
+    second = ModelConfig.from_dir(None, str(model_dir), "auto", None, 0)
+    assert calls == [str(model_dir)]
+    assert type(second.hf_config) is transformers.PretrainedConfig
+    ref = transformers.AutoConfig.from_pretrained(model_dir)
+    names = set(ref.to_dict()) | set(type(ref).attribute_map)
+    assert {n: getattr(second.hf_config, n) for n in names} == {n: getattr(ref, n)
+                                                                 for n in names}
+    for prop in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
+                 "hidden_size", "vocab_size", "max_model_len", "architecture"):
+        assert getattr(first, prop) == getattr(second, prop), prop
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_dir(None, str(model_dir), "auto", None, 0).num_layers == 3
+    assert len(calls) == 2
+
+
 def test_gguf_file_is_converted_once(tiny_gguf, tmp_path, monkeypatch):
     first = resolve_model(str(tiny_gguf))
     assert Path(first).parent == tmp_path / "cache" / "gguf"
