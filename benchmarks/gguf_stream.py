@@ -23,14 +23,14 @@ prints each figure's median over the rounds and the ratio to the baseline's:
 
     .venv/bin/python benchmarks/gguf_stream.py --repeats 5 --baseline-commit HEAD~1
 
-`--server-env K=V` sets an environment variable for the server legs; with
-`--baseline-server-env K=V` (and no --baseline-commit) the same tree runs twice, the two
-settings being what is compared. `--model FILE.gguf` runs another file (one whose tokenizer is
-the default model's, as benchmarks/make_gguf_model.py builds them) instead. `--bandwidth` also measures the read bandwidth (torch.sum over
-1 GiB of float32, the best of 5, at the process's thread count), for the roofline: bytes a token
-reads (`weight_bytes`) over it. `--py-spy` records each server with `py-spy record --native -r
-200`; on the 2-vCPU VMs that sampling stopped the server so often that it ran at about 1 tok/s,
-so its legs' timings mean nothing.
+`--server-env K=V` sets an environment variable for the server legs; with `--baseline-server-env
+K=V` (and no --baseline-commit) the same tree runs twice, the two settings being what is compared.
+`--model FILE.gguf` runs another file (one whose tokenizer is the default model's, as
+benchmarks/make_gguf_model.py builds them) instead. `--bandwidth` also measures the read bandwidth
+(torch.sum over 1 GiB of float32, the best of 5, at the process's thread count), for the roofline:
+bytes a token reads (`weight_bytes`) over it. `--py-spy` records each server with `py-spy record
+--native -r 200`; on the 2-vCPU VMs that sampling stopped the server so often that it ran at about
+1 tok/s, so its legs' timings mean nothing.
 """
 from __future__ import annotations
 

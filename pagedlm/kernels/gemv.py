@@ -227,30 +227,38 @@ def pack_panels(weight: torch.Tensor,
     pairs = weight.dtype == torch.bfloat16 and bf16_pairs()
     # Written straight from the weight's rows: a zero-padded copy of the whole matrix on the
     # way doubled what packing held beside the weight (a tied 1B embedding is 200 MB a copy).
+    # The panels are zeroed first, one sequential pass that also faults fresh pages in (and
+    # pads): the transposing copy faulting them itself ran 3-4x slower. An 8192 x 2048
+    # bfloat16 matrix onto fresh huge pages, 2 threads, Zen 4 EPYC: 45-51 ms, against 13-16
+    # zeroed first (25 on one thread); the 1B bfloat16 directory packs 65 of them.
     if not pairs:
-        panels = empty((full + (rest > 0), k, width), weight.dtype)
+        panels = empty((full + (rest > 0), k, width), weight.dtype).zero_()
         panels[:full].copy_(weight[:full * width].view(full, width, k).transpose(1, 2))
         if rest:
             panels[full, :, :rest].copy_(weight[full * width:].T)
-            panels[full, :, rest:].zero_()
         return panels
-    panels = empty((full + (rest > 0), (k + 1) // 2, width, 2), weight.dtype)
+    panels = empty((full + (rest > 0), (k + 1) // 2, width, 2), weight.dtype).zero_()
     _put_pairs(panels[:full], weight[:full * width], width)
     if rest:
         _put_pairs(panels[full:, :, :rest], weight[full * width:], rest)
-        panels[full:, :, rest:].zero_()
     return panels
 
 
 def _put_pairs(dst: torch.Tensor, rows: torch.Tensor, cols: int) -> None:
-    """dst [P, ceil(K / 2), cols, 2] (a view into panels) = rows [P * cols, K] in k-pairs."""
+    """dst [P, ceil(K / 2), cols, 2] (a view into zeroed panels) = rows [P * cols, K] in
+    k-pairs."""
     num, k = dst.shape[0], rows.shape[1]
-    even = k - k % 2
     src = rows.view(num, cols, k)
+    if k % 2 == 0 and dst.stride(-2) == 2:
+        # Each pair moved as one int32: half the elements of the strided copy (8192 x 2048,
+        # 2 threads, into faulted panels: 11.7 -> 8.3 ms).
+        dst.view(torch.int32).view(num, k // 2, cols).copy_(
+            src.view(torch.int32).view(num, cols, k // 2).transpose(1, 2))
+        return
+    even = k - k % 2
     dst[:, :even // 2].copy_(src[:, :, :even].view(num, cols, even // 2, 2).transpose(1, 2))
     if k % 2:
         dst[:, -1, :, 0].copy_(src[:, :, -1])
-        dst[:, -1, :, 1].zero_()
 
 
 def panel_rows(panels: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
