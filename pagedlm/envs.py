@@ -63,10 +63,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # instead of asking for 2 MiB transparent huge pages (huge_pages.py).
     "PAGEDLM_DISABLE_HUGE_PAGES": _flag("PAGEDLM_DISABLE_HUGE_PAGES"),
     # 1/true/yes: a GGUF file's blocks stay on the page cache's 2 MiB folios where it has them
-    # (huge_pages.gather_blocks), instead of being copied onto fresh huge pages. Saves the copy
-    # at load (the 1B Q4_K_M file: 1.4-1.6 s on the 2-vCPU Xeon VM, the VM's first touch of
-    # the memory); the stream may read slower: there the page cache a file was just read into
-    # streamed at 19-23 GB/s, the same cache a day later at 27, the copy at 25-27.
+    # (huge_pages.gather_blocks), instead of being moved onto fresh huge pages after the load
+    # (huge_pages.FileMapMove). Saves the fresh memory; the stream may read slower: on the
+    # 2-vCPU Xeon VM the page cache a file was just read into streamed at 19-23 GB/s, the same
+    # cache a day later at 27, fresh pages at 25-27.
     "PAGEDLM_GGUF_IN_PLACE": _flag("PAGEDLM_GGUF_IN_PLACE"),
     # 1/true/yes: quantized layers take their input at about 16 bits instead of 8 (read once,
     # as each layer's method is made): the block formats (gguf's and int4's) run their kernels

@@ -1,5 +1,6 @@
 """Host tensors on 2 MiB transparent huge pages, for the memory the model's steps stream: the
-KV cache (cache_engine.py) and the linear layers' weight panels (gather_panels, after loading).
+KV cache (cache_engine.py), the linear layers' weight panels (gather_panels, after loading) and
+a GGUF file's blocks (gather_blocks, FileMapMove).
 
 A decode step reads the KV cache in scattered blocks and streams every weight panel once. With
 4 KiB pages each 36 KiB weight panel or 6 KiB bfloat16 K/V block crosses pages whose
