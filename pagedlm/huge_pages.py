@@ -339,13 +339,15 @@ class FileMapMove:
     at the same addresses, in a thread: each piece (_MOVE_PIECE) is copied into a new map
     advised for huge pages, and mremap(2) then puts that map's pages in place of the file's
     (MREMAP_FIXED replaces what lay there). Tensors, and the raw pointers the fused decode
-    stack took, stay valid throughout: every read sees the same bytes, from the file's pages
-    before a piece's move and from its copy after, so the engine serves while this runs.
+    stack took, stay valid throughout: every read sees the same bytes (nothing writes the
+    blocks), from the file's pages before a piece's move and from its copy after, so the engine
+    serves while this runs.
 
     Why: the blocks a GGUF model streams are fastest on memory this process faulted in fresh
     (gather_blocks says where the page cache read slower), but faulting 667 MB of it took the
-    1B Q4_K_M load 1.4-1.6 s on the Xeon VM, ~0.9 s of `pagedlm serve`'s 3.3 s to ready on the
-    Zen 4 EPYC; this way the server is ready on the file's pages and the fresh ones follow.
+    1B Q4_K_M load 1.4-1.6 s on the Xeon VM; copied before ready, `pagedlm serve` of that file
+    was ready in 3.3-3.9 s on the Zen 4 EPYC, moved after the load in 2.7-3.2 s (the move
+    ending ~1.7 s later): the server is ready on the file's pages and the fresh ones follow.
     The memory it holds beyond the weights is one piece; the spans are rounded out to whole
     huge pages (within the map), so up to 2 MiB of a neighbouring tensor on each side of a gap
     comes along.
