@@ -250,6 +250,15 @@ typedef struct {
     int K;
 } qx_t;
 
+/* bs [rows, K/16] = the sums of q [rows, K] over each 16 (at most 16 * 127: an int16). */
+static void q_sums16(int16_t *bs, const int8_t *q, int rows, int K) {
+    for (size_t i = 0; i < (size_t)rows * (K / 16); i++) {
+        int sum = 0;
+        for (int j = 0; j < 16; j++) sum += q[16 * i + j];
+        bs[i] = (int16_t)sum;
+    }
+}
+
 #ifdef KQ_AVX2
 /* *p on 8 lanes, read from memory: written as an intrinsic, GCC hoists the addresses of the
  * scale slots out of the loop and spills them, two loads per broadcast. */
@@ -749,12 +758,7 @@ static inline __attribute__((always_inline)) int kq_rows(float *y, const float *
         } else {
             qmm_quantize_activations(q, d, sx, x + (size_t)m0 * K, mt, K);
         }
-        for (int m = 0; m < qt && nbs; m++)
-            for (size_t g = 0; g < nbs; g++) {
-                int sum = 0;
-                for (int j = 0; j < 16; j++) sum += q[(size_t)m * K + 16 * g + j];
-                bs[(size_t)m * nbs + g] = (int16_t)sum;
-            }
+        if (nbs) q_sums16(bs, q, qt, K);
         const qx_t X = {q, d, sx, bs, K};
         int n = lo;
         /* Constant tile sizes let the compiler keep every sum in a register: 4 weight rows
@@ -936,7 +940,7 @@ static inline __attribute__((always_inline)) __m512i qg_unpack(const uint8_t *b,
  * m0 .. m0+mt-1, into acc / summ [m][16]. sc: q4_k's d sc_b and dmin mn_b ([8][16] each),
  * q6_k's d sc_g ([16][16]). */
 static inline __attribute__((always_inline)) void qg_chunk(
-        float *acc, float *summ, const qx_t *X, const int32_t *bs, int m0, const int mt,
+        float *acc, float *summ, const qx_t *X, int m0, const int mt,
         const __m512i *W, int gb, int c, const float *sc, const int fmt) {
     const int nbx = X->K / QK;
     for (int m = m0; m < m0 + mt; m++) {
@@ -971,7 +975,7 @@ static inline __attribute__((always_inline)) void qg_chunk(
                 for (int t = 0; t < 4; t++)
                     g[u] = _mm512_dpbusd_epi32(g[u], W[4 * u + t], bcast4(xq + 16 * u + 4 * t));
             }
-            const int32_t *bm = bs + (size_t)m * (X->K / 16) + 2 * gb;
+            const int16_t *bm = X->bs + (size_t)m * (X->K / 16) + 2 * gb;
             const float *dsc = sc + 4 * c * GR;
             for (int u = 0; u < 4; u++) {
                 const __m512i i = _mm512_sub_epi32(g[u], _mm512_set1_epi32(32 * bm[u]));
@@ -995,25 +999,20 @@ static inline __attribute__((always_inline)) int qg_rows(
         int mb = QG_X_BYTES / K;  /* x rows a chunk: their bytes stay in L2 */
         mb = mb < 2 ? 2 : mb;
         const int xrows = M < mb ? M : mb;
-        /* acc and summ [xrows][16], the scales [16][16], x's d, s, bs (int32 per 16), q */
+        /* acc and summ [xrows][16], the scales [16][16], x's d, s, bs (int16 per 16), q */
         const size_t floats = (size_t)(2 * xrows + 16) * GR + (size_t)2 * xrows * nbx +
-                              (size_t)xrows * (K / 16) + (size_t)xrows * K / 4;
+                              (size_t)xrows * (K / 16) / 2 + (size_t)xrows * K / 4;
         float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         if (!buf) return -1;
         float *acc = buf, *summ = acc + (size_t)xrows * GR, *sc = summ + (size_t)xrows * GR;
         float *d = sc + 16 * GR, *sx = d + (size_t)xrows * nbx;
-        int32_t *bs = (int32_t *)(sx + (size_t)xrows * nbx);
+        int16_t *bs = (int16_t *)(sx + (size_t)xrows * nbx);
         int8_t *q = (int8_t *)(bs + (size_t)xrows * (K / 16));
         for (int m0 = 0; m0 < M; m0 += mb) {
             const int mt = M - m0 < mb ? M - m0 : mb;
             qmm_quantize_activations(q, d, sx, x + (size_t)m0 * K, mt, K);
-            if (fmt == F_Q6_K)
-                for (size_t i = 0; i < (size_t)mt * (K / 16); i++) {
-                    int sum = 0;
-                    for (int j = 0; j < 16; j++) sum += q[16 * i + j];
-                    bs[i] = sum;
-                }
-            const qx_t X = {q, d, sx, NULL, K};
+            if (fmt == F_Q6_K) q_sums16(bs, q, mt, K);
+            const qx_t X = {q, d, sx, bs, K};
             for (int n0 = lo; n0 < whole; n0 += GR) {
                 memset(acc, 0, (size_t)2 * xrows * GR * sizeof(float));
                 const uint8_t *w0 = w + (size_t)n0 * row_bytes;
@@ -1044,8 +1043,8 @@ static inline __attribute__((always_inline)) int qg_rows(
                         const int gb = bi * 8 + 2 * c;
                         int m = 0;
                         for (; m + 2 <= mt; m += 2)
-                            qg_chunk(acc, summ, &X, bs, m, 2, W, gb, c, sc, fmt);
-                        if (m < mt) qg_chunk(acc, summ, &X, bs, m, 1, W, gb, c, sc, fmt);
+                            qg_chunk(acc, summ, &X, m, 2, W, gb, c, sc, fmt);
+                        if (m < mt) qg_chunk(acc, summ, &X, m, 1, W, gb, c, sc, fmt);
                     }
                 }
                 for (int m = 0; m < mt; m++) {
