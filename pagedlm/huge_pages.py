@@ -21,6 +21,7 @@ tensors (MIN_BYTES) come here.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -60,6 +61,7 @@ def supported() -> bool:
             and not envs.PAGEDLM_DISABLE_HUGE_PAGES)
 
 
+@functools.lru_cache(maxsize=None)
 def _libc() -> ctypes.CDLL:
     """The C library with the memory calls this module makes on raw addresses (Python's mmap
     module works only on its own maps) typed; ctypes lets the GIL go during each."""
@@ -328,10 +330,16 @@ def gather_blocks(model: torch.nn.Module,
         for ptr in on_huge_file_pages([t for t, _ in held.values()]):
             del held[ptr]
     if stay_in is not None:
-        lo, hi = stay_in
-        for ptr in [p for p, (t, _) in held.items() if lo <= p and p + t.nbytes <= hi]:
-            del held[ptr]
+        for t in blocks_within(held, *stay_in):
+            del held[t.data_ptr()]
     return _move_to_arena(held, release)
+
+
+def blocks_within(held: dict[int, tuple[torch.Tensor, list[Callable]]], lo: int,
+                  hi: int) -> list[torch.Tensor]:
+    """The tensors of `held` (streamed_blocks's) that lie wholly in the address range
+    [lo, hi)."""
+    return [t for t, _ in held.values() if lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi]
 
 
 class FileMapMove:

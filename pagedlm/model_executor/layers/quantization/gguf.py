@@ -391,10 +391,9 @@ class GGUFConfig(QuantizationConfig):
         # Before the move: it would zero the moved (anonymous) pages.
         self._file.release_pages()
         if move:
-            lo, hi = mapped
-            spans = [(t.data_ptr(), t.nbytes)
-                     for t, _ in huge_pages.streamed_blocks(model).values()
-                     if lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi]
+            spans = [(t.data_ptr(), t.nbytes) for t in
+                     huge_pages.blocks_within(huge_pages.streamed_blocks(model), *mapped)]
             if spans:  # the model keeps it, for whoever needs the move to have ended
-                model.blocks_move = huge_pages.FileMapMove(self._file.map_owner(), lo, hi, spans)
+                model.blocks_move = huge_pages.FileMapMove(self._file.map_owner(), *mapped,
+                                                           spans)
         self._file = None
