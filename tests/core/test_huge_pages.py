@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagedlm import LLM, SamplingParams, huge_pages
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, needs_kernels
 from tests.core.test_kv_cache_memory import caches
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -227,6 +227,7 @@ def test_default_gguf_streams_its_blocks_from_huge_pages(monkeypatch):
     assert huge_bytes(streamed[0]) >= sum(t.nbytes for t in streamed) // 2, map_fields(streamed[0])
 
 
+@needs_kernels  # the panels are the native kernels' layout
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
                     reason="transparent huge pages are off here")
 def test_default_model_streams_its_panels_from_huge_pages():
