@@ -34,8 +34,8 @@ from pagedlm import LLM, SamplingParams
 from pagedlm.kernels import amx, gemv
 from pagedlm.model_executor.layers import fused_decode
 from pagedlm.model_executor.layers.fused_decode import FusedDecode
-from pagedlm.model_executor.layers.linear import (NativeLinear, UnquantizedLinearMethod,
-                                                  WeightFormat)
+from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+from pagedlm.model_executor.layers.native_linear import NativeLinear, WeightFormat
 from tests.conftest import make_tiny_model, needs_kernels
 
 # Not module-wide: the float32 layer tests' fallback variants run without a compiler too.

@@ -387,7 +387,7 @@ def test_packed_linear_method_runs_every_format(fmt):
     """PackedLinearMethod works unchanged for a format of kernels.FORMATS: it multiplies
     through quantized_matmul and describes the weight to the fused decode stack by the
     WeightFormat of the format's name (llama_decode.c's qmm_<format>)."""
-    from pagedlm.model_executor.layers.linear import NativeLinear, WeightFormat
+    from pagedlm.model_executor.layers.native_linear import NativeLinear, WeightFormat
     from pagedlm.model_executor.layers.quantization.base import PackedLinearMethod
 
     rows, cols = 40, 2 * kernels.BLOCK_WEIGHTS[fmt]

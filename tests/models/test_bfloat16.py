@@ -9,7 +9,8 @@ import torch
 
 from pagedlm import LLM, SamplingParams, huge_pages
 from pagedlm.kernels import gemv
-from pagedlm.model_executor.layers.linear import LinearMethodBase, WeightFormat
+from pagedlm.model_executor.layers.linear import LinearMethodBase
+from pagedlm.model_executor.layers.native_linear import WeightFormat
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from tests.models.test_correctness import PROMPTS
 

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from pagedlm.kernels import gemv
-from pagedlm.model_executor.layers.linear import (PANEL_FORMATS, QKVParallelLinear,
-                                                  UnquantizedLinearMethod, WeightFormat)
+from pagedlm.model_executor.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
+from pagedlm.model_executor.layers.native_linear import PANEL_FORMATS, WeightFormat
 from pagedlm.model_executor.layers.quantization import gguf as gguf_method
 from pagedlm.model_executor.layers.quantization import kernels
 from pagedlm.model_executor.model_loader.gguf_header import read_gguf_header

@@ -157,8 +157,8 @@ void dequant_panels_iq4_nl(uint16_t *panels, const uint8_t *w, int N, int K, int
 /* ---------------------------------------------------------------- llama_decode.c */
 
 /* The fused decode driver (model_executor/layers/fused_decode.py) fills these through ctypes
- * Structures of the same fields in the same order; layers/linear.py's WeightFormat mirrors
- * this enum. */
+ * Structures of the same fields in the same order; layers/native_linear.py's WeightFormat
+ * mirrors this enum. */
 enum { W_F32 = 0, W_Q4_1 = 1, W_Q8_0 = 2, W_I8 = 3, W_F32_PANELS = 4, W_BF16_PANELS = 5,
        W_Q4_K = 6, W_Q5_K = 7, W_Q6_K = 8, W_Q3_K = 9, W_Q2_K = 10, W_Q5_0 = 11, W_Q5_1 = 12,
        W_IQ4_NL = 13, W_F16_PANELS = 14 };

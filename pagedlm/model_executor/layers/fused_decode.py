@@ -35,8 +35,8 @@ from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.kernels.triton import fused_gemv
 from pagedlm.model_executor.layers import linear as _linear
-from pagedlm.model_executor.layers.linear import (LinearBase, NativeLinear, NativeSegments,
-                                                  UnquantizedLinearMethod, WeightFormat)
+from pagedlm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from pagedlm.model_executor.layers.native_linear import NativeLinear, NativeSegments, WeightFormat
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 logger = logging.getLogger(__name__)

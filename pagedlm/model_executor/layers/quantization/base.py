@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from pagedlm import envs
-from pagedlm.model_executor.layers.linear import (LinearMethodBase, NativeLinear,
-                                                  UnquantizedLinearMethod, WeightFormat)
+from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from pagedlm.model_executor.layers.native_linear import NativeLinear, WeightFormat
 import pagedlm.model_executor.layers.quantization.kernels as kernels
 
 

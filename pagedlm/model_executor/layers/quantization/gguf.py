@@ -40,9 +40,10 @@ from torch import nn
 
 from pagedlm import envs, huge_pages
 from pagedlm.kernels import gemv
-from pagedlm.model_executor.layers.linear import (PANEL_FORMATS, LinearMethodBase,
-                                                  NativeLinear, NativeSegments,
-                                                  RowParallelLinear, UnquantizedLinearMethod)
+from pagedlm.model_executor.layers.linear import (LinearMethodBase, RowParallelLinear,
+                                                  UnquantizedLinearMethod)
+from pagedlm.model_executor.layers.native_linear import (PANEL_FORMATS, NativeLinear,
+                                                         NativeSegments)
 import pagedlm.model_executor.layers.quantization.kernels as kernels
 from pagedlm.model_executor.layers.quantization.base import (NATIVE_FORMATS, PackedLinearMethod,
                                                             QuantizationConfig)
