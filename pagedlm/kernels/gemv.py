@@ -221,27 +221,52 @@ def pack_panels(weight: torch.Tensor,
     if (weight.dtype not in panel_dtypes() or weight.dim() != 2
             or not weight.is_contiguous() or weight.device.type != "cpu"):
         return None
-    width = panel_width()
-    n, k = weight.shape
-    full, rest = divmod(n, width)
-    pairs = weight.dtype == torch.bfloat16 and bf16_pairs()
-    # Written straight from the weight's rows: a zero-padded copy of the whole matrix on the
-    # way doubled what packing held beside the weight (a tied 1B embedding is 200 MB a copy).
-    # The panels are zeroed first, one sequential pass that also faults fresh pages in (and
-    # pads): the transposing copy faulting them itself ran 3-4x slower. An 8192 x 2048
-    # bfloat16 matrix onto fresh huge pages, 2 threads, Zen 4 EPYC: 45-51 ms, against 13-16
-    # zeroed first (25 on one thread); the 1B bfloat16 directory packs 65 of them.
-    if not pairs:
-        panels = empty((full + (rest > 0), k, width), weight.dtype).zero_()
-        panels[:full].copy_(weight[:full * width].view(full, width, k).transpose(1, 2))
-        if rest:
-            panels[full, :, :rest].copy_(weight[full * width:].T)
-        return panels
-    panels = empty((full + (rest > 0), (k + 1) // 2, width, 2), weight.dtype).zero_()
-    _put_pairs(panels[:full], weight[:full * width], width)
-    if rest:
-        _put_pairs(panels[full:, :, :rest], weight[full * width:], rest)
+    panels = empty_panels(*weight.shape, weight.dtype, empty)
+    put_panel_rows(panels, 0, weight)
     return panels
+
+
+def empty_panels(n: int, k: int, dtype: torch.dtype,
+                 empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = _torch_empty,
+                 ) -> torch.Tensor | None:
+    """Zeroed panels of `pack_panels`' layout for an [n, k] weight of `dtype`, for
+    `put_panel_rows` to fill; None where the panel kernel does not take the dtype.
+
+    Written straight from the weight's rows, not from a zero-padded copy of the whole matrix
+    (which doubled what packing held beside the weight: a tied 1B embedding is 200 MB a copy).
+    Zeroed first, one sequential pass that also faults fresh pages in (and pads): the
+    transposing copy faulting them itself ran 3-4x slower. An 8192 x 2048 bfloat16 matrix onto
+    fresh huge pages, 2 threads, Zen 4 EPYC: 45-51 ms, against 13-16 zeroed first (25 on one
+    thread); the 1B bfloat16 directory packs 65 of them."""
+    if dtype not in panel_dtypes():
+        return None
+    width = panel_width()
+    count = -(-n // width)
+    if dtype == torch.bfloat16 and bf16_pairs():
+        return empty((count, (k + 1) // 2, width, 2), dtype).zero_()
+    return empty((count, k, width), dtype).zero_()
+
+
+def put_panel_rows(panels: torch.Tensor, first: int, rows: torch.Tensor) -> None:
+    """Rows first .. first + r - 1 of the weight `panels` pack = rows [r, K] (contiguous, the
+    panels' dtype), wherever they start and end within a panel: a loader packs a fused
+    layer's shards as they arrive."""
+    width, k = panels.shape[2], rows.shape[1]
+    pairs = panels.dim() == 4
+    while rows.shape[0]:  # a panel's tail, whole panels, a panel's head
+        p, c = divmod(first, width)
+        if c == 0 and rows.shape[0] >= width:
+            num = rows.shape[0] // width
+            dst, cols = panels[p:p + num], width
+        else:
+            num, cols = 1, min(width - c, rows.shape[0])
+            dst = panels[p:p + 1, :, c:c + cols]
+        src = rows[:num * cols]
+        if pairs:
+            _put_pairs(dst, src, cols)
+        else:
+            dst.copy_(src.view(num, cols, k).transpose(1, 2))
+        first, rows = first + num * cols, rows[num * cols:]
 
 
 def _put_pairs(dst: torch.Tensor, rows: torch.Tensor, cols: int) -> None:

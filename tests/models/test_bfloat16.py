@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from pagedlm import LLM, SamplingParams, huge_pages
 from pagedlm.kernels import gemv
-from pagedlm.model_executor.layers.linear import LinearMethodBase
+from pagedlm.model_executor.layers.linear import (LinearMethodBase, QKVParallelLinear,
+                                                  RowParallelLinear)
 from pagedlm.model_executor.layers.native_linear import WeightFormat
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedlm.model_executor.model_loader.loader import store_weights_in
+from tests.conftest import needs_kernels
 from tests.models.test_correctness import PROMPTS
 
 PROMPTS_14 = PROMPTS + [
@@ -311,3 +315,35 @@ def test_layers_are_packed_as_their_weights_arrive(tmp_path, default_model_dir, 
     ids = torch.tensor([0, 5, 49151])
     assert model.embed_tokens.weight.is_meta
     assert torch.equal(model.embed_tokens(ids), ckpt["model.embed_tokens.weight"][ids].float())
+
+
+@needs_kernels
+def test_2byte_shards_are_packed_into_panels_as_they_load():
+    """A bfloat16 fused layer bound for panels packs each checkpoint shard straight into its
+    panels as the loader slices it, shards starting and ending inside panels (a float32 shard
+    rounded on the way): the plain weight is never written (its NaN fill stays), and
+    processing keeps those panels, the ones pack_panels makes of the whole matrix."""
+    if torch.bfloat16 not in gemv.panel_dtypes():
+        pytest.skip("no bfloat16 panel kernel in this build")
+    hidden, heads, kv_heads, head = 64, 5, 1, 24  # q rows 0..119, k 120..143, v 144..167
+    qkv = QKVParallelLinear(hidden, head, heads, kv_heads)
+    down = RowParallelLinear(100, hidden)
+    model = nn.ModuleList([qkv, down])
+    store_weights_in(model, torch.bfloat16)
+    for layer in model:
+        layer.weight.data.fill_(float("nan"))
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(rows, hidden, generator=g).bfloat16() for rows in (120, 24))
+    v = torch.randn(24, hidden, generator=g)  # float32: rounded as it is packed
+    for shard, tensor in (("q", q), ("k", k), ("v", v)):
+        qkv.weight.weight_loader(qkv.weight, tensor, shard)
+    w_down = torch.randn(hidden, 100, generator=g).bfloat16()
+    down.weight.weight_loader(down.weight, w_down)
+    for layer, whole in ((qkv, torch.cat([q, k, v.bfloat16()])), (down, w_down)):
+        assert layer.weight.isnan().all()
+        layer.linear_method.process_weights_after_loading(layer)
+        assert layer.weight.is_meta
+        expected = gemv.pack_panels(whole)
+        assert torch.equal(layer.panel_weight, expected)
+        x = torch.randn(3, whole.shape[1], generator=g)
+        assert torch.equal(layer(x), gemv.gemm_panels(x, expected, whole.shape[0]))
