@@ -56,6 +56,7 @@ _library = typed_library({
     "gemm_panels_bf16_dot": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panels_f16": ([_p, _p, _p, _i, _i, _i, _i], None),
     "gemm_panel_width": ([], _i),
+    "pack_panel_rows32": ([_p, _p, _i, _i, _i, _i, _i], None),
     "gemm_panels_bf16_layout": ([], _i),
     "gemm_panels_bf16_dpbf16": ([], _i),
     "gemm_panels_bf16_set_dpbf16": ([_i], _i),
@@ -253,6 +254,13 @@ def put_panel_rows(panels: torch.Tensor, first: int, rows: torch.Tensor) -> None
     layer's shards as they arrive."""
     width, k = panels.shape[2], rows.shape[1]
     pairs = panels.dim() == 4
+    lib = library()
+    if (lib is not None and panels.element_size() * (2 if pairs else 1) == 4
+            and k % (2 if pairs else 1) == 0 and panels.is_contiguous() and rows.is_contiguous()
+            and rows.shape[0]):
+        lib.pack_panel_rows32(panels.data_ptr(), rows.data_ptr(), first, rows.shape[0],
+                              k // 2 if pairs else k, width, torch.get_num_threads())
+        return
     while rows.shape[0]:  # a panel's tail, whole panels, a panel's head
         p, c = divmod(first, width)
         if c == 0 and rows.shape[0] >= width:

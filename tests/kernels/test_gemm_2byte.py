@@ -95,6 +95,31 @@ def _threads(n: int, fn):
 
 
 @pytest.mark.parametrize("kind", KINDS, indirect=True)
+def test_rows_put_in_pieces_land_where_pack_panels_puts_them(kind):
+    """put_panel_rows, as a loader calls it shard by shard, at starts and ends inside panels
+    and over K wide enough for whole 16 x 16 tiles of the native transposing copy (and ragged
+    ones past them): every element where the layout says, the rest zero, and the whole the
+    panels pack_panels makes."""
+    dtype, _ = kind
+    width = gemv.panel_width()
+    for n, k in ((3 * width + 5, 96), (2 * width, 70), (9, 33)):
+        w = torch.randn(n, k).to(dtype)
+        panels = gemv.empty_panels(n, k, dtype)
+        cuts = sorted({0, 5, width - 3, width + 16, 2 * width, n} & set(range(n + 1)))
+        for a, b in zip(cuts, cuts[1:]):
+            gemv.put_panel_rows(panels, a, w[a:b].contiguous())
+        expected = torch.zeros_like(panels)
+        for r in range(n):
+            if panels.dim() == 4:  # k-pairs, an odd K's last pair padded with zero
+                row = torch.cat([w[r], w.new_zeros(k % 2)])
+                expected[r // width, :, r % width] = row.view(-1, 2)
+            else:
+                expected[r // width, :, r % width] = w[r]
+        assert torch.equal(panels, expected)
+        assert torch.equal(gemv.pack_panels(w), expected)
+
+
+@pytest.mark.parametrize("kind", KINDS, indirect=True)
 def test_panel_dtypes_and_packing(kind):
     dtype, _ = kind
     pairs = dtype == torch.bfloat16 and gemv.bf16_pairs()

@@ -63,6 +63,8 @@ void argmax_rows_f32(int64_t *out, const float *x, int64_t x_stride, int T, int 
 
 void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int nthreads);
 int gemm_panel_width(void);
+void pack_panel_rows32(uint32_t *panels, const uint32_t *src, int first, int rows, int kk,
+                       int width, int nthreads);
 void gemm_panels_f32(float *y, const float *x, const float *wp, int M, int N, int K,
                      int nthreads);
 /* The bfloat16 panels gemm_panels_bf16 reads: 2, k-pairs [ceil(N / W), ceil(K / 2), W, 2]
