@@ -103,12 +103,37 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, zero: bool = False) -> tor
     return out
 
 
+class Arena:
+    """Tensors too small for a map of their own (under MIN_BYTES) carved one after another,
+    each on a cache line, out of maps on huge pages of `chunk_bytes` (a new map when one is
+    full; the rest of the old one is never touched, so never backed); larger ones get their own
+    map (`empty`). For the panels a loader packs as a checkpoint arrives (linear.py), which
+    gather_panels otherwise copies onto huge pages after the load: the 1B bfloat16 Llama's
+    attention panels, 320 MB, a copy and a second first touch."""
+
+    def __init__(self, chunk_bytes: int = 64 << 20) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes >= MIN_BYTES or not supported():
+            return empty(shape, dtype)
+        if self._chunk is None or self._used + nbytes > self._chunk.numel():
+            self._chunk, self._used = empty((max(self.chunk_bytes, MIN_BYTES),), torch.uint8), 0
+        out = self._chunk[self._used:self._used + nbytes].view(dtype).view(shape)
+        self._used += aligned_bytes(nbytes)
+        return out
+
+
 def gather_panels(model: torch.nn.Module, release: Callable[[], None] | None = None) -> int:
     """Move the bfloat16 and float16 weight panels of the model's linear layers (their
     `panel_weight`, which every decode step streams from memory) that are smaller than
     MIN_BYTES into one map on huge pages; returns the bytes moved (0 where they are too few,
     or the OS has no huge pages). The larger ones were packed onto huge pages in the first
-    place (linear.py passes `empty` to gemv.pack_panels).
+    place (linear.py passes `empty` to gemv.pack_panels), and so were the small ones a loader
+    packed into an Arena's maps: both are left where they are.
 
     Only 2-byte panels: the copy faults its pages in a second time, at about 11 us a 4 KiB page
     on this VM (cache_engine.py), which added 0.46 s to loading SmolLM2 in bfloat16; the
@@ -123,7 +148,8 @@ def gather_panels(model: torch.nn.Module, release: Callable[[], None] | None = N
     for module in model.modules():
         t = getattr(module, "panel_weight", None)
         if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
-                and t.element_size() == 2 and t.nbytes < MIN_BYTES):
+                and t.element_size() == 2 and t.nbytes < MIN_BYTES
+                and t.untyped_storage().nbytes() < MIN_BYTES):  # not in an Arena's map
             held.setdefault(t.data_ptr(), (t, []))[1].append(
                 lambda new, m=module: setattr(m, "panel_weight", new))
     since_release = 0

@@ -53,6 +53,23 @@ _WEIGHTS_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "pagedlm_weights_on_meta", default=False)
 
 
+# Set while the loader fills a model's weights: the Arena that the panels packed as the
+# checkpoint arrives (UnquantizedLinearMethod.put_rows) are carved from, so that the small ones
+# share maps on huge pages instead of being copied there after the load (huge_pages.py).
+_PANEL_ARENA: contextvars.ContextVar[huge_pages.Arena | None] = contextvars.ContextVar(
+    "pagedlm_panel_arena", default=None)
+
+
+@contextlib.contextmanager
+def panels_in_arena():
+    """Carve the panels packed while loading from one huge_pages.Arena (see above)."""
+    token = _PANEL_ARENA.set(huge_pages.Arena())
+    try:
+        yield
+    finally:
+        _PANEL_ARENA.reset(token)
+
+
 @contextlib.contextmanager
 def weights_on_meta():
     """Build linear layers' and embeddings' float weights on the meta device (see above)."""
@@ -253,8 +270,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return False
         weight = layer.weight
         if layer.panel_weight is None:
-            layer.panel_weight = gemv.empty_panels(*weight.shape, weight.dtype,
-                                                   empty=huge_pages.empty)
+            arena = _PANEL_ARENA.get()
+            layer.panel_weight = gemv.empty_panels(
+                *weight.shape, weight.dtype,
+                empty=huge_pages.empty if arena is None else arena.empty)
         gemv.put_panel_rows(layer.panel_weight, first, rows.to(weight.dtype).contiguous())
         return True
 

@@ -11,7 +11,7 @@ from pagedlm.attention.backends import get_attn_backend
 import logging
 
 from pagedlm.config import ModelConfig
-from pagedlm.model_executor.layers.linear import (LinearMethodBase,
+from pagedlm.model_executor.layers.linear import (LinearMethodBase, panels_in_arena,
                                                   use_deterministic_linear_methods,
                                                   weights_on_meta)
 from pagedlm.model_executor.layers.quantization import get_quantization_config
@@ -63,7 +63,8 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
     materialize_weights(model, device)
     store_weights_in(model, config.dtype)
     process_as_loaded(model)
-    model.load_weights(weights)
+    with panels_in_arena():
+        model.load_weights(weights)
     round_other_weights(model, config.dtype)
     model.process_weights_after_loading()
     if quant_config is not None:
