@@ -149,7 +149,9 @@ def gather_panels(model: torch.nn.Module, release: Callable[[], None] | None = N
         t = getattr(module, "panel_weight", None)
         if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
                 and t.element_size() == 2 and t.nbytes < MIN_BYTES
-                and t.untyped_storage().nbytes() < MIN_BYTES):  # not in an Arena's map
+                # a view into a larger allocation (an Arena's map) stays: moving it out would
+                # not free that allocation
+                and t.untyped_storage().nbytes() < MIN_BYTES):
             held.setdefault(t.data_ptr(), (t, []))[1].append(
                 lambda new, m=module: setattr(m, "panel_weight", new))
     since_release = 0

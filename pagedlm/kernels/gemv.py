@@ -252,6 +252,8 @@ def put_panel_rows(panels: torch.Tensor, first: int, rows: torch.Tensor) -> None
     """Rows first .. first + r - 1 of the weight `panels` pack = rows [r, K] (contiguous, the
     panels' dtype), wherever they start and end within a panel: a loader packs a fused
     layer's shards as they arrive."""
+    if rows.dtype != panels.dtype:
+        raise ValueError(f"put_panel_rows: {rows.dtype} rows into {panels.dtype} panels")
     width, k = panels.shape[2], rows.shape[1]
     pairs = panels.dim() == 4
     lib = library()
