@@ -31,13 +31,13 @@ def resolve_hf_config(model_dir: str) -> PretrainedConfig:
     """The directory's config: its own record (a directory pagedlm wrote), else the cache's
     record of the same config.json, else AutoConfig's, recorded in the cache for the next
     start. ValueError if config.json is unreadable."""
-    config = read_resolved_config(model_dir)
-    if config is not None:
-        return config
     try:
         source = _digest(Path(model_dir) / "config.json")
     except OSError:
         return load_hf_config(model_dir)  # which says what is wrong
+    config = _read_record(Path(model_dir) / RESOLVED_CONFIG_FILE, source)
+    if config is not None:
+        return config
     cached = _cache_record(source)
     config = _read_record(cached, source)
     if config is None:
