@@ -69,6 +69,17 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
+/* acc + dot_u8s8(u, s): one vpdpbusd with VNNI */
+static inline __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, dot_u8s8(u, s));
+#endif
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* dot_u8s8 on 64 bytes (16 lanes): AVX512-VNNI's vpdpbusd, else vpmaddubsw and vpmaddwd; the
  * same integers (the bound above). */
@@ -77,6 +88,15 @@ static inline __m512i dot_u8s8_512(__m512i u, __m512i s) {
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
 #else
     return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+
+/* acc + dot_u8s8_512(u, s): one vpdpbusd with VNNI */
+static inline __m512i dot_u8s8_512_acc(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, dot_u8s8_512(u, s));
 #endif
 }
 #endif
