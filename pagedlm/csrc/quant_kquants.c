@@ -25,7 +25,6 @@
  * weights each (lane l: weights 4l..4l+3), and adds one float FMA per lane:
  *     I_l = sum_j c_g u_j q_x_j         (quant_common.h: c = 1 dot_u8s8, else dot_u8s8_scaled)
  *     acc_l = fma(S_b, I_l, acc_l)
- *   q5_k:       u = q (unsigned), c = 1, S_b = (d * sc_b) * d_x (one scale per 32)
  *   q6_k:       u = q + 32 (0..63), c = sc_g, S_b = d * d_x
  *   q3_k:       u = q (signed: its sign moves onto x by vpsignb, as q8_0's), c = sc_g
  *   q2_k:       u = q, c = sc_g;  q5_0, iq4_nl: u = q (signed), c = 1;  q5_1: u = q, c = 1
@@ -35,18 +34,21 @@
  *   q2_k:              summ_l = fma(dmin * d_x, sum_j mn_g q_x_j, summ_l)
  * Then y = hsum256(acc) - hsum256(summ). No int16 pair can saturate (no u exceeds 128: see
  * dot_u8s8), and every integer converted to float is below 2^24.
- * q4_k sums a whole block in integers before its float steps: its 128 bytes of nibbles are 4
- * chunks of 32 (chunk i: 32-block 2i in the low nibbles, 2i + 1 in the high), and a 4 x 4
+ * q4_k and q5_k (u = q, unsigned; c = 1) sum a whole block in integers before its float
+ * steps: the 128 bytes of nibbles are 4 chunks of 32 (chunk i: 32-block 2i in the low
+ * nibbles, 2i + 1 in the high; q5_k's fifth bits, bits 2i and 2i + 1 of qh's byte of the same
+ * weight, follow by a shuffle and a variable shift of qh's dwords), and a 4 x 4
  * dword transpose of the chunks (within each 128-bit lane: 8 unpacks) puts chunk l mod 4 in
  * lane l, so lane l of the low nibbles sums 32-block 2 (l mod 4) and of the high nibbles
  * 2 (l mod 4) + 1, 16 weights each over the 4 transposed vectors; x is stored in that order
- * (q4k_order_x, once a call). Then per block and lane two FMAs:
+ * (k4_order_x, once a call). Then per block and lane two FMAs:
  *     acc_l = fma(S_(2 (l mod 4)), I_lo_l, acc_l);  acc_l = fma(S_(2 (l mod 4) + 1), I_hi_l, acc_l)
  * with S_b = (d * sc_b) * d_x as before: 2 FMAs a block instead of 8, and no vpermps of S per
  * 32 weights. On the Zen 4 EPYC, M = 1, 2 threads, medians of 7 rounds alternating with the
  * build before in one process: from cache 35.5 -> 46.5 GB/s of blocks ([1, 2048] x [8192,
  * 2048]) and 37.4 -> 48.2 ([1, 8192] x [2048, 8192]); from memory, in a slow phase of the
- * host's memory (a plain sum read 34-36 GB/s), 33.3 -> 34.3 and 29.9 -> 32.1.
+ * host's memory (a plain sum read 34-36 GB/s), 33.3 -> 34.3 and 29.9 -> 32.1; q5_k from cache
+ * 36.3 -> 42.1 and 37.3 -> 42.7, from memory 30.9 -> 35.8 and 33.1 -> 37.9.
  * Each weight row has its own chain of FMAs, so 4 rows go together (kq_group) to keep 4 chains
  * in flight.
  *
@@ -271,21 +273,21 @@ static void q_sums16(int16_t *bs, const int8_t *q, int rows, int K) {
     }
 }
 
-/* q4_k's x order (see the header): within each 256-block, dword p = 16 t + 8 h + l takes x's
- * dword 8 (2 (l mod 4) + h) + t + 4 (l / 4), weights 4 (t + 4 (l / 4)) .. +3 of 32-block
- * 2 (l mod 4) + h, which is what the nibbles in lane l of the 4 x 4 dword transpose of the
- * block's 4 chunks of 32 bytes meet (low nibbles h = 0, high h = 1). */
-static inline int q4k_x_dword(int t, int h, int l) {
+/* q4_k's and q5_k's x order (see the header): within each 256-block, dword 16 t + 8 h + l
+ * takes x's dword 8 (2 (l mod 4) + h) + t + 4 (l / 4), weights 4 (t + 4 (l / 4)) .. +3 of
+ * 32-block 2 (l mod 4) + h: what the nibbles in lane l of transposed vector t meet (low
+ * nibbles h = 0, high h = 1). */
+static inline int k4_x_dword(int t, int h, int l) {
     return 8 * (2 * (l & 3) + h) + t + 4 * (l >> 2);
 }
 
-static void q4k_order_x(int8_t *q, int rows, int K) {
+static void k4_order_x(int8_t *q, int rows, int K) {
     uint32_t in[64], out[64];
     for (size_t b = 0; b < (size_t)rows * (K / QK_K); b++) {
         memcpy(in, q + b * QK_K, sizeof in);
         for (int t = 0; t < 4; t++)
             for (int h = 0; h < 2; h++)
-                for (int l = 0; l < 8; l++) out[16 * t + 8 * h + l] = in[q4k_x_dword(t, h, l)];
+                for (int l = 0; l < 8; l++) out[16 * t + 8 * h + l] = in[k4_x_dword(t, h, l)];
         memcpy(q + b * QK_K, out, sizeof out);
     }
 }
@@ -358,7 +360,7 @@ static inline __attribute__((always_inline)) void kq_block(
                 _mm256_store_ps(S + 8 * m, _mm256_mul_ps(dsc, _mm256_loadu_ps(X->d + xb)));
             }
             const uint8_t *qs = b + (fmt == F_Q4_K ? 16 : 48);
-            if (fmt == F_Q4_K) {  /* the header's q4_k lanes: a 4 x 4 dword transpose */
+            {  /* the header's lanes: a 4 x 4 dword transpose */
                 const __m256i c0 = _mm256_loadu_si256((const __m256i *)qs);
                 const __m256i c1 = _mm256_loadu_si256((const __m256i *)(qs + 32));
                 const __m256i c2 = _mm256_loadu_si256((const __m256i *)(qs + 64));
@@ -372,15 +374,33 @@ static inline __attribute__((always_inline)) void kq_block(
                     _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
                 const __m256i pick_lo = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
                 const __m256i pick_hi = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+                __m256i L[4], H[4];
+                for (int t = 0; t < 4; t++) {
+                    L[t] = _mm256_and_si256(T[t], low4);
+                    H[t] = _mm256_and_si256(_mm256_srli_epi16(T[t], 4), low4);
+                }
+                if (fmt == F_Q5_K) {  /* lane l's fifth bits: bits 2 (l mod 4), +1 of qh */
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+                    const __m256i five = _mm256_set1_epi8(0x10);
+                    const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+                    for (int t = 0; t < 4; t++) {
+                        const __m256i v = _mm256_srlv_epi32(
+                            t == 0 ? _mm256_shuffle_epi32(qh, 0x00)
+                            : t == 1 ? _mm256_shuffle_epi32(qh, 0x55)
+                            : t == 2 ? _mm256_shuffle_epi32(qh, 0xaa)
+                                     : _mm256_shuffle_epi32(qh, 0xff), sh);
+                        L[t] = _mm256_or_si256(L[t], _mm256_and_si256(_mm256_slli_epi32(v, 4), five));
+                        H[t] = _mm256_or_si256(H[t], _mm256_and_si256(_mm256_slli_epi32(v, 3), five));
+                    }
+                }
                 for (int m = 0; m < mt; m++) {
                     const int8_t *xq = X->q + (size_t)(xr + m) * K + (size_t)gb0 * QK;
                     __m256i lo_sum = _mm256_setzero_si256(), hi_sum = _mm256_setzero_si256();
                     for (int t = 0; t < 4; t++) {
-                        lo_sum = dot_u8s8_acc(lo_sum, _mm256_and_si256(T[t], low4),
+                        lo_sum = dot_u8s8_acc(lo_sum, L[t],
                                               _mm256_loadu_si256((const __m256i *)(xq + 64 * t)));
-                        hi_sum = dot_u8s8_acc(
-                            hi_sum, _mm256_and_si256(_mm256_srli_epi16(T[t], 4), low4),
-                            _mm256_loadu_si256((const __m256i *)(xq + 64 * t + 32)));
+                        hi_sum = dot_u8s8_acc(hi_sum, H[t], _mm256_loadu_si256(
+                            (const __m256i *)(xq + 64 * t + 32)));
                     }
                     const __m256 Sm = _mm256_load_ps(S + 8 * m);
                     acc[m] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(Sm, pick_lo),
@@ -388,23 +408,6 @@ static inline __attribute__((always_inline)) void kq_block(
                     acc[m] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(Sm, pick_hi),
                                              _mm256_cvtepi32_ps(hi_sum), acc[m]);
                 }
-                return;
-            }
-            const __m256i qh = fmt == F_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16))
-                                             : _mm256_setzero_si256();
-            for (int i = 0; i < 4; i++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
-                __m256i q0 = _mm256_and_si256(v, low4);
-                __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                if (fmt == F_Q5_K) {
-                    const __m256i one8 = _mm256_set1_epi8(1);
-                    q0 = _mm256_or_si256(q0, _mm256_slli_epi16(
-                        _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one8), 4));
-                    q1 = _mm256_or_si256(q1, _mm256_slli_epi16(
-                        _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one8), 4));
-                }
-                dot32(acc, mt, X, xr, gb0 + 2 * i, S + 2 * i, q0, NULL, 0);
-                dot32(acc, mt, X, xr, gb0 + 2 * i + 1, S + 2 * i + 1, q1, NULL, 0);
             }
         } else if (fmt == F_Q6_K) {
             const __m256i scv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
@@ -592,7 +595,7 @@ static inline __attribute__((always_inline)) void kq_pair_block(
         S[m] = _mm512_mul_ps(dsc, _mm512_broadcast_f32x8(_mm256_loadu_ps(X->d + xb)));
     }
     const int qo = fmt == F_Q4_K ? 16 : 48;
-    if (fmt == F_Q4_K) {  /* kq_block's q4_k lanes, each half a row's */
+    {  /* kq_block's lanes, each half a row's */
         const __m512i c0 = pair256(b0 + qo, row_bytes), c1 = pair256(b0 + qo + 32, row_bytes);
         const __m512i c2 = pair256(b0 + qo + 64, row_bytes);
         const __m512i c3 = pair256(b0 + qo + 96, row_bytes);
@@ -603,39 +606,39 @@ static inline __attribute__((always_inline)) void kq_pair_block(
         const __m512i pick_lo = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6,
                                                   8, 10, 12, 14, 8, 10, 12, 14);
         const __m512i pick_hi = _mm512_add_epi32(pick_lo, _mm512_set1_epi32(1));
+        __m512i L[4], H[4];
+        for (int t = 0; t < 4; t++) {
+            L[t] = _mm512_and_si512(T[t], low4);
+            H[t] = _mm512_and_si512(_mm512_srli_epi16(T[t], 4), low4);
+        }
+        if (fmt == F_Q5_K) {  /* as kq_block's */
+            const __m512i qh = pair256(b0 + 16, row_bytes);
+            const __m512i five = _mm512_set1_epi8(0x10);
+            const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+            for (int t = 0; t < 4; t++) {
+                const __m512i v = _mm512_srlv_epi32(
+                    t == 0 ? _mm512_shuffle_epi32(qh, _MM_PERM_AAAA)
+                    : t == 1 ? _mm512_shuffle_epi32(qh, _MM_PERM_BBBB)
+                    : t == 2 ? _mm512_shuffle_epi32(qh, _MM_PERM_CCCC)
+                             : _mm512_shuffle_epi32(qh, _MM_PERM_DDDD), sh);
+                L[t] = _mm512_or_si512(L[t], _mm512_and_si512(_mm512_slli_epi32(v, 4), five));
+                H[t] = _mm512_or_si512(H[t], _mm512_and_si512(_mm512_slli_epi32(v, 3), five));
+            }
+        }
         for (int m = 0; m < mt; m++) {
             const int8_t *xq = X->q + (size_t)(xr + m) * X->K + (size_t)gb0 * QK;
             __m512i lo_sum = _mm512_setzero_si512(), hi_sum = _mm512_setzero_si512();
             for (int t = 0; t < 4; t++) {
-                lo_sum = dot_u8s8_512_acc(lo_sum, _mm512_and_si512(T[t], low4),
-                                          _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                                              (const __m256i *)(xq + 64 * t))));
-                hi_sum = dot_u8s8_512_acc(
-                    hi_sum, _mm512_and_si512(_mm512_srli_epi16(T[t], 4), low4),
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        (const __m256i *)(xq + 64 * t + 32))));
+                lo_sum = dot_u8s8_512_acc(lo_sum, L[t], _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(xq + 64 * t))));
+                hi_sum = dot_u8s8_512_acc(hi_sum, H[t], _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(xq + 64 * t + 32))));
             }
             acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick_lo, S[m]),
                                      _mm512_cvtepi32_ps(lo_sum), acc[m]);
             acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick_hi, S[m]),
                                      _mm512_cvtepi32_ps(hi_sum), acc[m]);
         }
-        return;
-    }
-    const __m512i qh = fmt == F_Q5_K ? pair256(b0 + 16, row_bytes) : _mm512_setzero_si512();
-    for (int i = 0; i < 4; i++) {
-        const __m512i v = pair256(b0 + qo + 32 * i, row_bytes);
-        __m512i q0 = _mm512_and_si512(v, low4);
-        __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if (fmt == F_Q5_K) {
-            const __m512i one8 = _mm512_set1_epi8(1);
-            q0 = _mm512_or_si512(q0, _mm512_slli_epi16(
-                _mm512_and_si512(_mm512_srli_epi16(qh, 2 * i), one8), 4));
-            q1 = _mm512_or_si512(q1, _mm512_slli_epi16(
-                _mm512_and_si512(_mm512_srli_epi16(qh, 2 * i + 1), one8), 4));
-        }
-        dot32_pair(acc, mt, X, xr, gb0, S, 2 * i, q0, NULL);
-        dot32_pair(acc, mt, X, xr, gb0, S, 2 * i + 1, q1, NULL);
     }
 }
 
@@ -704,7 +707,7 @@ static void kq_row_scalar(float *y, const qx_t *X, int xr, const int mt, const u
     iblock_t u;
     for (int bi = 0; bi < nb; bi++) {
         unpack(fmt, wrow + (size_t)bi * bb, &u);
-        if (fmt == F_Q4_K) {  /* the header's q4_k lanes, emulated */
+        if (fmt == F_Q4_K || fmt == F_Q5_K) {  /* the header's lanes, emulated */
             for (int m = 0; m < mt; m++) {
                 const size_t xb = (size_t)(xr + m) * nbx + bi * 8;
                 const int8_t *xq = X->q + (size_t)(xr + m) * K + (size_t)bi * QK_K;
@@ -712,8 +715,8 @@ static void kq_row_scalar(float *y, const qx_t *X, int xr, const int mt, const u
                     int sums[2] = {0, 0};
                     for (int h = 0; h < 2; h++)
                         for (int t = 0; t < 4; t++)
-                            for (int e = 0; e < 4; e++)  /* q4k_x_dword(t, h, l)'s weights */
-                                sums[h] += u.q[4 * q4k_x_dword(t, h, l) + e] *
+                            for (int e = 0; e < 4; e++)  /* k4_x_dword(t, h, l)'s weights */
+                                sums[h] += u.q[4 * k4_x_dword(t, h, l) + e] *
                                            xq[64 * t + 32 * h + 4 * l + e];
                     for (int h = 0; h < 2; h++) {
                         const int sb = 2 * (l & 3) + h;
@@ -874,7 +877,7 @@ static inline __attribute__((always_inline)) int kq_rows(float *y, const float *
             qmm_quantize_activations(q, d, sx, x + (size_t)m0 * K, mt, K);
         }
         if (nbs) q_sums16(bs, q, qt, K);
-        if (fmt == F_Q4_K) q4k_order_x(q, qt, K);
+        if (fmt == F_Q4_K || fmt == F_Q5_K) k4_order_x(q, qt, K);
         const qx_t X = {q, d, sx, bs, K};
         int n = lo;
         /* Constant tile sizes let the compiler keep every sum in a register: 4 weight rows
