@@ -389,8 +389,10 @@ static inline __attribute__((always_inline)) void kq_block(
                             : t == 1 ? _mm256_shuffle_epi32(qh, 0x55)
                             : t == 2 ? _mm256_shuffle_epi32(qh, 0xaa)
                                      : _mm256_shuffle_epi32(qh, 0xff), sh);
-                        L[t] = _mm256_or_si256(L[t], _mm256_and_si256(_mm256_slli_epi32(v, 4), five));
-                        H[t] = _mm256_or_si256(H[t], _mm256_and_si256(_mm256_slli_epi32(v, 3), five));
+                        L[t] = _mm256_or_si256(
+                            L[t], _mm256_and_si256(_mm256_slli_epi32(v, 4), five));
+                        H[t] = _mm256_or_si256(
+                            H[t], _mm256_and_si256(_mm256_slli_epi32(v, 3), five));
                     }
                 }
                 for (int m = 0; m < mt; m++) {
