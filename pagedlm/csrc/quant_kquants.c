@@ -360,56 +360,54 @@ static inline __attribute__((always_inline)) void kq_block(
                 _mm256_store_ps(S + 8 * m, _mm256_mul_ps(dsc, _mm256_loadu_ps(X->d + xb)));
             }
             const uint8_t *qs = b + (fmt == F_Q4_K ? 16 : 48);
-            {  /* the header's lanes: a 4 x 4 dword transpose */
-                const __m256i c0 = _mm256_loadu_si256((const __m256i *)qs);
-                const __m256i c1 = _mm256_loadu_si256((const __m256i *)(qs + 32));
-                const __m256i c2 = _mm256_loadu_si256((const __m256i *)(qs + 64));
-                const __m256i c3 = _mm256_loadu_si256((const __m256i *)(qs + 96));
-                const __m256i t0 = _mm256_unpacklo_epi32(c0, c1);
-                const __m256i t1 = _mm256_unpackhi_epi32(c0, c1);
-                const __m256i t2 = _mm256_unpacklo_epi32(c2, c3);
-                const __m256i t3 = _mm256_unpackhi_epi32(c2, c3);
-                const __m256i T[4] = {
-                    _mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                    _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-                const __m256i pick_lo = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
-                const __m256i pick_hi = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
-                __m256i L[4], H[4];
+            /* the header's lanes: a 4 x 4 dword transpose */
+            const __m256i c0 = _mm256_loadu_si256((const __m256i *)qs);
+            const __m256i c1 = _mm256_loadu_si256((const __m256i *)(qs + 32));
+            const __m256i c2 = _mm256_loadu_si256((const __m256i *)(qs + 64));
+            const __m256i c3 = _mm256_loadu_si256((const __m256i *)(qs + 96));
+            const __m256i t0 = _mm256_unpacklo_epi32(c0, c1);
+            const __m256i t1 = _mm256_unpackhi_epi32(c0, c1);
+            const __m256i t2 = _mm256_unpacklo_epi32(c2, c3);
+            const __m256i t3 = _mm256_unpackhi_epi32(c2, c3);
+            const __m256i T[4] = {
+                _mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+            const __m256i pick_lo = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+            const __m256i pick_hi = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+            __m256i L[4], H[4];
+            for (int t = 0; t < 4; t++) {
+                L[t] = _mm256_and_si256(T[t], low4);
+                H[t] = _mm256_and_si256(_mm256_srli_epi16(T[t], 4), low4);
+            }
+            if (fmt == F_Q5_K) {  /* lane l's fifth bits: bits 2 (l mod 4), +1 of qh */
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+                const __m256i five = _mm256_set1_epi8(0x10);
+                const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+                /* lane l of vector t: qh's dword t + 4 (l / 4), as T[t]'s chunks */
+                const __m256i dword = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
                 for (int t = 0; t < 4; t++) {
-                    L[t] = _mm256_and_si256(T[t], low4);
-                    H[t] = _mm256_and_si256(_mm256_srli_epi16(T[t], 4), low4);
+                    const __m256i v = _mm256_srlv_epi32(_mm256_permutevar8x32_epi32(
+                        qh, _mm256_add_epi32(dword, _mm256_set1_epi32(t))), sh);
+                    L[t] = _mm256_or_si256(
+                        L[t], _mm256_and_si256(_mm256_slli_epi32(v, 4), five));
+                    H[t] = _mm256_or_si256(
+                        H[t], _mm256_and_si256(_mm256_slli_epi32(v, 3), five));
                 }
-                if (fmt == F_Q5_K) {  /* lane l's fifth bits: bits 2 (l mod 4), +1 of qh */
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-                    const __m256i five = _mm256_set1_epi8(0x10);
-                    const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
-                    for (int t = 0; t < 4; t++) {
-                        const __m256i v = _mm256_srlv_epi32(
-                            t == 0 ? _mm256_shuffle_epi32(qh, 0x00)
-                            : t == 1 ? _mm256_shuffle_epi32(qh, 0x55)
-                            : t == 2 ? _mm256_shuffle_epi32(qh, 0xaa)
-                                     : _mm256_shuffle_epi32(qh, 0xff), sh);
-                        L[t] = _mm256_or_si256(
-                            L[t], _mm256_and_si256(_mm256_slli_epi32(v, 4), five));
-                        H[t] = _mm256_or_si256(
-                            H[t], _mm256_and_si256(_mm256_slli_epi32(v, 3), five));
-                    }
+            }
+            for (int m = 0; m < mt; m++) {
+                const int8_t *xq = X->q + (size_t)(xr + m) * K + (size_t)gb0 * QK;
+                __m256i lo_sum = _mm256_setzero_si256(), hi_sum = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) {
+                    lo_sum = dot_u8s8_acc(lo_sum, L[t],
+                                          _mm256_loadu_si256((const __m256i *)(xq + 64 * t)));
+                    hi_sum = dot_u8s8_acc(hi_sum, H[t], _mm256_loadu_si256(
+                        (const __m256i *)(xq + 64 * t + 32)));
                 }
-                for (int m = 0; m < mt; m++) {
-                    const int8_t *xq = X->q + (size_t)(xr + m) * K + (size_t)gb0 * QK;
-                    __m256i lo_sum = _mm256_setzero_si256(), hi_sum = _mm256_setzero_si256();
-                    for (int t = 0; t < 4; t++) {
-                        lo_sum = dot_u8s8_acc(lo_sum, L[t],
-                                              _mm256_loadu_si256((const __m256i *)(xq + 64 * t)));
-                        hi_sum = dot_u8s8_acc(hi_sum, H[t], _mm256_loadu_si256(
-                            (const __m256i *)(xq + 64 * t + 32)));
-                    }
-                    const __m256 Sm = _mm256_load_ps(S + 8 * m);
-                    acc[m] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(Sm, pick_lo),
-                                             _mm256_cvtepi32_ps(lo_sum), acc[m]);
-                    acc[m] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(Sm, pick_hi),
-                                             _mm256_cvtepi32_ps(hi_sum), acc[m]);
-                }
+                const __m256 Sm = _mm256_load_ps(S + 8 * m);
+                acc[m] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(Sm, pick_lo),
+                                         _mm256_cvtepi32_ps(lo_sum), acc[m]);
+                acc[m] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(Sm, pick_hi),
+                                         _mm256_cvtepi32_ps(hi_sum), acc[m]);
             }
         } else if (fmt == F_Q6_K) {
             const __m256i scv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
@@ -537,18 +535,17 @@ static inline __m512i pair256(const uint8_t *p, size_t row_bytes) {
                               _mm256_loadu_si256((const __m256i *)(p + row_bytes)), 1);
 }
 
-/* dot32 for two rows: 32-block j of the block (first 32-block gb0) in w, int16 multipliers
- * *sc16 (NULL: all 1) as dot32's per row, against x rows xr .. xr+mt-1: acc[m] += S_j * lanes,
+/* dot32 for two rows (q6_k's): 32-block j of the block (first 32-block gb0) in w, int16
+ * multipliers sc16 as dot32's per row, against x rows xr .. xr+mt-1: acc[m] += S_j * lanes,
  * S[m] holding the 8 S of row r (lanes 0..7) and of row r + 1 (8..15). */
 static inline __attribute__((always_inline)) void dot32_pair(
         __m512 *acc, const int mt, const qx_t *X, int xr, int gb0, const __m512 *S, int j,
-        __m512i w, const __m512i *sc16) {
+        __m512i w, __m512i sc16) {
     const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(j), _mm256_set1_epi32(8 + j), 1);
     for (int m = 0; m < mt; m++) {
         const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(
             X->q + (size_t)(xr + m) * X->K + (size_t)(gb0 + j) * QK)));
-        const __m512i i = sc16 ? _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), *sc16)
-                               : dot_u8s8_512(w, x);
+        const __m512i i = _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), sc16);
         acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, S[m]), _mm512_cvtepi32_ps(i),
                                  acc[m]);
     }
@@ -569,16 +566,16 @@ static inline __attribute__((always_inline)) void kq_pair_block(
      * (sc 0..3, sc 4..7, mn 0..3, mn 4..7) of each row */
     const __m256i hd = _mm256_inserti128_si256(_mm256_castsi128_si256(
         _mm_loadu_si128((const __m128i *)b0)), _mm_loadu_si128((const __m128i *)b1), 1);
-    const __m256i t = _mm256_srlv_epi32(_mm256_shuffle_epi32(hd, _MM_SHUFFLE(3, 2, 3, 1)),
-                                        _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4));
-    const __m256i u = _mm256_srli_epi32(_mm256_shuffle_epi32(hd, _MM_SHUFFLE(2, 2, 1, 1)), 2);
+    const __m256i sw = _mm256_srlv_epi32(_mm256_shuffle_epi32(hd, _MM_SHUFFLE(3, 2, 3, 1)),
+                                         _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4));
+    const __m256i su = _mm256_srli_epi32(_mm256_shuffle_epi32(hd, _MM_SHUFFLE(2, 2, 1, 1)), 2);
     const __m256i lo = _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
                                          0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
     const __m256i hi = _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030,
                                          0, 0x30303030, 0, 0x30303030);
     /* qwords (sc row r, sc row r + 1, mn row r, mn row r + 1) */
     const __m256i scmn = _mm256_permute4x64_epi64(_mm256_or_si256(
-        _mm256_and_si256(t, lo), _mm256_and_si256(u, hi)), _MM_SHUFFLE(3, 1, 2, 0));
+        _mm256_and_si256(sw, lo), _mm256_and_si256(su, hi)), _MM_SHUFFLE(3, 1, 2, 0));
     /* (d, dmin) of row r, of row r + 1 */
     const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm256_castsi256_si128(
         _mm256_permutevar8x32_epi32(hd, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)))));
@@ -597,50 +594,49 @@ static inline __attribute__((always_inline)) void kq_pair_block(
         S[m] = _mm512_mul_ps(dsc, _mm512_broadcast_f32x8(_mm256_loadu_ps(X->d + xb)));
     }
     const int qo = fmt == F_Q4_K ? 16 : 48;
-    {  /* kq_block's lanes, each half a row's */
-        const __m512i c0 = pair256(b0 + qo, row_bytes), c1 = pair256(b0 + qo + 32, row_bytes);
-        const __m512i c2 = pair256(b0 + qo + 64, row_bytes);
-        const __m512i c3 = pair256(b0 + qo + 96, row_bytes);
-        const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
-        const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
-        const __m512i T[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                              _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
-        const __m512i pick_lo = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6,
-                                                  8, 10, 12, 14, 8, 10, 12, 14);
-        const __m512i pick_hi = _mm512_add_epi32(pick_lo, _mm512_set1_epi32(1));
-        __m512i L[4], H[4];
+    /* kq_block's lanes, each half a row's */
+    const __m512i c0 = pair256(b0 + qo, row_bytes), c1 = pair256(b0 + qo + 32, row_bytes);
+    const __m512i c2 = pair256(b0 + qo + 64, row_bytes);
+    const __m512i c3 = pair256(b0 + qo + 96, row_bytes);
+    const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
+    const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
+    const __m512i T[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    const __m512i pick_lo = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6,
+                                              8, 10, 12, 14, 8, 10, 12, 14);
+    const __m512i pick_hi = _mm512_add_epi32(pick_lo, _mm512_set1_epi32(1));
+    __m512i L[4], H[4];
+    for (int t = 0; t < 4; t++) {
+        L[t] = _mm512_and_si512(T[t], low4);
+        H[t] = _mm512_and_si512(_mm512_srli_epi16(T[t], 4), low4);
+    }
+    if (fmt == F_Q5_K) {  /* as kq_block's */
+        const __m512i qh = pair256(b0 + 16, row_bytes);
+        const __m512i five = _mm512_set1_epi8(0x10);
+        const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+        /* lane l of vector t: qh's dword t + 4 (l / 4), as T[t]'s chunks */
+        const __m512i dword = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8,
+                                                12, 12, 12, 12);
         for (int t = 0; t < 4; t++) {
-            L[t] = _mm512_and_si512(T[t], low4);
-            H[t] = _mm512_and_si512(_mm512_srli_epi16(T[t], 4), low4);
+            const __m512i v = _mm512_srlv_epi32(_mm512_permutexvar_epi32(
+                _mm512_add_epi32(dword, _mm512_set1_epi32(t)), qh), sh);
+            L[t] = _mm512_or_si512(L[t], _mm512_and_si512(_mm512_slli_epi32(v, 4), five));
+            H[t] = _mm512_or_si512(H[t], _mm512_and_si512(_mm512_slli_epi32(v, 3), five));
         }
-        if (fmt == F_Q5_K) {  /* as kq_block's */
-            const __m512i qh = pair256(b0 + 16, row_bytes);
-            const __m512i five = _mm512_set1_epi8(0x10);
-            const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
-            for (int t = 0; t < 4; t++) {
-                const __m512i v = _mm512_srlv_epi32(
-                    t == 0 ? _mm512_shuffle_epi32(qh, _MM_PERM_AAAA)
-                    : t == 1 ? _mm512_shuffle_epi32(qh, _MM_PERM_BBBB)
-                    : t == 2 ? _mm512_shuffle_epi32(qh, _MM_PERM_CCCC)
-                             : _mm512_shuffle_epi32(qh, _MM_PERM_DDDD), sh);
-                L[t] = _mm512_or_si512(L[t], _mm512_and_si512(_mm512_slli_epi32(v, 4), five));
-                H[t] = _mm512_or_si512(H[t], _mm512_and_si512(_mm512_slli_epi32(v, 3), five));
-            }
+    }
+    for (int m = 0; m < mt; m++) {
+        const int8_t *xq = X->q + (size_t)(xr + m) * X->K + (size_t)gb0 * QK;
+        __m512i lo_sum = _mm512_setzero_si512(), hi_sum = _mm512_setzero_si512();
+        for (int t = 0; t < 4; t++) {
+            lo_sum = dot_u8s8_512_acc(lo_sum, L[t], _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(xq + 64 * t))));
+            hi_sum = dot_u8s8_512_acc(hi_sum, H[t], _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(xq + 64 * t + 32))));
         }
-        for (int m = 0; m < mt; m++) {
-            const int8_t *xq = X->q + (size_t)(xr + m) * X->K + (size_t)gb0 * QK;
-            __m512i lo_sum = _mm512_setzero_si512(), hi_sum = _mm512_setzero_si512();
-            for (int t = 0; t < 4; t++) {
-                lo_sum = dot_u8s8_512_acc(lo_sum, L[t], _mm512_broadcast_i64x4(
-                    _mm256_loadu_si256((const __m256i *)(xq + 64 * t))));
-                hi_sum = dot_u8s8_512_acc(hi_sum, H[t], _mm512_broadcast_i64x4(
-                    _mm256_loadu_si256((const __m256i *)(xq + 64 * t + 32))));
-            }
-            acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick_lo, S[m]),
-                                     _mm512_cvtepi32_ps(lo_sum), acc[m]);
-            acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick_hi, S[m]),
-                                     _mm512_cvtepi32_ps(hi_sum), acc[m]);
-        }
+        acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick_lo, S[m]),
+                                 _mm512_cvtepi32_ps(lo_sum), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick_hi, S[m]),
+                                 _mm512_cvtepi32_ps(hi_sum), acc[m]);
     }
 }
 
@@ -689,7 +685,7 @@ static inline __attribute__((always_inline)) void kq_pair_block_q6(
                 _mm_set1_epi16((short)(0x0100 + 0x202 * (2 * s))));
             const __m512i sc16 = _mm512_shuffle_epi8(
                 sch, _mm512_inserti64x4(_mm512_castsi256_si512(ab), ab, 1));
-            dot32_pair(acc, mt, X, xr, gb0, S, j, q, &sc16);
+            dot32_pair(acc, mt, X, xr, gb0, S, j, q, sc16);
         }
     }
 }
