@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pagedlm import prefault
 from pagedlm.device_config import DeviceConfig
 from pagedlm.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig,
                             ModelConfig, ParallelConfig, RequestLimits, SchedulerConfig)
@@ -170,8 +171,10 @@ class EngineArgs:
         # weights pass through host memory on their way to a GPU too; a GPU's KV cache does
         # not, the worker checks it against the GPU's memory.)
         host_kv = cache_config.kv_cache_memory_bytes if not device_config.is_cuda else None
+        # Memory `pagedlm serve` faulted in for this load's panels is no longer MemAvailable,
+        # but it is the load's.
         check_fits_memory(weight_memory(model_dir, quantization, model_config.dtype),
-                          available_memory_bytes(), host_kv or 0)
+                          available_memory_bytes() + prefault.reserved_bytes(), host_kv or 0)
         if quantization != "gguf":
             ensure_float_weights(model_dir)  # a GGUF file's float32 copy, written once
         if speculative_config is not None and speculative_config.method == "draft_model":

@@ -17,8 +17,7 @@ import sys
 import textwrap
 
 import pagedlm
-from pagedlm.entrypoints.cli_args import (add_engine_args, add_model_positional,
-                                          add_server_args, engine_args_from_namespace)
+from pagedlm import envs, prefault
 
 logger = logging.getLogger("pagedlm.cli")
 
@@ -63,6 +62,11 @@ def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    # Imported here, not with this module: cli_args imports torch and transformers (about
+    # 1.7 s), which `main` overlaps with faulting memory in (_prefault).
+    from pagedlm.entrypoints.cli_args import (add_engine_args, add_model_positional,
+                                              add_server_args)
+
     parser = argparse.ArgumentParser(
         prog="pagedlm", formatter_class=_Formatter,
         description="pagedlm: a small LLM inference engine with a paged KV cache and "
@@ -139,9 +143,16 @@ def cmd_trace(args: argparse.Namespace) -> None:
         print(path)
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
+def cmd_serve(args: argparse.Namespace,
+              memory: prefault.PrefaultedMemory | None = None) -> None:
     from pagedlm.entrypoints.openai.server_start import start_server
-    start = start_server(args)  # the model loads on the engine's thread from here on
+    try:
+        # the model loads on the engine's thread from here on
+        start = start_server(args, memory=memory)
+    except BaseException:
+        if memory is not None:
+            memory.finish()
+        raise
     try:
         from pagedlm.entrypoints.openai.api_server import run_server
     except BaseException:
@@ -179,6 +190,7 @@ def _stream(engine, request_id: str, prompt, params, out, lora_request=None) -> 
 def _build_engine(args: argparse.Namespace):
     """The engine and the --lora adapter's request (None without one)."""
     from pagedlm.engine.llm_engine import LLMEngine
+    from pagedlm.entrypoints.cli_args import engine_args_from_namespace
     from pagedlm.lora.request import LoRARequest
 
     engine_args = engine_args_from_namespace(args)
@@ -269,11 +281,57 @@ def _chat_loop(args: argparse.Namespace, params, engine, lora) -> None:
         history.append({"role": "assistant", "content": reply})
 
 
+# --dtype values that keep a checkpoint's matrices in 2 bytes (config.py's _DTYPES).
+_TWO_BYTE_DTYPES = ("bfloat16", "float16", "half")
+# Below this, faulting the panels in ahead is not worth a thread.
+_PREFAULT_MIN_BYTES = 64 << 20
+
+
+def _prefault(argv: list[str], min_bytes: int = _PREFAULT_MIN_BYTES,
+              ) -> prefault.PrefaultedMemory | None:
+    """For `pagedlm serve DIR --dtype bfloat16` (or float16): the panels' memory, being
+    faulted in while the parser's imports run (prefault.py). Read from argv before any parser
+    exists, so only the plainest spellings count (the model as the first argument after
+    `serve` or --model, and --dtype); any other spelling only forgoes the head start, and the
+    parser still checks everything."""
+    if len(argv) < 2 or argv[0] != "serve" or envs.PAGEDLM_DISABLE_HUGE_PAGES:
+        return None
+    model = None if argv[1].startswith("-") else argv[1]
+    dtype = None
+    for i, arg in enumerate(argv[1:], 1):
+        for flag in ("--model", "--dtype"):
+            if arg.startswith(flag + "="):
+                value = arg[len(flag) + 1:]
+            elif arg == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            else:
+                continue
+            if flag == "--model":
+                model = value
+            else:
+                dtype = value
+    if model is None or dtype not in _TWO_BYTE_DTYPES or not os.path.isdir(model):
+        return None
+    return prefault.for_checkpoint(model, min_bytes)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    memory = _prefault(argv)
+    try:
+        args = make_parser().parse_args(argv)
+    except BaseException:
+        if memory is not None:
+            memory.finish()
+        raise
+    if memory is not None and args.func is not cmd_serve:
+        memory.finish()
     configure_logging(args.log_level)
     try:
-        args.func(args)
+        if args.func is cmd_serve:
+            cmd_serve(args, memory)
+        else:
+            args.func(args)
     except KeyboardInterrupt:
         pass
     except ValueError as e:  # bad engine settings and the like: a message, not a traceback

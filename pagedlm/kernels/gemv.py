@@ -205,30 +205,32 @@ def bf16_dot(on: bool):
         _state.clear()
 
 
-def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
+def _torch_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # Not torch.zeros, which may hand back calloc's pages untouched: zero_ is the one
+    # sequential pass that faults them in (see empty_panels).
+    return torch.empty(shape, dtype=dtype).zero_()
 
 
 def pack_panels(weight: torch.Tensor,
-                empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = _torch_empty,
+                zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = _torch_zeros,
                 ) -> torch.Tensor | None:
     """weight [N, K] (float32, bfloat16 or float16, contiguous, on the CPU) as
     [ceil(N / W), K, W] panels of the same dtype (W = panel_width(), zero columns past N) for
     `gemm_panels`, or None where the panel kernel does not run it. bfloat16 where
     `bf16_pairs()`: [ceil(N / W), ceil(K / 2), W, 2], element [p, j, c, e] the weight's
-    [p * W + c, 2 * j + e] (zero past N and at an odd K's last k). `empty(shape, dtype)`
-    allocates the panels (default torch.empty; huge_pages.empty puts large ones on huge
-    pages)."""
+    [p * W + c, 2 * j + e] (zero past N and at an odd K's last k). `zeros(shape, dtype)`
+    allocates the panels, zeroed (default: torch's memory; huge_pages.Arena.zeros puts them on
+    huge pages)."""
     if (weight.dtype not in panel_dtypes() or weight.dim() != 2
             or not weight.is_contiguous() or weight.device.type != "cpu"):
         return None
-    panels = empty_panels(*weight.shape, weight.dtype, empty)
+    panels = empty_panels(*weight.shape, weight.dtype, zeros)
     put_panel_rows(panels, 0, weight)
     return panels
 
 
 def empty_panels(n: int, k: int, dtype: torch.dtype,
-                 empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = _torch_empty,
+                 zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = _torch_zeros,
                  ) -> torch.Tensor | None:
     """Zeroed panels of `pack_panels`' layout for an [n, k] weight of `dtype`, for
     `put_panel_rows` to fill; None where the panel kernel does not take the dtype.
@@ -244,8 +246,8 @@ def empty_panels(n: int, k: int, dtype: torch.dtype,
     width = panel_width()
     count = -(-n // width)
     if dtype == torch.bfloat16 and bf16_pairs():
-        return empty((count, (k + 1) // 2, width, 2), dtype).zero_()
-    return empty((count, k, width), dtype).zero_()
+        return zeros((count, (k + 1) // 2, width, 2), dtype)
+    return zeros((count, k, width), dtype)
 
 
 def put_panel_rows(panels: torch.Tensor, first: int, rows: torch.Tensor) -> None:

@@ -8,8 +8,10 @@ import argparse
 import socket
 from dataclasses import dataclass
 
+from pagedlm import prefault
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+from pagedlm.engine.llm_engine import LLMEngine
 
 
 @dataclass
@@ -28,7 +30,10 @@ class ServerStart:
             self.sock.close()
 
 
-def start_server(args: argparse.Namespace) -> ServerStart:
+def start_server(args: argparse.Namespace,
+                 memory: prefault.PrefaultedMemory | None = None) -> ServerStart:
+    """`memory`: what cli._prefault faulted in for the model's panels; the engine's build
+    carves them from it and finishes it, whatever happens."""
     from pagedlm.entrypoints.cli_args import engine_args_from_namespace
 
     engine_args = engine_args_from_namespace(args)
@@ -39,9 +44,10 @@ def start_server(args: argparse.Namespace) -> ServerStart:
     names = args.served_model_name or [default_served_name(engine_args.model)]
     sock = bind(args.host, args.port)  # before the model loads: a taken port fails at once
     try:
-        engine = AsyncLLMEngine.from_engine_args(
-            engine_args, log_stats=not args.disable_log_stats,
-            log_stats_interval=args.log_stats_interval, model_name=names[0], wait=False)
+        build = prefault.loading_into(memory, lambda: LLMEngine.from_engine_args(engine_args))
+        engine = AsyncLLMEngine(build, log_stats=not args.disable_log_stats,
+                                log_stats_interval=args.log_stats_interval,
+                                model_name=names[0], wait=False)
     except BaseException:
         sock.close()
         raise

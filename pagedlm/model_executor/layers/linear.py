@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 from abc import ABC, abstractmethod
 from typing import Callable
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlm import envs, huge_pages
+from pagedlm import envs, huge_pages, prefault
 from pagedlm.distributed.parallel_state import get_tp_group
 from pagedlm.kernels import amx, gemv
 from pagedlm.kernels.triton import gemv as triton_gemv
@@ -62,12 +63,23 @@ _PANEL_ARENA: contextvars.ContextVar[huge_pages.Arena | None] = contextvars.Cont
 
 @contextlib.contextmanager
 def panels_in_arena():
-    """Carve the panels packed while loading from one huge_pages.Arena (see above)."""
-    token = _PANEL_ARENA.set(huge_pages.Arena())
+    """Carve the panels packed while loading from one huge_pages.Arena (see above), and
+    first from the memory `pagedlm serve` faulted in for them, if it did (prefault.py)."""
+    memory = prefault.current()
+    token = _PANEL_ARENA.set(huge_pages.Arena(memory=memory))
     try:
         yield
     finally:
         _PANEL_ARENA.reset(token)
+        if memory is not None:
+            memory.finish()  # what the panels left goes back before the KV cache is made
+
+
+def _panel_zeros() -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+    """Where 2-byte panels are allocated: the loader's Arena while it loads, else huge pages
+    for the large ones."""
+    arena = _PANEL_ARENA.get()
+    return arena.zeros if arena is not None else functools.partial(huge_pages.empty, zero=True)
 
 
 @contextlib.contextmanager
@@ -223,7 +235,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         # huge pages (the worker gathers the rest there after loading; huge_pages.py). Panels
         # the loader filled row by row (put_rows) are the weight already.
         if getattr(layer, "panel_weight", None) is None:
-            layer.panel_weight = (gemv.pack_panels(layer.weight, empty=huge_pages.empty)
+            layer.panel_weight = (gemv.pack_panels(layer.weight, zeros=_panel_zeros())
                                   if layer.weight.element_size() == 2
                                   else gemv.pack_panels(layer.weight))
         layer.use_gemv = gemv.runs(layer.weight)
@@ -270,10 +282,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return False
         weight = layer.weight
         if layer.panel_weight is None:
-            arena = _PANEL_ARENA.get()
-            layer.panel_weight = gemv.empty_panels(
-                *weight.shape, weight.dtype,
-                empty=huge_pages.empty if arena is None else arena.empty)
+            layer.panel_weight = gemv.empty_panels(*weight.shape, weight.dtype,
+                                                   zeros=_panel_zeros())
         gemv.put_panel_rows(layer.panel_weight, first, rows.to(weight.dtype).contiguous())
         return True
 

@@ -63,10 +63,10 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
     materialize_weights(model, device)
     store_weights_in(model, config.dtype)
     process_as_loaded(model)
-    with panels_in_arena():
+    with panels_in_arena():  # and the panels processing packs (a tied LM head's)
         model.load_weights(weights)
-    round_other_weights(model, config.dtype)
-    model.process_weights_after_loading()
+        round_other_weights(model, config.dtype)
+        model.process_weights_after_loading()
     if quant_config is not None:
         quant_config.process_weights_after_loading(model)
     if quant_config is not None:
