@@ -7,9 +7,18 @@ fresh memory once, and on these VMs the first write to a fresh page is most of t
 already faulted in (Zen 4 EPYC, 2 vCPUs; `/work/notes/s52/prefault.py`). Meanwhile the
 command's first ~1.7 s go to importing torch and transformers on one core, and the other one
 idles. So `pagedlm serve` maps the panels' bytes on huge pages before those imports and a
-thread faults them in (MADV_POPULATE_WRITE, piece by piece; ctypes lets the GIL go during each
-call); the loader's Arena (huge_pages.py) then carves the panels from it in load order, behind
-the thread.
+thread faults them in by writing zeros over them (ctypes.memset, which lets the GIL go, in
+pieces it can stop between); the loader's Arena (huge_pages.py) then carves the panels from it
+in load order, behind the thread.
+
+Why memset, in 64 MiB pieces: the 2.15 GB took 0.25-0.5 s so, with the imports beside it
+1.64-1.91 s against 1.55-1.66 alone. madvise(MADV_POPULATE_WRITE) holds the process's
+memory-map lock while it faults a piece in, and the imports' own mmap calls wait for it
+(imports 1.71-2.10 s in 32 MiB pieces); in 2 MiB pieces each call also waited for the GIL
+again, which the importing thread holds for up to 5 ms at a time: 4-5 s to fault the memory in,
+imports 2.6-2.9 s. A write fault takes only its own mapping's lock. (Zen 4 EPYC, three
+alternating runs each, `/tmp/pf_imp2.py` in the session notes.) The thread never writes a byte
+that was handed out: `take` waits while the piece being written would overlap.
 
 `pagedlm serve` of that directory with --dtype bfloat16, started 8 times alternating with the
 commit before: ready in 3.47 s against 4.31 (medians), the weights loaded in 0.7-1.0 s against
@@ -39,15 +48,12 @@ from typing import Callable, Iterator, TypeVar
 from pagedlm.utils import available_memory_bytes
 
 HUGE_PAGE = 2 << 20
-# Faulted in one huge page a call: each call holds the process's memory-map lock, which the
-# imports' own mmap calls wait for. In 32 MiB calls the imports beside the thread took 2.3-4.6
-# s instead of 1.6; one page a call, 1.8-2.0 (Zen 4 EPYC).
-_PIECE = HUGE_PAGE
+# Faulted in this many bytes a call (see above).
+_PIECE = 64 << 20
 # At most this share of the memory the system has available is faulted in ahead: a model that
 # does not fit is the engine's check to report (memory_check.py), before anything is loaded.
 _MAX_SHARE = 0.8
-# madvise(2): fault a range in as if written (Linux 5.14), and drop a range's pages.
-_MADV_POPULATE_WRITE = 23
+# madvise(2): drop a range's pages.
 _MADV_DONTNEED = 4
 # The widest panels gemv.pack_panels makes (the AVX-512 build's 32 rows): N is padded to it.
 _PANEL_ROWS = 32
@@ -143,8 +149,9 @@ class PrefaultedMemory:
         self._address = address + self.start
         self._used = self._populated = 0
         self._populate_s = 0.0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        # Set while the thread writes zeros from this offset (past every byte handed out) on.
+        self._writing_from: int | None = None
+        self._cond = threading.Condition()
         self._finished = False
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -154,20 +161,29 @@ class PrefaultedMemory:
 
     def _populate(self) -> None:
         began = time.perf_counter()
-        for offset in range(0, self.nbytes, _PIECE):
-            if self._stop.is_set():
-                break
-            length = min(_PIECE, self.nbytes - offset)
-            if self._libc.madvise(self._address + offset, length, _MADV_POPULATE_WRITE):
-                break  # a kernel before 5.14: the loader's writes fault the pages in
-            self._populated = offset + length
+        while True:
+            with self._cond:
+                # From where both the thread and the loader have got to: never a byte handed
+                # out (the loader, ahead, faults its own pages in as it writes them).
+                start = max(self._populated, self._used)
+                if self._finished or start >= self.nbytes:
+                    break
+                end = min(start + _PIECE, self.nbytes)
+                self._writing_from = start
+            ctypes.memset(self._address + start, 0, end - start)
+            with self._cond:
+                self._populated, self._writing_from = end, None
+                self._cond.notify_all()
         self._populate_s = time.perf_counter() - began
 
     def take(self, nbytes: int) -> int | None:
         """The offset into `buffer` of the next `nbytes` (on a cache line), or None once they
-        do not fit or `finish` was called."""
+        do not fit or `finish` was called. Waits while the thread writes over them."""
         size = -(-nbytes // _ALIGN) * _ALIGN
-        with self._lock:
+        with self._cond:
+            while (self._writing_from is not None and not self._finished
+                   and self._used + size > self._writing_from):
+                self._cond.wait()
             if self._finished or self._used + size > self.nbytes:
                 return None
             offset, self._used = self.start + self._used, self._used + size
@@ -186,12 +202,12 @@ class PrefaultedMemory:
     def finish(self) -> None:
         """Stop faulting in and give back the whole huge pages past what was taken (they stay
         mapped, so the views of `buffer` stay valid); nothing more is handed out."""
-        with self._lock:
+        with self._cond:
             if self._finished:
                 return
             self._finished = True
-        self._stop.set()
-        self._thread.join()
+            self._cond.notify_all()
+        self._thread.join()  # it stops after the piece it is writing
         logger.debug("panels' memory: %.2f of %.2f GB faulted in ahead (%.2f s), %.2f GB used",
                      self._populated / 1e9, self.nbytes / 1e9, self._populate_s,
                      self._used / 1e9)

@@ -64,8 +64,6 @@ def test_panel_bytes_counts_the_2byte_matrices_and_one_lm_head(tmp_path):
     assert prefault.panel_bytes(str(tmp_path)) == 0
 
 
-@pytest.mark.skipif(tuple(int(x) for x in os.uname().release.split(".")[:2]) < (5, 14),
-                    reason="MADV_POPULATE_WRITE needs Linux 5.14")
 def test_prefaulted_memory_hands_out_each_byte_once_and_gives_back_the_rest():
     memory = prefault.PrefaultedMemory(5 * HUGE + 1)
     assert memory.nbytes == 6 * HUGE
@@ -158,8 +156,6 @@ def test_serve_prefaults_only_for_a_2byte_checkpoint_directory(tmp_path, monkeyp
     assert cli._prefault(["serve", d, "--dtype", "bfloat16"], min_bytes=0) is None
 
 
-@pytest.mark.skipif(tuple(int(x) for x in os.uname().release.split(".")[:2]) < (5, 14),
-                    reason="MADV_POPULATE_WRITE needs Linux 5.14")
 def test_the_memory_check_counts_what_was_faulted_in_for_the_load():
     memory = prefault.PrefaultedMemory(4 * HUGE)
     memory._thread.join()
@@ -183,3 +179,24 @@ def test_no_prefault_for_panels_the_memory_could_not_hold(tmp_path, monkeypatch)
     assert memory is not None
     memory.finish()
     assert prefault.for_checkpoint(str(tmp_path), need + 1) is None  # not worth a thread
+
+
+def test_the_thread_never_writes_over_what_was_handed_out(monkeypatch):
+    # The loader racing the thread: each piece it takes is filled at once with a pattern,
+    # which must still be there when both are done (the thread writes zeros only ahead of
+    # everything handed out).
+    monkeypatch.setattr(prefault, "_PIECE", 4 * HUGE)
+    memory = prefault.PrefaultedMemory(128 * HUGE)
+    base = _base(memory)
+    taken = []
+    while (offset := memory.take(HUGE // 2 + 64)) is not None:
+        ctypes.memset(base + offset, 0xAB, HUGE // 2 + 64)
+        taken.append(offset)
+    memory.finish()
+    assert len(taken) == 128 * HUGE // (HUGE // 2 + 64)
+    view = memoryview(memory.buffer)
+    assert all(view[o:o + HUGE // 2 + 64] == b"\xab" * (HUGE // 2 + 64) for o in taken)
+    # and what was never handed out reads as zeros (the Arena relies on it)
+    end = memory.start + memory.used
+    assert bytes(view[end:memory.start + memory.nbytes]).count(0) == memory.nbytes - memory.used
+    view.release()
