@@ -287,30 +287,37 @@ _TWO_BYTE_DTYPES = ("bfloat16", "float16", "half")
 _PREFAULT_MIN_BYTES = 64 << 20
 
 
+def _flag_values(argv: list[str], flags: tuple[str, ...]) -> dict[str, str]:
+    """The last value given to each of `flags` in argv, as `--flag VALUE` or `--flag=VALUE`."""
+    values = {}
+    for i, arg in enumerate(argv):
+        for flag in flags:
+            if arg.startswith(flag + "="):
+                values[flag] = arg[len(flag) + 1:]
+            elif arg == flag and i + 1 < len(argv):
+                values[flag] = argv[i + 1]
+    return values
+
+
 def _prefault(argv: list[str], min_bytes: int = _PREFAULT_MIN_BYTES,
               ) -> prefault.PrefaultedMemory | None:
-    """For `pagedlm serve DIR --dtype bfloat16` (or float16): the panels' memory, being
-    faulted in while the parser's imports run (prefault.py). Read from argv before any parser
-    exists, so only the plainest spellings count (the model as the first argument after
-    `serve` or --model, and --dtype); any other spelling only forgoes the head start, and the
-    parser still checks everything."""
+    """For `pagedlm serve DIR --dtype bfloat16` (or float16) on this process's CPU: the
+    panels' memory, being faulted in while the parser's imports run (prefault.py). Read from
+    argv before any parser exists, so only the plainest spellings count (the model as the
+    first argument after `serve` or --model); a flag that could put the weights elsewhere
+    (other processes, a GPU, a quantized format) rules it out. Any spelling missed only
+    forgoes the head start: the parser still checks everything."""
     if len(argv) < 2 or argv[0] != "serve" or envs.PAGEDLM_DISABLE_HUGE_PAGES:
         return None
-    model = None if argv[1].startswith("-") else argv[1]
-    dtype = None
-    for i, arg in enumerate(argv[1:], 1):
-        for flag in ("--model", "--dtype"):
-            if arg.startswith(flag + "="):
-                value = arg[len(flag) + 1:]
-            elif arg == flag and i + 1 < len(argv):
-                value = argv[i + 1]
-            else:
-                continue
-            if flag == "--model":
-                model = value
-            else:
-                dtype = value
-    if model is None or dtype not in _TWO_BYTE_DTYPES or not os.path.isdir(model):
+    values = _flag_values(argv[1:], ("--model", "--dtype", "--device", "--quantization",
+                                     "--tensor-parallel-size", "-tp",
+                                     "--pipeline-parallel-size", "-pp"))
+    model = values.get("--model", None if argv[1].startswith("-") else argv[1])
+    if (model is None or values.get("--dtype") not in _TWO_BYTE_DTYPES
+            or values.get("--device", "cpu") != "cpu" or "--quantization" in values
+            or any(values.get(f, "1") != "1" for f in ("--tensor-parallel-size", "-tp",
+                                                       "--pipeline-parallel-size", "-pp"))
+            or not os.path.isdir(model)):
         return None
     return prefault.for_checkpoint(model, min_bytes)
 

@@ -140,7 +140,8 @@ def test_serve_prefaults_only_for_a_2byte_checkpoint_directory(tmp_path, monkeyp
     d = str(tmp_path)
     want = -(-_panels(256, 256) // HUGE) * HUGE
     for argv in (["serve", d, "--dtype", "bfloat16"], ["serve", "--model", d, "--dtype=half"],
-                 ["serve", "--port", "0", f"--model={d}", "--dtype", "float16"]):
+                 ["serve", "--port", "0", f"--model={d}", "--dtype", "float16"],
+                 ["serve", d, "--dtype", "bfloat16", "-tp", "1", "--device=cpu"]):
         memory = cli._prefault(argv, min_bytes=0)
         assert memory is not None and memory.nbytes == want, argv
         memory.finish()
@@ -148,7 +149,12 @@ def test_serve_prefaults_only_for_a_2byte_checkpoint_directory(tmp_path, monkeyp
                  ["serve", d, "--dtype", "float32"],
                  ["generate", d, "--dtype", "bfloat16"],  # only the server loads while it imports
                  ["serve", str(gguf), "--dtype", "bfloat16"],
-                 ["serve", "--dtype", "bfloat16"], ["serve"], []):
+                 ["serve", "--dtype", "bfloat16"], ["serve"], [],
+                 # the weights would not be this process's panels
+                 ["serve", d, "--dtype", "bfloat16", "-tp", "2"],
+                 ["serve", d, "--dtype", "bfloat16", "--pipeline-parallel-size=2"],
+                 ["serve", d, "--dtype", "bfloat16", "--device", "cuda"],
+                 ["serve", d, "--dtype", "bfloat16", "--quantization", "int8"]):
         assert cli._prefault(argv, min_bytes=0) is None, argv
     # Too small to bother with a thread:
     assert cli._prefault(["serve", d, "--dtype", "bfloat16"]) is None
