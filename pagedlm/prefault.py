@@ -17,8 +17,12 @@ memory-map lock while it faults a piece in, and the imports' own mmap calls wait
 (imports 1.71-2.10 s in 32 MiB pieces); in 2 MiB pieces each call also waited for the GIL
 again, which the importing thread holds for up to 5 ms at a time: 4-5 s to fault the memory in,
 imports 2.6-2.9 s. A write fault takes only its own mapping's lock. (Zen 4 EPYC, three
-alternating runs each, `/tmp/pf_imp2.py` in the session notes.) The thread never writes a byte
-that was handed out: `take` waits while the piece being written would overlap.
+alternating runs each, `pf_imp2.py` in the session notes.) The thread never writes a byte
+that was handed out: `take` waits while the piece being written would overlap, and the thread
+stops once the loader has caught up with it. Faulting in beside the loader bought nothing:
+where this VM's host was slow to hand memory back (after llama.cpp's server ran, 0.45 GB/s),
+`pagedlm serve` was ready in 5.0-9.4 s with the thread running to the end against 5.3-5.8 s
+without it; stopping when caught up, 4.3-4.9 against 5.1-5.3 (three alternating pairs).
 
 `pagedlm serve` of that directory with --dtype bfloat16, started 8 times alternating with the
 commit before: ready in 3.47 s against 4.31 (medians), the weights loaded in 0.7-1.0 s against
@@ -153,6 +157,7 @@ class PrefaultedMemory:
         self._writing_from: int | None = None
         self._cond = threading.Condition()
         self._finished = False
+        self._caught_up = False  # the loader wanted bytes the thread was still writing
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self._thread = threading.Thread(target=self._populate, name="pagedlm-prefault",
@@ -166,7 +171,7 @@ class PrefaultedMemory:
                 # From where both the thread and the loader have got to: never a byte handed
                 # out (the loader, ahead, faults its own pages in as it writes them).
                 start = max(self._populated, self._used)
-                if self._finished or start >= self.nbytes:
+                if self._finished or self._caught_up or start >= self.nbytes:
                     break
                 end = min(start + _PIECE, self.nbytes)
                 self._writing_from = start
@@ -183,6 +188,9 @@ class PrefaultedMemory:
         with self._cond:
             while (self._writing_from is not None and not self._finished
                    and self._used + size > self._writing_from):
+                # The loader has caught up: from here the thread would only fault pages in
+                # beside it, which measured slower than the loader alone.
+                self._caught_up = True
                 self._cond.wait()
             if self._finished or self._used + size > self.nbytes:
                 return None
