@@ -2,35 +2,28 @@
 importing.
 
 Packing a bfloat16 checkpoint into its panels (linear.py's put_rows) writes every byte of
-fresh memory once, and on these VMs the first write to a fresh page is most of that cost: the
-1B Llama's 1.95 GB of panels took 1.9-3.0 s to load in process, 0.7 s into memory that was
-already faulted in (Zen 4 EPYC, 2 vCPUs; `/work/notes/s52/prefault.py`). Meanwhile the
-command's first ~1.7 s go to importing torch and transformers on one core, and the other one
-idles. So `pagedlm serve` maps the panels' bytes on huge pages before those imports and a
-thread faults them in by writing zeros over them (ctypes.memset, which lets the GIL go, in
-pieces it can stop between); the loader's Arena (huge_pages.py) then carves the panels from it
-in load order, behind the thread.
+fresh memory, and on these VMs the first write to a fresh page is most of that cost: the 1B
+Llama's 2.15 GB of panels took 1.9-3.0 s to load in process, 0.7 s into memory already faulted
+in (Zen 4 EPYC, 2 vCPUs; `prefault.py` in the session notes). Meanwhile `pagedlm serve` spends
+its first ~1.7 s importing torch and transformers on one core while the other idles. So it maps
+the panels' bytes on huge pages before those imports, a thread faults them in by writing zeros
+over them, and the loader's Arena (huge_pages.py) carves the panels from that memory in load
+order, behind the thread, without zeroing it again. 1B bf16 directory, `gguf_models.py`: ready
+5.58 -> 3.98 s; right after llama.cpp's server ran, when this VM's host hands memory back
+slowly (0.45 GB/s), 4.3-4.9 s against 5.1-5.3 (three alternating pairs).
 
-Why memset, in 64 MiB pieces: the 2.15 GB took 0.25-0.5 s so, with the imports beside it
-1.64-1.91 s against 1.55-1.66 alone. madvise(MADV_POPULATE_WRITE) holds the process's
-memory-map lock while it faults a piece in, and the imports' own mmap calls wait for it
-(imports 1.71-2.10 s in 32 MiB pieces); in 2 MiB pieces each call also waited for the GIL
-again, which the importing thread holds for up to 5 ms at a time: 4-5 s to fault the memory in,
-imports 2.6-2.9 s. A write fault takes only its own mapping's lock. (Zen 4 EPYC, three
-alternating runs each, `pf_imp2.py` in the session notes.) The thread never writes a byte
-that was handed out: `take` waits while the piece being written would overlap, and the thread
-stops once the loader has caught up with it. Faulting in beside the loader bought nothing:
-where this VM's host was slow to hand memory back (after llama.cpp's server ran, 0.45 GB/s),
-`pagedlm serve` was ready in 5.0-9.4 s with the thread running to the end against 5.3-5.8 s
-without it; stopping when caught up, 4.3-4.9 against 5.1-5.3 (three alternating pairs).
-
-`pagedlm serve` of that directory with --dtype bfloat16, started 8 times alternating with the
-commit before: ready in 3.47 s against 4.31 (medians), the weights loaded in 0.7-1.0 s against
-1.6-2.1. The first start after the machine idled can lose: the thread then took 5.3 s to fault
-the 2.1 GB in (0.9-1.3 s in the others), as this VM's host first touches memory it took back.
+How the thread writes: ctypes.memset, which lets the GIL go, in 64 MiB pieces. The 2.15 GB took
+0.25-0.5 s so, the imports beside it 1.64-1.91 s against 1.55-1.66 alone. madvise
+(MADV_POPULATE_WRITE) holds the process's memory-map lock while it faults a piece in, which
+the imports' own mmap calls wait for (imports 1.71-2.10 s in 32 MiB pieces); in 2 MiB pieces
+each call also waited for the GIL again, which the importing thread holds for up to 5 ms at a
+time (4-5 s to fault the memory in; `pf_imp2.py`, `pf_gil2.py`). A write fault takes only its
+own mapping's lock. The thread never writes a byte that was handed out (`take` waits while the
+piece being written would overlap) and stops once the loader has caught up with it: faulting
+in beside the loader made the slow-host starts slower (5.0-9.4 s).
 
 This module imports nothing heavy: it runs before torch is imported. The bytes to map come
-from the safetensors headers (`panel_bytes`); what the load leaves unused is handed back
+from the safetensors headers (`panel_bytes`); what the load leaves is handed back
 (MADV_DONTNEED) when it ends (`finish`), so a wrong guess costs time on the idle core, not
 memory.
 """
@@ -128,6 +121,8 @@ def _vocab_size(model_dir: str) -> int | None:
             config = json.load(f)
     except (OSError, ValueError):
         return None
+    if not isinstance(config, dict):
+        return None
     for scope in (config, config.get("text_config") or {}):
         if isinstance(scope, dict) and isinstance(scope.get("vocab_size"), int):
             return scope["vocab_size"]
@@ -158,7 +153,7 @@ class PrefaultedMemory:
         self._cond = threading.Condition()
         self._finished = False
         self._caught_up = False  # the loader wanted bytes the thread was still writing
-        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc = ctypes.CDLL("libc.so.6", use_errno=True)
         self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self._thread = threading.Thread(target=self._populate, name="pagedlm-prefault",
                                         daemon=True)

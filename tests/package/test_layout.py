@@ -216,7 +216,7 @@ def test_the_import_graph_follows_the_layer_map():
 # objects; the C sources sit in pagedlm/csrc with one prototype header that each includes;
 # each exported function has one ctypes signature; nobody reaches the package's private names.
 LIBC_USERS = {"pagedlm.worker.malloc_tuning", "pagedlm.executor.multiproc_executor",
-              "pagedlm.engine.loop_channel", "pagedlm.huge_pages"}
+              "pagedlm.engine.loop_channel", "pagedlm.huge_pages", "pagedlm.prefault"}
 
 
 def native_loads(tree: ast.AST) -> list[str]:
