@@ -134,7 +134,7 @@ class Arena:
         return out if out is not None else self.empty(shape, dtype).zero_()
 
     def _prefaulted(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        if self._memory is None or not supported():
+        if self._memory is None:
             return None
         nbytes = math.prod(shape) * dtype.itemsize
         offset = self._memory.take(nbytes)

@@ -206,8 +206,7 @@ def bf16_dot(on: bool):
 
 
 def _torch_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    # Not torch.zeros, which may hand back calloc's pages untouched: zero_ is the one
-    # sequential pass that faults them in (see empty_panels).
+    # The zeroing pass also faults fresh pages in, before the transposing copy (empty_panels).
     return torch.empty(shape, dtype=dtype).zero_()
 
 

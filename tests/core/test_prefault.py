@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from pagedlm import SamplingParams, huge_pages, prefault
+from pagedlm import SamplingParams, prefault
 from pagedlm.entrypoints import cli
 from tests.conftest import make_tiny_model, needs_kernels
 
@@ -92,7 +92,6 @@ def _bf16_model(root, default_model_dir, **overrides) -> str:
 
 
 @needs_kernels
-@pytest.mark.skipif(not huge_pages.supported(), reason="no transparent huge pages here")
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_loader_carves_the_panels_from_prefaulted_memory(tmp_path, default_model_dir,
                                                             tied):
@@ -132,6 +131,7 @@ def test_the_loader_carves_the_panels_from_prefaulted_memory(tmp_path, default_m
 
 
 def test_serve_prefaults_only_for_a_2byte_checkpoint_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("PAGEDLM_DISABLE_HUGE_PAGES", raising=False)  # set below, to check it
     from safetensors.torch import save_file
     save_file({"w.weight": torch.zeros(256, 256, dtype=torch.bfloat16)},
               str(tmp_path / "model.safetensors"))
