@@ -14,6 +14,11 @@ runs are interleaved:
 - memory: peak RSS of the server's process tree: the sum of VmHWM over its processes read just
           before it stops (exact for one process, an upper bound for several), and the peak of
           the tree's summed VmRSS sampled every 0.1 s;
+- page cache: every system's model files are read once before the first run, so that no
+          system's first start pays for reading its file from disk (on the Zen 4 VM the bf16
+          folder's first start took 21 s, 18 of them reading 2.15 GB, where the next ones took
+          under 5; llama.cpp maps its file and reads it as it runs, so there a cold file slows
+          the first run's decode instead). --cold-files skips this;
 - roofline: the weight bytes one decode step reads (every tensor once; the token embedding only
           when it is also the LM head), over the machine's read bandwidth (torch.sum over a
           1 GiB float32 tensor, best of 5, the better of 4 KiB and 2 MiB pages), read before
@@ -132,6 +137,22 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 
 def bytes_per_token(path: Path) -> int:
     return safetensors_bytes_per_token(path) if path.is_dir() else gguf_bytes_per_token(path)
+
+
+def warm_page_cache(paths, chunk: int = 16 << 20) -> int:
+    """Read every file of `paths` (a file, or a folder's files) once, so that the timed starts
+    find them in the page cache; returns the bytes read."""
+    buf = bytearray(chunk)
+    total = 0
+    for path in paths:
+        path = Path(path)
+        for f in sorted(path.iterdir()) if path.is_dir() else [path]:
+            if not f.is_file():
+                continue
+            with open(f, "rb", buffering=0) as fh:
+                while n := fh.readinto(buf):
+                    total += n
+    return total
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
@@ -367,6 +388,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Where llama.cpp is built (lib/peers.py), e.g. /work/peers.")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="Default: benchmarks/results/gguf-models-<UTC time>.")
+    p.add_argument("--cold-files", action="store_true",
+                   help="Do not read the model files into the page cache before the first "
+                        "run (the first start of each system then reads its file from disk).")
     p.add_argument("--no-roofline", action="store_true",
                    help="Skip the bandwidth measurement (about 5 s).")
     p.add_argument("--startup-timeout", type=float, default=900.0)
@@ -422,6 +446,12 @@ def main(argv=None) -> int:
         for fmt, p in files.items():
             if p.exists():
                 report["model_files"][fmt]["weight_bytes_per_token"] = bytes_per_token(p)
+    if not args.cold_files:
+        t0 = time.perf_counter()
+        warmed = warm_page_cache(p for p in files.values() if p.exists())
+        report["page_cache_warmed"] = {"bytes": warmed, "seconds": time.perf_counter() - t0}
+        print(f"read {warmed / 1e9:.2f} GB of model files into the page cache in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     for run in range(1, args.runs + 1):
         for system in args.system_list:

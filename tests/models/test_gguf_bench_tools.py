@@ -46,6 +46,21 @@ def test_system_names(bench, tmp_path):
             gm.parse_system(bad)
 
 
+def test_warm_page_cache_reads_files_and_folders(bench, tmp_path):
+    gm = bench["gguf_models"]
+    folder = tmp_path / "bf16"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.safetensors").write_bytes(b"x" * 5000)
+    (folder / "config.json").write_bytes(b"{}")
+    (folder / "sub" / "skipped").write_bytes(b"y" * 7)  # a folder's folders are not models
+    (tmp_path / "model.gguf").write_bytes(b"z" * 40000)
+    # Chunks smaller than the files: every byte is read, the last chunk short.
+    assert gm.warm_page_cache([folder, tmp_path / "model.gguf"], chunk=4096) == 45002
+    assert gm.warm_page_cache([]) == 0
+    assert gm.parse_args(["--model-dir", str(tmp_path)]).cold_files is False
+    assert gm.parse_args(["--model-dir", str(tmp_path), "--cold-files"]).cold_files is True
+
+
 def write_gguf(path: Path, tensors: dict[str, np.ndarray]) -> None:
     import gguf
     w = gguf.GGUFWriter(str(path), "llama")
