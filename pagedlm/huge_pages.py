@@ -115,8 +115,8 @@ class Arena:
     attention panels, 320 MB, a copy and a second first touch.
 
     Given `memory` (prefault.PrefaultedMemory, which `pagedlm serve` faults in while it
-    imports), every tensor, whatever its size, is first carved from that, in the order asked
-    for; the maps above take over once it is used up."""
+    imports), every tensor asked for by `zeros`, whatever its size, is first carved from that,
+    in the order asked for; the maps above take over once it is used up."""
 
     def __init__(self, chunk_bytes: int = 64 << 20,
                  memory: PrefaultedMemory | None = None) -> None:
@@ -145,9 +145,6 @@ class Arena:
         return self._memory_bytes[offset:offset + nbytes].view(dtype).view(shape)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        out = self._prefaulted(shape, dtype)
-        if out is not None:
-            return out
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes >= MIN_BYTES or not supported():
             return empty(shape, dtype)
