@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 import queue
 import threading
@@ -43,6 +42,7 @@ from pagedlm.metrics.prometheus import EngineMetrics, EngineSnapshot, RequestTim
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.transformers_utils.tokenizer import thread_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -176,10 +176,10 @@ class AsyncLLMEngine:
             raise AsyncEngineDeadError(f"the engine loop is not running: {self._dead!r}")
 
     def get_tokenizer(self):
-        """The tokenizer for the callers' side: a copy of the engine's, so that tokenizing on
-        the event loop never shares a tokenizer object with the engine thread."""
+        """The tokenizer for the callers' side (the event loop's decodes): see
+        thread_tokenizer for when it is the engine thread's own."""
         if self._tokenizer is None:
-            self._tokenizer = copy.deepcopy(self.engine.tokenizer)
+            self._tokenizer = thread_tokenizer(self.engine.tokenizer)
         return self._tokenizer
 
     @property

@@ -3,20 +3,20 @@
 The engine thread runs every step: anything it does for one request delays all of them. So a
 request's lists are capped (RequestLimits: each is walked every step, by the sampler or the
 stop check), and what takes time is done on the caller's side, off both the engine thread and
-the event loop: bad_words are tokenized on a low-priority thread with its own tokenizer copy,
-and a grammar is checked and compiled (structured_output/manager.py) before the request is
-queued. The engine thread then only checks the caps again (cheap) and builds the sampler's
-tensors (token_constraints.py), in time linear in the lists.
+the event loop: bad_words are tokenized on a low-priority thread (with thread_tokenizer's
+tokenizer), and a grammar is checked and compiled (structured_output/manager.py) before the
+request is queued. The engine thread then only checks the caps again (cheap) and builds the
+sampler's tensors (token_constraints.py), in time linear in the lists.
 """
 from __future__ import annotations
 
 import asyncio
-import copy
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from pagedlm.config import EngineConfig, RequestLimits
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.transformers_utils.tokenizer import thread_tokenizer
 from pagedlm.utils import lower_thread_priority
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ class RequestPreparer:
         # An LLMEngine; not imported, not even for typing: llm_engine imports this module.
         self._engine = engine
         self._pool: ThreadPoolExecutor | None = None
-        self._tokenizer = None  # the pool thread's own copy
+        self._tokenizer = None  # thread_tokenizer's, on first use
 
     async def prepare(self, params) -> tuple[object, "Compilation | None"]:
         """(params, with bad_words tokenized; its grammar's compilation, done) or the
@@ -140,8 +140,8 @@ class RequestPreparer:
         return self._pool
 
     def _tokenize(self, words: list[str]) -> list[list[int]]:
-        if self._tokenizer is None:  # a fast tokenizer must not be shared between threads
-            self._tokenizer = copy.deepcopy(self._engine.tokenizer)
+        if self._tokenizer is None:
+            self._tokenizer = thread_tokenizer(self._engine.tokenizer)
         return tokenize_bad_words(self._tokenizer, words)
 
     def shutdown(self) -> None:

@@ -3,9 +3,8 @@
 Tokenizing is linear in a prompt's length, and a chat template is a program (a request-supplied
 one, with --trust-request-chat-template, can loop as long as it likes): both run on one worker
 thread, never on the event loop, so /health and every other request keep answering meanwhile.
-One thread keeps prompts in arrival order and lets the thread own a tokenizer copy (a fast
-tokenizer must not be used by two threads at once; the event loop keeps its own copy for the
-few small decodes it does).
+One thread keeps prompts in arrival order. Its tokenizer is shared with the engine thread and
+the event loop where that is safe (transformers_utils/tokenizer.py's thread_tokenizer).
 
 Bounds: a prompt longer than max_model_len x MAX_CHARS_PER_TOKEN characters is refused before
 it is tokenized; a template's output is counted as it renders and cut off at that length; a
@@ -14,7 +13,6 @@ render that runs past RENDER_TIMEOUT_S is stopped.
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import sys
 import time
@@ -25,6 +23,7 @@ import jinja2
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from pagedlm.entrypoints.openai.protocol import ChatMessage
+from pagedlm.transformers_utils.tokenizer import thread_tokenizer
 
 # A prompt can only be useful up to max_model_len tokens, so text past max_model_len x 16
 # characters is refused untokenized. Real text averages 3 to 4 characters a token (measured with
@@ -157,11 +156,11 @@ def template_dicts(messages: Sequence[ChatMessage]) -> list[dict]:
 
 
 class PromptWorker:
-    """Renders and tokenizes prompts on one thread with a tokenizer of its own (see the module
-    docstring). Every method refuses an over-long prompt before doing any work."""
+    """Renders and tokenizes prompts on one thread (see the module docstring). Every method
+    refuses an over-long prompt before doing any work."""
 
     def __init__(self, tokenizer, max_model_len: int) -> None:
-        self.tokenizer = copy.deepcopy(tokenizer)
+        self.tokenizer = thread_tokenizer(tokenizer)
         self.max_model_len = max_model_len
         self.max_chars = max_prompt_chars(max_model_len)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedlm-prompts")
