@@ -177,7 +177,9 @@ class AsyncLLMEngine:
 
     def get_tokenizer(self):
         """The tokenizer for the callers' side (the event loop's decodes): see
-        thread_tokenizer for when it is the engine thread's own."""
+        thread_tokenizer for when it is the engine thread's own. Encode and decode with it
+        freely; calls with truncation, padding or split_special_tokens would change it under
+        the other threads."""
         if self._tokenizer is None:
             self._tokenizer = thread_tokenizer(self.engine.tokenizer)
         return self._tokenizer
