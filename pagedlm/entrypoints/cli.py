@@ -10,6 +10,7 @@ SmolLM2-135M-Instruct runs. `pagedlm CMD --help` lists every flag.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -323,7 +324,19 @@ def _prefault(argv: list[str], min_bytes: int = _PREFAULT_MIN_BYTES,
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    # The cyclic garbage collector stays off while the command imports and builds: during
+    # `pagedlm serve`'s start it made four full passes over torch's and transformers' objects,
+    # 0.22 s of the 1B Q4_K_M file's ~2.6 s to ready (Zen 4 EPYC), to find 1.1 MB of garbage.
+    # serve turns it back on once it is built (api_server.run_server), any other command
+    # once its arguments are parsed.
+    gc.disable()
+    try:
+        _main(sys.argv[1:] if argv is None else list(argv))
+    finally:
+        gc.enable()
+
+
+def _main(argv: list[str]) -> None:
     memory = _prefault(argv)
     try:
         args = make_parser().parse_args(argv)
@@ -333,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         raise
     if memory is not None and args.func is not cmd_serve:
         memory.finish()
+    if args.func is not cmd_serve:
+        gc.enable()
     configure_logging(args.log_level)
     try:
         if args.func is cmd_serve:

@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Gauge, Histogram
 
 from pagedlm.metrics.stats import SpecDecodeCounts
 from pagedlm.outputs import RequestOutput
@@ -60,6 +60,9 @@ class EngineMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
+        # python_gc_*, as prometheus_client's default registry (vLLM's /metrics) has them: the
+        # collector's passes, which `pagedlm serve` keeps off until it is built (cli.main).
+        GCCollector(registry=r)
 
         def gauge(name, doc):
             return Gauge(name, doc, labels, registry=r).labels(model_name)
