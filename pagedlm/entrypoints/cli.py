@@ -326,7 +326,7 @@ def _prefault(argv: list[str], min_bytes: int = _PREFAULT_MIN_BYTES,
 def main(argv: list[str] | None = None) -> None:
     # The cyclic garbage collector stays off while the command imports and builds: during
     # `pagedlm serve`'s start it made four full passes over torch's and transformers' objects,
-    # 0.22 s of the 1B Q4_K_M file's ~2.6 s to ready (Zen 4 EPYC), to find 1.1 MB of garbage.
+    # 0.22 s of the 1B Q4_K_M file's 2.4 s to ready (Zen 4 EPYC), to find 1.1 MB of garbage.
     # serve turns it back on once it is built (api_server.run_server), any other command
     # once its arguments are parsed.
     gc.disable()
