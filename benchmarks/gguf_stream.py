@@ -65,19 +65,6 @@ def stream_prompt(seed: int = 0) -> list[int]:
                          random.Random(f"{seed}-single"))[0].prompt
 
 
-def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """torch.sum over nbytes of float32: bytes read per second, the best of `repeats`."""
-    import torch
-    x = torch.ones(nbytes // 4)
-    x.sum()  # pages faulted in
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
-
-
 # ---- the offline leg (in its own process) ----
 
 def offline_leg(args) -> dict:
@@ -85,6 +72,7 @@ def offline_leg(args) -> dict:
 
     import pagedlm
     from lib.op_times import linear_weight_bytes
+    from lib.roofline import read_bandwidth
     from pagedlm import LLM, SamplingParams
     from pagedlm.metrics.stats import StepObserver
 
@@ -165,7 +153,8 @@ def offline_leg(args) -> dict:
         "fused_decode": None if fused is None else (fused.off_reason or "on"),
         "weight_bytes": linear_weight_bytes(llm),
         "torch_threads": torch.get_num_threads(),
-        "bandwidth_gbs": read_bandwidth_gbs() if args.bandwidth else None,
+        "bandwidth_gbs": (read_bandwidth(torch.get_num_threads(), huge=False)["small_pages"]
+                          / 1e9 if args.bandwidth else None),
         "tokens_head": tokens[:8],
     }
 

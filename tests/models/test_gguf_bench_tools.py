@@ -22,7 +22,7 @@ def bench():
     sys.path.insert(0, str(BENCHMARKS))
     try:
         yield {name: importlib.import_module(name)
-               for name in ("gguf_models", "make_gguf_model", "gguf_fidelity")}
+               for name in ("gguf_models", "make_gguf_model", "gguf_fidelity", "lib.roofline")}
     finally:
         sys.path.remove(str(BENCHMARKS))
         for name in [m for m in sys.modules if m in ("compare", "lib", "gguf_models",
@@ -73,32 +73,32 @@ def write_gguf(path: Path, tensors: dict[str, np.ndarray]) -> None:
 
 
 def test_gguf_bytes_per_token(bench, tmp_path):
-    gm = bench["gguf_models"]
+    rl = bench["lib.roofline"]
     emb = np.zeros((64, 32), np.float16)  # 4096 bytes
     layer = np.zeros((32, 32), np.float32)  # 4096 bytes
     # Tied: the embedding is the LM head, read whole every step.
     write_gguf(tmp_path / "tied.gguf", {"token_embd.weight": emb, "blk.0.w.weight": layer})
-    assert gm.gguf_bytes_per_token(tmp_path / "tied.gguf") == 8192
+    assert rl.gguf_bytes_per_token(tmp_path / "tied.gguf") == 8192
     # Untied: the embedding is only looked up; output.weight is read.
     write_gguf(tmp_path / "untied.gguf", {"token_embd.weight": emb, "blk.0.w.weight": layer,
                                           "output.weight": emb})
-    assert gm.bytes_per_token(tmp_path / "untied.gguf") == 8192
+    assert rl.bytes_per_token(tmp_path / "untied.gguf") == 8192
 
 
 def test_safetensors_bytes_per_token(bench, tmp_path):
     from safetensors.torch import save_file
-    gm = bench["gguf_models"]
+    rl = bench["lib.roofline"]
     emb = torch.zeros(64, 32, dtype=torch.bfloat16)  # 4096 bytes
     save_file({"model.embed_tokens.weight": emb, "model.layers.0.w": torch.zeros(8, 8)},
               str(tmp_path / "model.safetensors"))
-    assert gm.bytes_per_token(tmp_path) == 4096 + 256
+    assert rl.bytes_per_token(tmp_path) == 4096 + 256
     save_file({"lm_head.weight": emb}, str(tmp_path / "model-2.safetensors"))
-    assert gm.safetensors_bytes_per_token(tmp_path) == 4096 + 256
+    assert rl.safetensors_bytes_per_token(tmp_path) == 4096 + 256
 
 
 def test_roofline_and_summary(bench):
     gm = bench["gguf_models"]
-    r = gm.roofline(weight_bytes=10**9, bandwidth=40e9, decode_tokens_per_s=30.0)
+    r = bench["lib.roofline"].roofline(weight_bytes=10**9, bandwidth=40e9, decode_tokens_per_s=30.0)
     assert r["roofline_tokens_per_s"] == pytest.approx(40.0)
     assert r["share_of_roofline"] == pytest.approx(0.75)
     assert r["implied_read_bytes_per_s"] == pytest.approx(30e9)
