@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pagedlm import LLM  # noqa: E402
 from pagedlm.kernels import gemv  # noqa: E402
-from pagedlm.model_executor.layers.linear import LinearMethodBase, pack_weight  # noqa: E402
+from pagedlm.model_executor.layers.linear_method import LinearMethodBase, pack_weight
 
 
 def linear_layers(llm: LLM) -> list[torch.nn.Module]:

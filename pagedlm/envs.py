@@ -81,15 +81,15 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # CPU, else Torch SDPA).
     "PAGEDLM_ATTENTION_BACKEND": _string("PAGEDLM_ATTENTION_BACKEND"),
     # On a GPU, linear layers with 16-bit weights multiply batches of at most
-    # linear.TRITON_GEMV_MAX_ROWS rows with pagedlm's Triton GEMV (kernels/triton/gemv.py)
+    # linear_method.TRITON_GEMV_MAX_ROWS rows with pagedlm's Triton GEMV (kernels/triton/gemv.py)
     # instead of cuBLAS's F.linear, unless this is 0/false/no/off. On by default: on an H200 it
     # made one decode stream 22% and 18% faster in two runs (benchmarks/results/gpu-20261127b,c).
     "PAGEDLM_TRITON_GEMV": _flag_on_unless("PAGEDLM_TRITON_GEMV"),
-    # 1/true/yes: on a GPU, decode steps of at most linear.TRITON_GEMV_MAX_ROWS tokens run the
-    # standard Llama layers with each RMSNorm folded into the GEMV after it (QKV, gate_up) and
-    # SiLU-and-mul into the down projection (kernels/triton/fused_gemv.py; 3 launches fewer a
-    # layer), where PAGEDLM_TRITON_GEMV is on (layers/fused_decode.py's TritonFusedLayers).
-    # Off by default until a GPU run measures it (benchmarks/gpu_bench.py's
+    # 1/true/yes: on a GPU, decode steps of at most linear_method.TRITON_GEMV_MAX_ROWS tokens
+    # run the standard Llama layers with each RMSNorm folded into the GEMV after it (QKV,
+    # gate_up) and SiLU-and-mul into the down projection (kernels/triton/fused_gemv.py; 3
+    # launches fewer a layer), where PAGEDLM_TRITON_GEMV is on (layers/fused_decode.py's
+    # TritonFusedLayers). Off by default until a GPU run measures it (benchmarks/gpu_bench.py's
     # pagedlm_steps8_fused leg); read once, at a stage's first step.
     "PAGEDLM_TRITON_FUSED_NORM_ACT": _flag("PAGEDLM_TRITON_FUSED_NORM_ACT"),
     # Triton's own switch (1/true/yes/on): its kernels run on CPU tensors in its interpreter.

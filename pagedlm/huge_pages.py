@@ -110,7 +110,7 @@ class Arena:
     """Tensors too small for a map of their own (under MIN_BYTES) carved one after another,
     each on a cache line, out of maps on huge pages of `chunk_bytes` (a new map when one is
     full; the rest of the old one is never touched, so never backed); larger ones get their own
-    map (`empty`). For the panels a loader packs as a checkpoint arrives (linear.py), which
+    map (`empty`). For the panels a loader packs as a checkpoint arrives (linear_method.py), which
     gather_panels otherwise copies onto huge pages after the load: the 1B bfloat16 Llama's
     attention panels, 320 MB, a copy and a second first touch.
 
@@ -160,7 +160,7 @@ def gather_panels(model: torch.nn.Module, release: Callable[[], None] | None = N
     `panel_weight`, which every decode step streams from memory) that are smaller than
     MIN_BYTES into one map on huge pages; returns the bytes moved (0 where they are too few,
     or the OS has no huge pages). The larger ones were packed onto huge pages in the first
-    place (linear.py passes `empty` to gemv.pack_panels), and so were the small ones a loader
+    place (linear_method.py passes `empty` to gemv.pack_panels), and so were the small ones a loader
     packed into an Arena's maps: both are left where they are.
 
     Only 2-byte panels: the copy faults its pages in a second time, at about 11 us a 4 KiB page

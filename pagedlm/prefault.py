@@ -1,7 +1,7 @@
 """Memory for a 2-byte checkpoint's weight panels, faulted in while `pagedlm serve` is still
 importing.
 
-Packing a bfloat16 checkpoint into its panels (linear.py's put_rows) writes every byte of
+Packing a bfloat16 checkpoint into its panels (linear_method.py's put_rows) writes every byte of
 fresh memory, and on these VMs the first write to a fresh page is most of that cost: the 1B
 Llama's 2.15 GB of panels took 1.9-3.0 s to load in process, 0.7 s into memory already faulted
 in (Zen 4 EPYC, 2 vCPUs; `prefault.py` in the session notes). Meanwhile `pagedlm serve` spends
@@ -219,7 +219,7 @@ class PrefaultedMemory:
             self._libc.madvise(self._address + kept, self.nbytes - kept, _MADV_DONTNEED)
 
 
-# The memory the model being loaded on this thread carves its panels from (linear.py's
+# The memory the model being loaded on this thread carves its panels from (linear_method.py's
 # panels_in_arena reads it): set around one engine build by `loading_into`.
 _LOADING: contextvars.ContextVar[PrefaultedMemory | None] = contextvars.ContextVar(
     "pagedlm_prefaulted", default=None)

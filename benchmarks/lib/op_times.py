@@ -18,8 +18,8 @@ from torch import nn
 
 from pagedlm.attention.layer import Attention
 from pagedlm.metrics.stats import FinishedStep, StepObserver
-from pagedlm.model_executor.layers.linear import (LinearBase, LinearMethodBase,
-                                                  UnquantizedLinearMethod)
+from pagedlm.model_executor.layers.linear import LinearBase
+from pagedlm.model_executor.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead
 
 BINS = ((8, "1-8"), (64, "9-64"), (128, "65-128"), (1 << 62, ">128"))

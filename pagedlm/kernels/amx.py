@@ -6,7 +6,7 @@ stand: no second copy of the weight is kept.
 x is rounded to bfloat16 once per call and the products of each k-pair are summed in float32
 by tdpbf16ps: not gemv.gemm_panels's bits, but each row's result still depends on that row
 alone (the same alone or in any batch, on one CPU). The layers use it only at many rows
-outside the deterministic mode (linear.UnquantizedLinearMethod.apply).
+outside the deterministic mode (linear_method.UnquantizedLinearMethod.apply).
 """
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ class BaseLayerWithLoRA(nn.Module):
         out_dim, in_dim = base_layer.weight.shape  # this rank's partition
         # The activations' dtype, float32, also under a 2-byte model dtype (ModelConfig's
         # compute_dtype): A and B are small, and the delta adds to float32 outputs.
-        # (The device of the panels where a 2-byte weight was dropped for them: see linear.py.)
+        # (The device of the panels where a 2-byte weight was dropped for them: linear_method.py.)
         panels = getattr(base_layer, "panel_weight", None)
         dtype = torch.float32
         dev = panels.device if panels is not None else base_layer.weight.device

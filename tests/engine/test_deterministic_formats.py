@@ -15,8 +15,8 @@ import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.kernels import gemv
-from pagedlm.model_executor.layers.linear import (LinearMethodBase, UnquantizedLinearMethod,
-                                                  WeightFormat)
+from pagedlm.model_executor.layers.native_linear import WeightFormat
+from pagedlm.model_executor.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from pagedlm.model_executor.layers.quantization.base import weight_formats
 from tests.conftest import needs_kernels
 

@@ -186,7 +186,7 @@ def _layer(method, w: torch.Tensor) -> torch.nn.Module:
 
 
 def test_layers_take_amx_from_amx_min_rows_outside_the_deterministic_mode():
-    from pagedlm.model_executor.layers.linear import AMX_MIN_ROWS, UnquantizedLinearMethod
+    from pagedlm.model_executor.layers.linear_method import AMX_MIN_ROWS, UnquantizedLinearMethod
     g = torch.Generator().manual_seed(5)
     w = torch.randn(100, 128, generator=g).bfloat16()
     x = torch.randn(40, 128, generator=g)
@@ -224,7 +224,7 @@ def test_tiny_llama_in_bfloat16_matches_transformers(tmp_path, default_model_dir
     from transformers import AutoModelForCausalLM
 
     from pagedlm import LLM, SamplingParams
-    from pagedlm.model_executor.layers import linear
+    from pagedlm.model_executor.layers import linear_method
     from tests.conftest import make_tiny_model
     path = make_tiny_model(tmp_path, "llama", default_model_dir)
     calls = []
@@ -234,22 +234,22 @@ def test_tiny_llama_in_bfloat16_matches_transformers(tmp_path, default_model_dir
         calls.append(x.shape[0])
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(linear.amx, "gemm_panels", counted)
+    monkeypatch.setattr(linear_method.amx, "gemm_panels", counted)
     llm = LLM(model=path, dtype="bfloat16")
     prompts = ["The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat",
                "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)",
                "Once upon a time, in a land far away, there lived a king who had three daughters",
                "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21"]
     tok = llm.get_tokenizer()
-    assert all(len(tok.encode(p)) >= linear.AMX_MIN_ROWS for p in prompts)
+    assert all(len(tok.encode(p)) >= linear_method.AMX_MIN_ROWS for p in prompts)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one prefill each
     model = llm.llm_engine.executor.worker.model
     layers = [m for m in model.modules() if getattr(m, "panel_weight", None) is not None
               and m.panel_weight.dtype == torch.bfloat16]
-    assert layers and all(m.amx_from == linear.AMX_MIN_ROWS for m in layers)
+    assert layers and all(m.amx_from == linear_method.AMX_MIN_ROWS for m in layers)
     # Every prompt's prefill ran its layers on AMX (4 matmuls a layer, 3 layers).
-    assert sum(m >= linear.AMX_MIN_ROWS for m in calls) >= len(prompts) * 4 * 3
+    assert sum(m >= linear_method.AMX_MIN_ROWS for m in calls) >= len(prompts) * 4 * 3
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
     identical = 0
     for prompt, out in zip(prompts, outs):

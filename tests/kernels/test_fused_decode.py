@@ -34,7 +34,7 @@ from pagedlm import LLM, SamplingParams
 from pagedlm.kernels import amx, gemv
 from pagedlm.model_executor.layers import fused_decode
 from pagedlm.model_executor.layers.fused_decode import FusedDecode
-from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+from pagedlm.model_executor.layers.linear_method import UnquantizedLinearMethod
 from pagedlm.model_executor.layers.native_linear import NativeLinear, WeightFormat
 from tests.conftest import make_tiny_model, needs_kernels
 
@@ -176,7 +176,7 @@ def test_gemm_panels_row_is_batch_invariant(n, k):
 
 def _float_layer(out_features: int, in_features: int, weight: torch.Tensor | None = None):
     """A loaded float32 layer of UnquantizedLinearMethod: its kernel picked as in production."""
-    from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+    from pagedlm.model_executor.layers.linear_method import UnquantizedLinearMethod
     layer, method = torch.nn.Module(), UnquantizedLinearMethod()
     method.create_weights(layer, in_features, [out_features], in_features, out_features,
                           torch.float32, None)
@@ -344,9 +344,9 @@ def test_fused_stack_equals_layer_by_layer(tiny, monkeypatch, arch, engine_args)
     # On the panel kernel the stack takes decode steps of any size (here the 10-decode ones
     # too); on other kernels only those the layers run on the same kernel.
     panels = _has_panels() and "quantization" not in engine_args
-    # Except bfloat16 panels where the layers take AMX from linear.AMX_MIN_ROWS rows, or
-    # vdpbf16ps from linear.DPBF16_MIN_ROWS (not in the deterministic mode): the stack stops at
-    # GEMV_MAX_ROWS (NativeLinear.other_kernel_from).
+    # Except bfloat16 panels where the layers take AMX from linear_method.AMX_MIN_ROWS rows,
+    # or vdpbf16ps from linear_method.DPBF16_MIN_ROWS (not in the deterministic mode): the
+    # stack stops at GEMV_MAX_ROWS (NativeLinear.other_kernel_from).
     amx_rows = (engine_args.get("dtype") == "bfloat16" and not engine_args.get("deterministic")
                 and (amx.available() or (gemv.bf16_dot_available() and not gemv.bf16_dpbf16())))
     assert stack.max_rows == (sys.maxsize if panels and not amx_rows else gemv.GEMV_MAX_ROWS)

@@ -284,12 +284,13 @@ def test_bf16_layers_take_the_cpus_bfloat16_unit_from_its_switch():
     Zen 4 EPYC), else the widened kernel at every row count; deterministic, always the widened
     kernel. The expected route is this CPU's, so every CPU checks the one it takes."""
     from pagedlm.kernels import amx
-    from pagedlm.model_executor.layers import linear
+    from pagedlm.model_executor.layers import linear_method
     g = torch.Generator().manual_seed(7)
     n, k = 100, 128  # a K the AMX kernel takes
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(40, k, generator=g)
-    fast, det = linear.UnquantizedLinearMethod(), linear.UnquantizedLinearMethod(deterministic=True)
+    unquantized = linear_method.UnquantizedLinearMethod
+    fast, det = unquantized(), unquantized(deterministic=True)
     layers = []
     for method in (fast, det):
         layer = torch.nn.Module()
@@ -300,9 +301,9 @@ def test_bf16_layers_take_the_cpus_bfloat16_unit_from_its_switch():
     layer, det_layer = layers
     panels = layer.panel_weight
     if amx.available():
-        switch, many = linear.AMX_MIN_ROWS, amx.gemm_panels
+        switch, many = linear_method.AMX_MIN_ROWS, amx.gemm_panels
     elif gemv.bf16_dot_available() and not gemv.bf16_dpbf16():
-        switch = linear.DPBF16_MIN_ROWS
+        switch = linear_method.DPBF16_MIN_ROWS
 
         def many(x, panels, n):
             return gemv.gemm_panels(x, panels, n, dot=True)
@@ -312,7 +313,7 @@ def test_bf16_layers_take_the_cpus_bfloat16_unit_from_its_switch():
     assert det_layer.amx_from == det_layer.dot_from == 0
     assert fast.native_form(layer).other_kernel_from == switch
     assert switch == 0 or switch > gemv.GEMV_MAX_ROWS  # the fused decode stack stays below
-    for m in (1, gemv.GEMV_MAX_ROWS, linear.DPBF16_MIN_ROWS, linear.AMX_MIN_ROWS, 40):
+    for m in (1, gemv.GEMV_MAX_ROWS, linear_method.DPBF16_MIN_ROWS, linear_method.AMX_MIN_ROWS, 40):
         want = many(x[:m], panels, n) if switch and m >= switch else \
             gemv.gemm_panels(x[:m], panels, n)
         assert torch.equal(fast.apply(layer, x[:m]), want), m

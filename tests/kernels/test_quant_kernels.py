@@ -197,7 +197,7 @@ def test_deterministic_linear_methods_run_one_kernel_at_every_row_count():
     ModelConfig.deterministic): a row's output is the same bits alone and in batches past
     gemv.GEMV_MAX_ROWS and past the default's switch to dequantize + GEMM, and the fused decode
     stack may run its kernel at any row count (NativeLinear.batch_invariant)."""
-    from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+    from pagedlm.model_executor.layers.linear_method import UnquantizedLinearMethod
     from pagedlm.model_executor.layers.quantization.weight_only import (Int4LinearMethod,
                                                                         Int8LinearMethod)
     gen = torch.Generator().manual_seed(3)

@@ -163,7 +163,7 @@ def report(fn, ptrs, divisible, consts, num_warps):
 
 
 cpu = torch.device("cpu")
-for bm in (1, 2):  # the rows the layers send (linear.TRITON_GEMV_MAX_ROWS)
+for bm in (1, 2):  # the rows the layers send (linear_method.TRITON_GEMV_MAX_ROWS)
     for n, res in ((960, False), (960, True), (3072, True)):  # QKV, gate_up; K = 576
         cfg = tg.default_config(bm, n, 576, cpu)
         consts = {"BLOCK_M": bm, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,

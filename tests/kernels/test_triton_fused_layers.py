@@ -23,8 +23,8 @@ from pagedlm.model_executor.layers import fused_decode
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.fused_decode import FusedDecode, TritonFusedLayers
 from pagedlm.model_executor.layers.layernorm import RMSNorm
-from pagedlm.model_executor.layers.linear import (TRITON_GEMV_MAX_ROWS,
-                                                  UnquantizedLinearMethod)
+from pagedlm.model_executor.layers.linear_method import (TRITON_GEMV_MAX_ROWS,
+                                                         UnquantizedLinearMethod)
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.models.llama import LlamaDecoderLayer
 

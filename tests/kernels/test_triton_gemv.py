@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.kernels.triton import gemv as tg
-from pagedlm.model_executor.layers import linear
+from pagedlm.model_executor.layers import linear_method
 from pagedlm.model_executor.layers.linear import ReplicatedLinear
 from tests.kernels.sm90 import sm90_report
 
@@ -150,7 +150,7 @@ def test_hook_routes_small_16_bit_batches_unless_turned_off(monkeypatch):
     assert torch.equal(layer(x), tg.gemv(x, layer.weight, layer.bias))
     assert calls == [x.shape, x.shape]  # the layer's call, then the reference's
     calls.clear()
-    big = torch.randn(linear.TRITON_GEMV_MAX_ROWS + 1, 64, device=DEVICE).to(torch.bfloat16)
+    big = torch.randn(linear_method.TRITON_GEMV_MAX_ROWS + 1, 64, device=DEVICE).to(torch.bfloat16)
     layer(big)  # more rows than the layers send it: cuBLAS
     layer32, x32 = _layer(torch.float32, False)
     layer32(x32)  # float32: cuBLAS

@@ -10,8 +10,8 @@ from torch import nn
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.kernels import gemv
-from pagedlm.model_executor.layers.linear import (LinearMethodBase, QKVParallelLinear,
-                                                  RowParallelLinear)
+from pagedlm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedlm.model_executor.layers.linear_method import LinearMethodBase
 from pagedlm.model_executor.layers.native_linear import WeightFormat
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedlm.model_executor.model_loader.loader import store_weights_in
@@ -61,7 +61,7 @@ def test_greedy_matches_transformers_on_dpbf16(default_model_dir):
         assert all(layer.panel_weight.dim() == 4 for layer in _linear_layers(model))
         _check_greedy_against_transformers(llm, default_model_dir)
         assert model.fused_decode.stack is not None, model.fused_decode.off_reason
-        # 14 sequences decode on AMX where the CPU has it (linear.AMX_MIN_ROWS), past the
+        # 14 sequences decode on AMX where the CPU has it (linear_method.AMX_MIN_ROWS), past the
         # stack's rows: one sequence alone runs the stack on vdpbf16ps.
         llm.generate(PROMPTS_14[:1], SamplingParams(temperature=0, max_tokens=4),
                      use_tqdm=False)
@@ -176,7 +176,7 @@ def test_bfloat16_layer_keeps_only_its_panels():
     shape and dtype is left), multiplies as before from the panels, also for an input that is
     not a float32 matrix, and a second processing keeps the panels; a weight another module
     reads (a tied LM head's) is kept."""
-    from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+    from pagedlm.model_executor.layers.linear_method import UnquantizedLinearMethod
     if torch.bfloat16 not in gemv.panel_dtypes():
         pytest.skip("no bfloat16 panel kernel in this build: the plain weight is what runs")
     g = torch.Generator().manual_seed(0)

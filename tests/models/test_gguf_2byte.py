@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from pagedlm.kernels import gemv
-from pagedlm.model_executor.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
+from pagedlm.model_executor.layers.linear import QKVParallelLinear
+from pagedlm.model_executor.layers.linear_method import UnquantizedLinearMethod
 from pagedlm.model_executor.layers.native_linear import PANEL_FORMATS, WeightFormat
 from pagedlm.model_executor.layers.quantization import gguf as gguf_method
 from pagedlm.model_executor.layers.quantization import kernels
@@ -126,10 +127,10 @@ def test_matches_the_float_path_bit_for_bit(runs):
     for element), and the run gives the float path's greedy tokens and logprobs, bit for bit,
     where the panel kernel widens both 2-byte types (the default). Under the opt-in vdpbf16ps
     math (gemv.bf16_dpbf16), and on AMX or vdpbf16ps (bfloat16 layers from
-    linear.AMX_MIN_ROWS rows where the CPU has AMX, from linear.DPBF16_MIN_ROWS where it has
-    AVX512-BF16 without: here the BF16 LM head at decode steps of that many sequences), the
-    BF16 layers round x to bfloat16: there the tokens must still be the float path's and the
-    logprobs within BF16_X_TOL."""
+    linear_method.AMX_MIN_ROWS rows where the CPU has AMX, from linear_method.DPBF16_MIN_ROWS
+    where it has AVX512-BF16 without: here the BF16 LM head at decode steps of that many
+    sequences), the BF16 layers round x to bfloat16: there the tokens must still be the float
+    path's and the logprobs within BF16_X_TOL."""
     quantized, floats = runs["gguf"]["model"], runs[None]["model"]
     float_layers = dict(floats.named_modules())
     for name, layer, _ in _layers(quantized):

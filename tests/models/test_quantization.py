@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.model_executor.layers.linear import UnquantizedLinearMethod
+from pagedlm.model_executor.layers.linear_method import UnquantizedLinearMethod
 from pagedlm.model_executor.layers.quantization import QUANTIZATION_METHODS, kernels
 from pagedlm.model_executor.layers.quantization.base import weight_formats
 from pagedlm.model_executor.layers.quantization.gguf import GGUFConfig

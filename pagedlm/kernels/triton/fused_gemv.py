@@ -35,7 +35,7 @@ from pagedlm.kernels.triton import gemv as _gemv
 # ptxas for sm_90 (Triton 3.6, compiled here without a GPU) gave TUNED's 8/64 at 8 rows over
 # K = 1536 255 registers and 4.5 KB of spill stores (24 unrolled steps, each holding gate, up
 # and their product); 4/128 keeps 78 registers and spills none. The layers send at most
-# linear.TRITON_GEMV_MAX_ROWS (2) rows, where TUNED's picks do not spill
+# linear_method.TRITON_GEMV_MAX_ROWS (2) rows, where TUNED's picks do not spill
 # (tests/kernels/test_triton_fused_gemv.py compiles them). Another BLOCK_K is another sum
 # order: at these shapes the result is the two launches' at this configuration, not gemv's
 # default one.

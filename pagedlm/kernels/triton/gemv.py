@@ -1,6 +1,7 @@
 """y = x @ W^T (+ b) for decode-sized batches (M <= 8 rows) on the GPU, in Triton (the kernels:
 gemv_jit.py). The linear layers call it instead of F.linear on CUDA for up to
-linear.TRITON_GEMV_MAX_ROWS (2) rows unless PAGEDLM_TRITON_GEMV=0 (UnquantizedLinearMethod.apply).
+linear_method.TRITON_GEMV_MAX_ROWS (2) rows unless PAGEDLM_TRITON_GEMV=0
+(UnquantizedLinearMethod.apply).
 On an H200 it made one decode stream 22% and 18% faster end to end in two runs
 (benchmarks/results/gpu-20261127b and c; per call at 1 row: 3.0-4.1 us against cuBLAS's
 3.7-5.3); at 4 rows the two tie, at 8 cuBLAS wins.

@@ -13,8 +13,9 @@ prefills) goes layer by layer. Both give the same values.
 
 On a GPU the same declaration lets TritonFusedLayers run the layers with each RMSNorm folded
 into the GEMV after it and SiLU-and-mul into the down projection (kernels/triton/fused_gemv.py)
-for steps of at most linear.TRITON_GEMV_MAX_ROWS tokens, under PAGEDLM_TRITON_FUSED_NORM_ACT=1
-(opt-in until a GPU measures it): 3 launches fewer a layer, the same kernels' values.
+for steps of at most linear_method.TRITON_GEMV_MAX_ROWS tokens, under
+PAGEDLM_TRITON_FUSED_NORM_ACT=1 (opt-in until a GPU measures it): 3 launches fewer a layer, the
+same kernels' values.
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.kernels.triton import fused_gemv
-from pagedlm.model_executor.layers import linear as _linear
-from pagedlm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from pagedlm.model_executor.layers import linear_method as _linear_method
+from pagedlm.model_executor.layers.linear import LinearBase
+from pagedlm.model_executor.layers.linear_method import UnquantizedLinearMethod
 from pagedlm.model_executor.layers.native_linear import NativeLinear, NativeSegments, WeightFormat
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
@@ -313,9 +315,9 @@ class TritonFusedLayers:
     """On a GPU: a stage's standard decoder layers (DecoderLayerParts) run with
     rms_norm_gemv for input norm + QKV and post-attention norm + gate_up and silu_mul_gemv for
     SiLU-and-mul + down; rotary, attention and o_proj are the layers' own modules. Steps of at
-    most linear.TRITON_GEMV_MAX_ROWS tokens only: the rows the layers' linears would run on the
-    Triton GEMV (above them cuBLAS, which has no such prologue). Whatever the step's kind: the
-    layer's forward is the same for prefill and decode tokens.
+    most linear_method.TRITON_GEMV_MAX_ROWS tokens only: the rows the layers' linears would run
+    on the Triton GEMV (above them cuBLAS, which has no such prologue). Whatever the step's
+    kind: the layer's forward is the same for prefill and decode tokens.
 
     Why (kernels/triton/fused_gemv.py has the figures): one decode stream on an H200 launched
     ~335 kernels a token with ~0.85 us of idle GPU between them; these 3 launches fewer a layer
@@ -356,7 +358,7 @@ class TritonFusedLayers:
     def _parts_reason(p: DecoderLayerParts, dtype: torch.dtype | None) -> str | None:
         norms = (p.input_norm, p.post_attention_norm)
         dtype = dtype or norms[0].weight.dtype
-        if dtype not in _linear.TRITON_GEMV_DTYPES:  # the layers' path this replaces
+        if dtype not in _linear_method.TRITON_GEMV_DTYPES:  # the layers' path this replaces
             return f"its weights are {dtype}; the Triton GEMV takes bfloat16 and float16"
         if any(type(n) is not RMSNorm or n.weight.dtype != dtype or not _triton_device(n.weight)
                or n.weight.dim() != 1 or n.weight.stride(0) != 1 for n in norms):
@@ -380,8 +382,8 @@ class TritonFusedLayers:
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x, residual) after the stage's layers, or None if this step is not one it runs."""
         m = x.shape[0]
-        if (not 0 < m <= _linear.TRITON_GEMV_MAX_ROWS or x.dim() != 2 or x.dtype != self.dtype
-                or x.stride(1) != 1 or not _triton_device(x)
+        if (not 0 < m <= _linear_method.TRITON_GEMV_MAX_ROWS or x.dim() != 2
+                or x.dtype != self.dtype or x.stride(1) != 1 or not _triton_device(x)
                 or (residual is not None and (residual.dtype != self.dtype
                                               or residual.stride(1) != 1))):
             return None

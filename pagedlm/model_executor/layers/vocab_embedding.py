@@ -15,8 +15,8 @@ from torch import nn
 
 from pagedlm.distributed.parallel_state import get_tp_group
 from pagedlm.kernels import gemv
-from pagedlm.model_executor.layers.linear import (LinearMethodBase, UnquantizedLinearMethod,
-                                                  float_weight_device)
+from pagedlm.model_executor.layers.linear_method import (LinearMethodBase, UnquantizedLinearMethod,
+                                                         float_weight_device)
 from pagedlm.model_executor.model_loader.weight_utils import check_shape
 from pagedlm.utils import cdiv
 

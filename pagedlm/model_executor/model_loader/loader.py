@@ -11,9 +11,9 @@ from pagedlm.attention.backends import get_attn_backend
 import logging
 
 from pagedlm.config import ModelConfig
-from pagedlm.model_executor.layers.linear import (LinearMethodBase, panels_in_arena,
-                                                  use_deterministic_linear_methods,
-                                                  weights_on_meta)
+from pagedlm.model_executor.layers.linear_method import (LinearMethodBase, panels_in_arena,
+                                                         use_deterministic_linear_methods,
+                                                         weights_on_meta)
 from pagedlm.model_executor.layers.quantization import get_quantization_config
 from pagedlm.model_executor.layers.quantization.base import weight_formats
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagedlm import envs
-from pagedlm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from pagedlm.model_executor.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from pagedlm.model_executor.layers.native_linear import NativeLinear, WeightFormat
 import pagedlm.model_executor.layers.quantization.kernels as kernels
 
@@ -22,7 +22,7 @@ class QuantizationConfig(ABC):
     name: str
     # The method reads every weight from the model file itself (`weights` ignores the float
     # checkpoint): the loader then builds the model without float weights for the layers it
-    # gives methods to (linear.weights_on_meta).
+    # gives methods to (linear_method.weights_on_meta).
     weights_from_file: bool = False
 
     def __init__(self, *, deterministic: bool = False) -> None:

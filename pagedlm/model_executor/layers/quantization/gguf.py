@@ -1,7 +1,7 @@
 """quantization="gguf": a GGUF file's weights run as stored, read from the memory-mapped file.
 
 The model is built without float weights for its linear layers and token embedding
-(linear.weights_on_meta): each such weight is a placeholder on the meta device that receives
+(linear_method.weights_on_meta): each such weight is a placeholder on the meta device that receives
 whatever the file has for it, so memory holds the file's blocks and never a float copy of them.
 Blocks of a type the kernels run (RUNNABLE_TYPES) are kept as they are, as views of the file's
 pages where nothing needs reordering or joining. F16 and BF16 matrices stay 2 bytes a weight
@@ -40,8 +40,8 @@ from torch import nn
 
 from pagedlm import envs, huge_pages
 from pagedlm.kernels import gemv
-from pagedlm.model_executor.layers.linear import (LinearMethodBase, RowParallelLinear,
-                                                  UnquantizedLinearMethod)
+from pagedlm.model_executor.layers.linear import RowParallelLinear
+from pagedlm.model_executor.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from pagedlm.model_executor.layers.native_linear import (PANEL_FORMATS, NativeLinear,
                                                          NativeSegments)
 import pagedlm.model_executor.layers.quantization.kernels as kernels

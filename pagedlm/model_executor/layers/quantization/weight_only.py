@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedlm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
+from pagedlm.model_executor.layers.linear import RowParallelLinear
+from pagedlm.model_executor.layers.linear_method import LinearMethodBase
 import pagedlm.model_executor.layers.quantization.kernels as kernels
 from pagedlm.model_executor.layers.quantization.base import PackedLinearMethod, QuantizationConfig
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
