@@ -63,8 +63,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # instead of asking for 2 MiB transparent huge pages (huge_pages.py).
     "PAGEDLM_DISABLE_HUGE_PAGES": _flag("PAGEDLM_DISABLE_HUGE_PAGES"),
     # 1/true/yes: a GGUF file's blocks stay on the page cache's 2 MiB folios where it has them
-    # (huge_pages.gather_blocks), instead of being moved onto fresh huge pages after the load
-    # (huge_pages.FileMapMove). Saves the fresh memory; the stream may read slower: on the
+    # (mapped_blocks.gather_blocks), instead of being moved onto fresh huge pages after the load
+    # (mapped_blocks.FileMapMove). Saves the fresh memory; the stream may read slower: on the
     # 2-vCPU Xeon VM the page cache a file was just read into streamed at 19-23 GB/s, the same
     # cache a day later at 27, fresh pages at 25-27.
     "PAGEDLM_GGUF_IN_PLACE": _flag("PAGEDLM_GGUF_IN_PLACE"),

@@ -1,5 +1,6 @@
 """Huge pages (huge_pages.py): large host tensors on 2 MiB pages, the KV cache of an
-explicit size on them, and the weight panels gathered into one map after loading, with the
+explicit size on them, and the weight panels gathered into one map after loading; a GGUF file's
+blocks on them (mapped_blocks.py: in place, gathered, or moved under their addresses); with the
 model's outputs unchanged."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedlm import LLM, SamplingParams, huge_pages
+from pagedlm import LLM, SamplingParams, huge_pages, mapped_blocks
 from tests.conftest import make_tiny_model, needs_kernels
 from tests.core.test_kv_cache_memory import caches
 
@@ -168,7 +169,7 @@ def test_gather_blocks_moves_each_quantized_tensor_once_with_its_values():
     model[4].row_lookup.blocks = own_table
     want = [b.clone() for b in blocks]
     released = []
-    moved = huge_pages.gather_blocks(model, release=lambda t: released.append(t.data_ptr()))
+    moved = mapped_blocks.gather_blocks(model, release=lambda t: released.append(t.data_ptr()))
     if not huge_pages.supported():
         assert moved == 0
         return
@@ -188,7 +189,7 @@ def test_gather_blocks_moves_each_quantized_tensor_once_with_its_values():
     small = nn.Linear(2, 2)
     small.qweight_data = torch.zeros(4, 2, 20, dtype=torch.uint8)
     before = small.qweight_data.data_ptr()
-    assert huge_pages.gather_blocks(small) == 0 and small.qweight_data.data_ptr() == before
+    assert mapped_blocks.gather_blocks(small) == 0 and small.qweight_data.data_ptr() == before
 
 
 def streamed_of(model: nn.Module) -> list[torch.Tensor]:
@@ -291,8 +292,8 @@ def test_file_maps_reads_smaps():
         "Size:             655360 kB", "Rss:              655360 kB",
         "AnonHugePages:    655360 kB", "FilePmdMapped:         0 kB",
     ])
-    a, b = huge_pages.file_maps(smaps)
-    assert a == huge_pages.FileMap(0x7f0000000000, 0x7f0028000000, 0x200000, 1234,
+    a, b = mapped_blocks.file_maps(smaps)
+    assert a == mapped_blocks.FileMap(0x7f0000000000, 0x7f0028000000, 0x200000, 1234,
                                    "/models/a.gguf", rss=655360 << 10,
                                    pmd_mapped=651264 << 10, anonymous=0)
     assert a.huge and not b.huge
@@ -318,7 +319,7 @@ def _advised_blocks(path, n: int):
     import mmap
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    huge_pages.advise_file_map(m)
+    mapped_blocks.advise_file_map(m)
     layer = torch.nn.Module()
     layer.qweight_data = torch.frombuffer(m, dtype=torch.uint8)[:n - huge_pages.HUGE_PAGE]
     return m, layer
@@ -337,8 +338,8 @@ def test_blocks_on_a_file_map_of_huge_folios_stay_in_place(tmp_path):
     blocks = layer.qweight_data
     expected = blocks.clone()
     released = []
-    in_place = huge_pages.on_huge_file_pages([blocks]) == {blocks.data_ptr()}
-    moved = huge_pages.gather_blocks(layer, release=released.append, in_place=True)
+    in_place = mapped_blocks.on_huge_file_pages([blocks]) == {blocks.data_ptr()}
+    moved = mapped_blocks.gather_blocks(layer, release=released.append, in_place=True)
     if in_place:
         assert moved == 0 and not released and layer.qweight_data is blocks
     else:
@@ -359,7 +360,7 @@ def test_a_file_cached_in_small_folios_is_read_again_onto_huge_ones(tmp_path):
     path, n = tmp_path / "blocks.bin", 32 * huge_pages.HUGE_PAGE
     _uncached_file(path, n)
     probe, layer = _advised_blocks(path, n)
-    if huge_pages.on_huge_file_pages([layer.qweight_data]) != {layer.qweight_data.data_ptr()}:
+    if mapped_blocks.on_huge_file_pages([layer.qweight_data]) != {layer.qweight_data.data_ptr()}:
         pytest.skip("this file system keeps no 2 MiB folios of a file")
     del layer
     probe.close()
@@ -373,28 +374,28 @@ def test_a_file_cached_in_small_folios_is_read_again_onto_huge_ones(tmp_path):
     m, layer = _advised_blocks(path, n)
     blocks = layer.qweight_data
     int(blocks[::4096].sum())  # maps the cached small folios, as a first touch would
-    mine = [f for f in huge_pages.file_maps(open("/proc/self/smaps").read())
+    mine = [f for f in mapped_blocks.file_maps(open("/proc/self/smaps").read())
             if f.start <= blocks.data_ptr() < f.end]
     assert len(mine) == 1 and mine[0].rss >= blocks.nbytes and mine[0].pmd_mapped == 0
-    assert huge_pages.on_huge_file_pages([blocks]) == {blocks.data_ptr()}
-    assert huge_pages.gather_blocks(layer, in_place=True) == 0
+    assert mapped_blocks.on_huge_file_pages([blocks]) == {blocks.data_ptr()}
+    assert mapped_blocks.gather_blocks(layer, in_place=True) == 0
     assert layer.qweight_data is blocks and torch.equal(blocks, expected)
     # By default they are copied all the same (gather_blocks says why).
-    assert huge_pages.gather_blocks(layer) >= blocks.nbytes
+    assert mapped_blocks.gather_blocks(layer) >= blocks.nbytes
     assert layer.qweight_data is not blocks and torch.equal(layer.qweight_data, expected)
 
 
 def test_move_pieces_cover_the_spans_in_whole_huge_pages_within_the_map():
     """Spans rounded out to huge pages and clipped to the map (its end to a 4 KiB page), those
     less than a huge page apart joined, cut where a _MOVE_PIECE ends."""
-    page, piece = huge_pages.HUGE_PAGE, huge_pages._MOVE_PIECE
+    page, piece = huge_pages.HUGE_PAGE, mapped_blocks._MOVE_PIECE
     lo = 100 * piece + 4096  # a map that starts inside a huge page
     hi = lo + 3 * piece + 5000
     spans = [(lo + 10, 100),                          # clipped to the map's start
              (lo + 3 * page, page),                   # joined with the next (gap < a page)
              (lo + 4 * page + 8192, 2 * piece),       # across two piece boundaries
              (hi - 10, 10)]                           # clipped to the map's end, page-rounded
-    pieces = huge_pages._pieces(lo, hi, spans)
+    pieces = mapped_blocks._pieces(lo, hi, spans)
     first_page = lo - lo % page + page
     assert pieces[0] == (lo, first_page - lo)
     starts = [a for a, _ in pieces]
@@ -450,7 +451,7 @@ def test_file_map_move_keeps_addresses_and_bytes_while_others_read(tmp_path):
     thread.start()
     assert reading.wait(10)
     lo = whole.data_ptr()
-    move = huge_pages.FileMapMove(m, lo, lo + n, [(ptr, blocks.nbytes)])
+    move = mapped_blocks.FileMapMove(m, lo, lo + n, [(ptr, blocks.nbytes)])
     assert move.wait(60)
     stop.set()
     thread.join()

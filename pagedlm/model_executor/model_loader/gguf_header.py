@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
-from pagedlm import huge_pages
+from pagedlm import mapped_blocks
 from pagedlm.model_executor.model_loader.gguf_file import (_MIN_METADATA_ENTRY,
                                                            _MIN_TENSOR_ENTRY, _SCALAR_FORMATS,
                                                            check_file_start,
@@ -224,7 +224,7 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     path = os.fspath(path)
     size = check_file_start(path)
     mapped = np.memmap(path, mode="c")
-    huge_pages.advise_file_map(mapped._mmap)  # before the blocks' pages are first read
+    mapped_blocks.advise_file_map(mapped._mmap)  # before the blocks' pages are first read
     header = GGUFHeader(path, mapped)
     try:
         header._walk()

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pagedlm import envs, huge_pages
+from pagedlm import envs, huge_pages, mapped_blocks
 from pagedlm.kernels import gemv
 from pagedlm.model_executor.layers.linear import RowParallelLinear
 from pagedlm.model_executor.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
@@ -377,24 +377,24 @@ class GGUFConfig(QuantizationConfig):
                 module.weight = _float_weight(module, receiver)
         if self._file is None:
             return
-        # The blocks the steps stream go on huge pages (on the CPU; huge_pages.gather_blocks
+        # The blocks the steps stream go on huge pages (on the CPU; mapped_blocks.gather_blocks
         # says what that gains). Those still in the file's map stay there, and once it is
         # loaded a thread moves the pages under them onto fresh huge pages
-        # (huge_pages.FileMapMove: the addresses stay, so the model runs meanwhile); the
+        # (mapped_blocks.FileMapMove: the addresses stay, so the model runs meanwhile); the
         # others (permuted rows, a worker's shards) are copied now, each one's file pages
         # dropped as it is copied, so the process never holds a weight twice. With
         # PAGEDLM_GGUF_IN_PLACE, blocks stay in the file's map where its pages are 2 MiB
         # folios, for good.
         mapped = self._file.map_range()
         move = not self.blocks_in_place and huge_pages.supported()
-        huge_pages.gather_blocks(model, release=self._release, in_place=self.blocks_in_place,
+        mapped_blocks.gather_blocks(model, release=self._release, in_place=self.blocks_in_place,
                                  stay_in=mapped if move else None)
         # Before the move: it would zero the moved (anonymous) pages.
         self._file.release_pages()
         if move:
             spans = [(t.data_ptr(), t.nbytes) for t in
-                     huge_pages.blocks_within(huge_pages.streamed_blocks(model), *mapped)]
+                     mapped_blocks.blocks_within(mapped_blocks.streamed_blocks(model), *mapped)]
             if spans:  # the model keeps it, for whoever needs the move to have ended
-                model.blocks_move = huge_pages.FileMapMove(self._file.map_owner(), *mapped,
+                model.blocks_move = mapped_blocks.FileMapMove(self._file.map_owner(), *mapped,
                                                            spans)
         self._file = None
