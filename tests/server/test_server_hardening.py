@@ -25,6 +25,8 @@ import pytest
 from pagedlm import EngineArgs
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.entrypoints.cli import make_parser
+from pagedlm.entrypoints.cli_args import DEFAULT_MAX_REQUEST_BODY_VALUES
+from pagedlm.entrypoints.openai.serving_engine import MAX_PROMPTS
 from pagedlm.entrypoints.openai.prompt_worker import (MAX_CHARS_PER_TOKEN, RENDER_TIMEOUT_S,
                                                       render_chat)
 from pagedlm.entrypoints.openai.tool_parsers import get_tool_parser
@@ -39,6 +41,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 512
 MAX_CHARS = MAX_MODEL_LEN * MAX_CHARS_PER_TOKEN
 SMALL_BODY_LIMIT = 2**20  # the trusted server's
+SMALL_VALUES_LIMIT = 1000  # the trusted server's
 DEEP = "[" * 100_000 + "]" * 100_000
 USER = [{"role": "user", "content": "Name a colour."}]
 # Nested loops writing output: 10^10 copies of the message if nothing stops them.
@@ -70,7 +73,8 @@ def server(engine):
 @pytest.fixture(scope="module")
 def trusted(engine):
     with serve_in_thread(engine, served_model_names=[MODEL], trust_request_chat_template=True,
-                         max_request_body_bytes=SMALL_BODY_LIMIT) as running:
+                         max_request_body_bytes=SMALL_BODY_LIMIT,
+                         max_request_body_values=SMALL_VALUES_LIMIT) as running:
         yield running
 
 
@@ -361,6 +365,83 @@ def test_body_under_the_limit_is_read(trusted, thttp):
     assert r.status_code == 200 and r.json()["count"] > 0
 
 
+def test_detokenize_takes_as_many_ids_as_the_longest_text(http):
+    ok = http.post("/detokenize", json={"tokens": [5] * MAX_CHARS})
+    assert ok.status_code == 200 and ok.json()["prompt"], ok.text[:300]
+    err = _error(http.post("/detokenize", json={"tokens": [5] * (MAX_CHARS + 1)}), 400, "tokens")
+    assert str(MAX_CHARS) in err["message"], err
+
+
+def test_bodies_with_more_values_than_the_limit_are_413_before_parsing(server, http, trusted):
+    limit = DEFAULT_MAX_REQUEST_BODY_VALUES
+    over = b'{"max_tokens": 1, "prompt": [' + b",".join([b"5"] * (limit + 1)) + b"]}"
+    for path in ("/v1/completions", "/tokenize", "/detokenize", "/v1/load_lora_adapter"):
+        err = _error(http.post(path, content=over,
+                               headers={"Content-Type": "application/json"}), 413)
+        assert str(limit) in err["message"] and "--max-request-body-values" in err["message"]
+    over_small = b'{"prompt": [' + b",".join([b"5"] * (SMALL_VALUES_LIMIT + 1)) + b"]}"
+    err = _error(httpx.post(trusted.url + "/tokenize", content=over_small,
+                            headers={"Content-Type": "application/json"}), 413)
+    assert str(SMALL_VALUES_LIMIT) in err["message"], err
+    # At the limit the body is parsed (and the prompt is then too long for the model).
+    at = b'{"max_tokens": 1, "prompt": [' + b",".join([b"5"] * (limit - 1)) + b"]}"
+    err = _error(http.post("/v1/completions", content=at,
+                           headers={"Content-Type": "application/json"}), 400, "prompt")
+    assert f"{limit - 1} tokens" in err["message"], err
+
+
+def test_a_list_of_prompts_starts_in_one_step(server, http, engine):
+    wait_until_idle(engine)
+    steps = engine.engine.stats.num_steps
+    n = 24
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [[5, 6]] * n,
+                                           "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == n, r.text[:300]
+    # One after another each prompt took a step of its own to be added: n steps at least.
+    assert engine.engine.stats.num_steps - steps < n // 2
+    err = _error(http.post("/v1/completions", json={
+        "model": MODEL, "prompt": [[5]] * (MAX_PROMPTS + 1), "max_tokens": 1}), 400, "prompt")
+    assert str(MAX_PROMPTS) in err["message"], err
+    # One bad prompt among many: a 400 naming it, and every other one aborted.
+    bad = [[5, 6]] * 8 + [[10**9]] + [[5, 6]] * 8
+    _error(http.post("/v1/completions", json={"model": MODEL, "prompt": bad, "max_tokens": 4}),
+           400, "prompt")
+    wait_until_idle(engine)
+    assert_all_blocks_free(engine)
+
+
+def test_unknown_fields_are_logged_in_one_short_line(server, http, caplog):
+    fields = ",".join(f'"field{i}": 1' for i in range(100_000))
+    body = ('{"model": "%s", "prompt": "hi", "max_tokens": 1, %s}' % (MODEL, fields)).encode()
+    with caplog.at_level("INFO", logger="pagedlm.entrypoints.openai.routes"):
+        r = http.post("/v1/completions", content=body,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text[:300]
+    lines = [rec.getMessage() for rec in caplog.records if "unknown request field" in
+             rec.getMessage()]
+    assert len(lines) == 1 and "100000 unknown" in lines[0] and "'field0'" in lines[0], lines
+    assert len(lines[0]) < 500, len(lines[0])
+
+
+def test_body_cut_off_mid_upload_is_not_a_server_error(server, caplog):
+    host, port = server.url.removeprefix("http://").split(":")
+    with caplog.at_level("ERROR"):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall((
+                "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                f"\r\nAuthorization: Bearer {API_KEY}\r\nContent-Length: 1000\r\n\r\n"
+                '{"prompt": ').encode())
+            sock.shutdown(socket.SHUT_WR)  # the client is gone before the body's end
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        # Whatever reaches a client that left is not a 500, and nothing is logged as an error
+        # (it was the catch-all's traceback, then uvicorn's, for every such connection).
+        assert not data.startswith(b"HTTP/1.1 500"), data[:300]
+        time.sleep(0.5)
+    assert not [r for r in caplog.records if r.name.startswith("pagedlm")], caplog.text[:2000]
+
+
 # ---- finding 7: deeply nested JSON is a 400 on every route ----
 
 def _deep_arguments_chat() -> dict:
@@ -422,9 +503,12 @@ def test_flags():
     serve = make_parser().parse_args(["serve"])
     assert serve.trust_request_chat_template is False
     assert serve.max_request_body_bytes == 32 * 2**20
+    assert serve.max_request_body_values == DEFAULT_MAX_REQUEST_BODY_VALUES
     ns = make_parser().parse_args(["serve", "--trust-request-chat-template",
-                                   "--max-request-body-bytes", "64MiB"])
+                                   "--max-request-body-bytes", "64MiB",
+                                   "--max-request-body-values", "1000"])
     assert ns.trust_request_chat_template and ns.max_request_body_bytes == 64 * 2**20
+    assert ns.max_request_body_values == 1000
 
 
 def test_still_serves_and_every_block_is_free(server, http, trusted, engine):

@@ -24,15 +24,17 @@ import logging
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import pagedlm
 from pagedlm import envs
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
-from pagedlm.entrypoints.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedlm.entrypoints.cli_args import (DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                           DEFAULT_MAX_REQUEST_BODY_VALUES)
 from pagedlm.entrypoints.openai.openapi import install_openapi
 from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
 from pagedlm.entrypoints.openai.routes import (API_BODY_MODELS, LORA_BODY_MODELS, STATIC_DIR,
@@ -171,13 +173,15 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               enable_runtime_lora_updating: bool | None = None,
               chat_template: str | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              max_request_body_values: int = DEFAULT_MAX_REQUEST_BODY_VALUES) -> FastAPI:
     """The FastAPI app serving `engine`. The caller owns the engine (and shuts it down).
     lora_modules are loaded at start-up (an invalid one stops it). Runtime LoRA updating:
     None reads VLLM_ALLOW_RUNTIME_LORA_UPDATING. chat_template replaces the tokenizer's;
     tool_choice "auto" needs enable_auto_tool_choice and a tool_call_parser name. A request's
     own chat_template is refused (400) unless trust_request_chat_template. A body over
-    max_request_body_bytes is a 413."""
+    max_request_body_bytes, or holding more than max_request_body_values JSON values, is a
+    413."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("enable_auto_tool_choice needs a tool_call_parser (one of "
                          f"{', '.join(sorted(TOOL_PARSERS))}).")
@@ -202,7 +206,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                   lifespan=lifespan)
     shared = dict(prompts=prompts, trust_request_chat_template=trust_request_chat_template)
     app.state.serving = ServingState(
-        engine=engine, models=models,
+        engine=engine, models=models, max_body_values=max_request_body_values,
         completion=OpenAIServingCompletion(engine, names, models, **shared),
         chat=OpenAIServingChat(engine, names, models, chat_template=chat_template,
                                tool_parser=auto_parser if enable_auto_tool_choice else None,
@@ -214,6 +218,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(_, exc: StarletteHTTPException):
         return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_, exc: ClientDisconnect):
+        # The client left while its body was still arriving: nobody reads an answer, and it
+        # is not the server's error (the catch-all below would log two tracebacks for it).
+        logger.debug("client disconnected before its request body was read")
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def unhandled(_, exc: Exception):
@@ -264,7 +275,8 @@ def run_server(args: argparse.Namespace, start: ServerStart | None = None) -> No
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser,
                         trust_request_chat_template=args.trust_request_chat_template,
-                        max_request_body_bytes=args.max_request_body_bytes)
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        max_request_body_values=args.max_request_body_values)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=args.timeout_keep_alive)

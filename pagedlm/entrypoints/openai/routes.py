@@ -59,6 +59,7 @@ class ServingState:
     """What the routes serve with: one app's engine and its serving objects."""
     engine: AsyncLLMEngine
     models: OpenAIServingModels
+    max_body_values: int  # --max-request-body-values
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
     embedding: OpenAIServingEmbedding
@@ -91,15 +92,41 @@ async def with_cancellation(handler: Awaitable[Response], request: Request) -> R
     return Response(status_code=499)  # nobody reads it
 
 
-async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
+# How many unknown field names the log line shows (a body can carry millions).
+_SHOWN_UNKNOWN_FIELDS = 8
+
+
+async def _body(raw: Request) -> bytes | Response:
+    """The request's body, or a 413 where it holds more JSON values than the server parses
+    (--max-request-body-values; cli_args.py says why). Commas bound the values from above:
+    one inside a string counts too, which a body of text reaches only far past any prompt
+    length the server takes."""
+    body = await raw.body()
+    limit = _serving(raw).max_body_values
+    if len(body) > limit and (values := body.count(b",") + 1) > limit:
+        return error_response(
+            f"The request body holds up to {values} JSON values; this server parses at most "
+            f"{limit} (see --max-request-body-values).", 413)
+    return body
+
+
+def _validate(body: bytes, model: type[BaseModel]) -> BaseModel | Response:
     # pydantic's JSON parser has its own depth limit: deep nesting is a json_invalid 400.
     try:
-        request = model.model_validate_json(await raw.body())
+        request = model.model_validate_json(body)
     except ValidationError as e:
         return validation_error_response(e)
     if request.model_extra:
-        logger.info("ignoring unknown request fields: %s", sorted(request.model_extra))
+        names = list(request.model_extra)
+        shown = ", ".join(repr(n[:40]) for n in names[:_SHOWN_UNKNOWN_FIELDS])
+        logger.info("ignoring %d unknown request field(s): %s%s", len(names), shown,
+                    ", ..." if len(names) > _SHOWN_UNKNOWN_FIELDS else "")
     return request
+
+
+async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
+    body = await _body(raw)
+    return body if isinstance(body, Response) else _validate(body, model)
 
 
 # --- The server's own routes --------------------------------------------------------------
@@ -179,8 +206,11 @@ _LORA_OK = {"text/plain": {"schema": {"type": "string"}}}
 
 
 async def _json_object(raw: Request) -> dict | Response:
+    data = await _body(raw)
+    if isinstance(data, Response):
+        return data
     try:
-        body = loads_json(await raw.body() or b"{}")
+        body = loads_json(data or b"{}")
     except ValueError as e:  # bad JSON, too deep, or bytes that are not UTF-8 at all
         return error_response(f"Invalid JSON body: {e}", 400)
     if not isinstance(body, dict):
@@ -248,15 +278,22 @@ async def create_embedding(raw: Request) -> Response:
     return await with_cancellation(_serving(raw).embedding.create_embedding(request), raw)
 
 
+def _has_messages(body: bytes) -> bool:
+    """Whether a /tokenize body is a conversation (rendered by the chat template)."""
+    try:
+        return "messages" in loads_json(body)
+    except (ValueError, TypeError):  # bad JSON (too deep too), not UTF-8, not a container
+        return False  # the parse reports the bad body
+
+
 @api_router.post("/tokenize",
                  openapi_extra=json_body(TokenizeCompletionRequest, TokenizeChatRequest),
                  responses=responses(TokenizeResponse, 400, 401, 404, 413, 500))
 async def tokenize(raw: Request) -> Response:
-    # A body with `messages` is a conversation (rendered by the chat template).
-    try:
-        is_chat = "messages" in loads_json(await raw.body())
-    except (ValueError, TypeError):  # bad JSON (too deep too), not UTF-8, not a container
-        is_chat = False  # the parse below reports the bad body
+    body = await _body(raw)
+    if isinstance(body, Response):
+        return body
+    is_chat = _has_messages(body)
     request = await _parse(raw, TokenizeChatRequest if is_chat else TokenizeCompletionRequest)
     if isinstance(request, Response):
         return request

@@ -11,7 +11,7 @@ from pagedlm.entrypoints.openai.protocol_completion import (CompletionLogProbs, 
                                                             CompletionResponseChoice,
                                                             CompletionStreamResponse)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
-from pagedlm.entrypoints.openai.serving_engine import (OpenAIServing, clean_logprob,
+from pagedlm.entrypoints.openai.serving_engine import (MAX_PROMPTS, OpenAIServing, clean_logprob,
                                                        error_response, merge_streams,
                                                        param_from_message, sse, token_text,
                                                        _PARAMS)
@@ -58,6 +58,9 @@ class OpenAIServingCompletion(OpenAIServing):
             texts, id_lists = None, [p]
         else:
             texts, id_lists = None, p
+        if len(texts or id_lists) > MAX_PROMPTS:
+            raise ValueError(f"prompt holds {len(texts or id_lists)} prompts; at most "
+                             f"{MAX_PROMPTS} are accepted in one request.")
         if texts is not None:
             ids = await self.prompts.encode(texts, request.add_special_tokens, "prompt")
             return [{"prompt": t, "prompt_token_ids": i} for t, i in zip(texts, ids)]

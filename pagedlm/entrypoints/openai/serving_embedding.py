@@ -12,7 +12,8 @@ from pagedlm.entrypoints.openai.protocol import random_uuid
 from pagedlm.entrypoints.openai.protocol_embedding import (EmbeddingData, EmbeddingRequest,
                                                            EmbeddingResponse, EmbeddingUsage)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
-from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
+from pagedlm.entrypoints.openai.serving_engine import (MAX_PROMPTS, AddFailed, OpenAIServing,
+                                                       error_response)
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import EmbeddingRequestOutput
 from pagedlm.pooling_params import PoolingParams
@@ -65,26 +66,21 @@ class OpenAIServingEmbedding(OpenAIServing):
         """One engine request per input, all or nothing; the engine's errors name `input`
         (the prompt) or `dimensions`."""
         lora = self.models.lora_for(request.model) if self.models is not None else None
-        streams: list[RequestStream] = []
         try:
-            for i, prompt in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(
-                    rid, prompt, params, priority=request.priority, lora_request=lora))
-        except ValueError as e:
-            self.abort(streams)
+            return await self.add_all(request_id, prompts, lambda rid, prompt: (
+                self.engine.add_request(rid, prompt, params, priority=request.priority,
+                                        lora_request=lora)))
+        except AddFailed as failed:
+            e = failed.cause
+            if isinstance(e, AsyncEngineDeadError):
+                return error_response(str(e), 500)
+            if not isinstance(e, ValueError):
+                raise e
             msg = str(e)
             param = next((f for f in ("dimensions", "priority") if msg.startswith(f)), "input")
             if len(prompts) > 1 and param == "input":
-                msg, param = f"input[{len(streams)}]: {msg}", f"input[{len(streams)}]"
+                msg, param = f"input[{failed.index}]: {msg}", f"input[{failed.index}]"
             return error_response(msg, 400, param)
-        except AsyncEngineDeadError as e:
-            self.abort(streams)
-            return error_response(str(e), 500)
-        except BaseException:
-            self.abort(streams)  # cancelled: the client went away while we waited
-            raise
-        return streams
 
     async def _prompts(self, request: EmbeddingRequest) -> list[PromptType]:
         x = request.input
@@ -98,6 +94,9 @@ class OpenAIServingEmbedding(OpenAIServing):
             texts, id_lists = None, [x]
         else:
             texts, id_lists = None, x
+        if len(texts or id_lists) > MAX_PROMPTS:
+            raise ValueError(f"input holds {len(texts or id_lists)} inputs; at most "
+                             f"{MAX_PROMPTS} are accepted in one request.")
         if texts is not None:
             ids = await self.prompts.encode(texts, request.add_special_tokens, "input")
             prompts = [{"prompt": t, "prompt_token_ids": i} for t, i in zip(texts, ids)]

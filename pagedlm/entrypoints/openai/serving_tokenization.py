@@ -9,7 +9,8 @@ from pagedlm.entrypoints.openai.protocol_tokenization import (DetokenizeRequest,
                                                               TokenizeChatRequest,
                                                               TokenizeCompletionRequest,
                                                               TokenizeResponse)
-from pagedlm.entrypoints.openai.prompt_worker import PromptError
+from pagedlm.entrypoints.openai.prompt_worker import (MAX_CHARS_PER_TOKEN, PromptError,
+                                                      max_prompt_chars)
 from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
 
 
@@ -55,6 +56,15 @@ class OpenAIServingTokenization(OpenAIServing):
     async def detokenize(self, request: DetokenizeRequest) -> Response:
         if (err := self.check_model(request.model)) is not None:
             return err
+        # As many ids as the longest text /tokenize takes could give: the bound keeps the
+        # checks below and the decoded text's response (a 4M-id list decoded to 40 MB, held
+        # the event loop for 1 s) small.
+        limit = max_prompt_chars(self.max_model_len)
+        if len(request.tokens) > limit:
+            return error_response(f"tokens has {len(request.tokens)} ids; at most {limit} are "
+                                  f"accepted (max_model_len {self.max_model_len} x "
+                                  f"{MAX_CHARS_PER_TOKEN}, the longest text /tokenize takes).",
+                                  400, "tokens")
         vocab = len(self.tokenizer)
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
