@@ -410,6 +410,19 @@ def test_a_list_of_prompts_starts_in_one_step(server, http, engine):
     assert_all_blocks_free(engine)
 
 
+def test_chat_messages_are_checked_alike_by_chat_and_tokenize(http):
+    bad_args = [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "nope"}}]}]
+    no_text = [{"role": "user", "content": [{"type": "text"}]}]
+    for messages, param, words in ((bad_args, "messages.1.tool_calls.0.function.arguments",
+                                    "JSON object"),
+                                   (no_text, "messages", "needs its 'text'")):
+        for path, extra in (("/v1/chat/completions", {"model": MODEL, "max_tokens": 1}),
+                            ("/tokenize", {})):
+            err = _error(http.post(path, json={**extra, "messages": messages}), 400, param)
+            assert words in err["message"], (path, err)
+
+
 def test_unknown_fields_are_logged_in_one_short_line(server, http, caplog):
     fields = ",".join(f'"field{i}": 1' for i in range(100_000))
     body = ('{"model": "%s", "prompt": "hi", "max_tokens": 1, %s}' % (MODEL, fields)).encode()
@@ -465,7 +478,7 @@ def test_deep_json_is_400(server, http):
         ("/v1/chat/completions", json.dumps(deep_chat),
          "messages.1.tool_calls.0.function.arguments"),
         ("/tokenize", json.dumps({"messages": deep_chat["messages"]}),
-         "messages.1.tool_calls"),
+         "messages.1.tool_calls.0.function.arguments"),
     ]
     with health_answers_within_1s(server.url):
         for path, body, param in cases:

@@ -279,6 +279,8 @@ BAD_REQUESTS = [
     (_bad(tools=_tool(name="get weather")), "tools.0.function.name"),
     (_bad(tools=_tool(name="f", parameters={"type": "string"})), "tools.0.function.parameters"),
     (_bad(tools=_tool(name="f", parameters=[1])), "tools.0.function.parameters"),
+    (_bad(tools=_tool(name="f", parameters={"type": "object", "properties": [1]})),
+     "tools.0.function.parameters.properties"),
     (_bad(tools=TOOLS + TOOLS[:1]), "tools.2.function.name"),
     # A schema the grammar compiler rejects, when the output is constrained by it.
     (_bad(tools=TOOLS + _tool(name="f", parameters={"type": "object", "properties": {

@@ -102,9 +102,12 @@ class ChatMessage(StrictRequest):
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise ValueError(f"messages: content parts of type {part.type!r} are not "
                                      f"supported; only 'text'.")
+                if part.text is None:
+                    raise ValueError("messages: a content part of type 'text' needs its "
+                                     "'text' string.")
                 texts.append(part.text)
             content = "\n".join(texts)
         msg = {"role": self.role, "content": content or ""}

@@ -12,6 +12,7 @@ from pagedlm.entrypoints.openai.protocol_tokenization import (DetokenizeRequest,
 from pagedlm.entrypoints.openai.prompt_worker import (MAX_CHARS_PER_TOKEN, PromptError,
                                                       max_prompt_chars)
 from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
+from pagedlm.entrypoints.openai.serving_tools import ToolRequestError, check_tool_messages
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -30,6 +31,10 @@ class OpenAIServingTokenization(OpenAIServing):
             if request.add_generation_prompt and request.continue_final_message:
                 return error_response("add_generation_prompt and continue_final_message "
                                       "cannot both be true.", 400, "continue_final_message")
+            try:  # as chat completions check them, so the error names the same field
+                check_tool_messages(request.messages)
+            except ToolRequestError as e:
+                return error_response(str(e), 400, e.param)
             try:
                 ids = (await self.prompts.chat_prompt(
                     request.messages, add_generation_prompt=request.add_generation_prompt,

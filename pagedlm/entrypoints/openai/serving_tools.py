@@ -56,12 +56,16 @@ def _check_tools(request: ChatCompletionRequest) -> None:
                                    f"tools.{i}.function.name")
         seen.add(fn.name)
         params = fn.parameters
-        if params is not None and (params.get("type", "object") != "object"
-                                   or not isinstance(params.get("properties", {}), dict)):
+        if params is not None and params.get("type", "object") != "object":
             raise ToolRequestError(
                 f"tools[{i}].function.parameters must be a JSON schema of an object "
-                f"(type 'object', properties a mapping); got type {params.get('type')!r}.",
+                f"(type 'object'); got type {params.get('type')!r}.",
                 f"tools.{i}.function.parameters")
+        if params is not None and not isinstance(params.get("properties", {}), dict):
+            raise ToolRequestError(
+                f"tools[{i}].function.parameters.properties must be a mapping of property "
+                f"names to schemas; got {type(params['properties']).__name__}.",
+                f"tools.{i}.function.parameters.properties")
 
 
 def check_tool_messages(messages: list[ChatMessage]) -> None:
