@@ -15,6 +15,7 @@ from pagedlm.engine.detokenizer import IncrementalDetokenizer
 from pagedlm.engine.stop_checker import StopDecision, check_stop
 from pagedlm.model_executor.layers.pooler import finalize_embedding
 from pagedlm.model_io import ModelRunnerOutput, PromptLogprobs
+from pagedlm.structured_output.request import GrammarStep
 from pagedlm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
                              PositionLogprobs, RequestOutput)
 from pagedlm.sampling_params import RequestOutputKind
@@ -126,8 +127,11 @@ class OutputProcessor:
         params = group.sampling_params
         # Advanced before the token is appended: a sequence new to its matcher replays the
         # output it had so far.
-        grammar_done = (group.structured_output is not None
-                        and group.structured_output.accept_token(seq, token_id))
+        grammar = (group.structured_output.accept_token(seq, token_id)
+                   if group.structured_output is not None else None)
+        if grammar is GrammarStep.BREAKS:
+            seq.stop_reason = None
+            return SequenceStatus.FINISHED_STOPPED
         seq.token_ids.append(token_id)
         if lp is not None:
             logprob, rank, top_ids, top_vals = lp
@@ -141,7 +145,7 @@ class OutputProcessor:
             seq.output_text += delta
         stop = check_stop(params, self.eos_token_ids, self.max_model_len, len(seq.token_ids),
                           seq.num_output_tokens, token_id, seq.output_text, len(delta))
-        if stop is None and grammar_done:  # the grammar allows nothing more (ignore_eos too)
+        if stop is None and grammar is GrammarStep.COMPLETES:  # nothing more (ignore_eos too)
             stop = StopDecision(SequenceStatus.FINISHED_STOPPED)
         if stop is None:
             return None

@@ -3,6 +3,7 @@ matchers. Held by the request's SequenceGroup (sequence.py), so it imports nothi
 manager that compiles grammars."""
 from __future__ import annotations
 
+import enum
 import logging
 from concurrent.futures import Future
 
@@ -10,6 +11,13 @@ from pagedlm.sampling_params import StructuredOutputsParams
 from pagedlm.structured_output.backend import CompiledGrammar, GrammarMatcher
 
 logger = logging.getLogger(__name__)
+
+
+class GrammarStep(enum.Enum):
+    """What a sampled token does to a sequence's grammar (StructuredOutputRequest.accept_token)."""
+    CONTINUES = "continues"  # accepted; more may follow
+    COMPLETES = "completes"  # accepted; the grammar allows nothing more
+    BREAKS = "breaks"  # refused: the sequence ends before it, without it
 
 
 class StructuredOutputRequest:
@@ -42,14 +50,15 @@ class StructuredOutputRequest:
                                        f"does not match its grammar")
         return m
 
-    def accept_token(self, seq, token_id: int) -> bool:
-        """Advance seq's matcher by the token it just sampled (before it is appended). True:
-        the sequence must end here (its grammar is complete, or, where something else masked
-        what the grammar wanted, the token breaks it)."""
+    def accept_token(self, seq, token_id: int) -> GrammarStep:
+        """Advance seq's matcher by the token it just sampled (before it is appended). A token
+        the grammar refuses was drawn from a row where nothing was left to draw: the grammar
+        allows no token there (one that matches nothing, such as the regex [^\\s\\S]), or
+        another mask (allowed_token_ids, bad_words, min_tokens) took away all it allowed. The
+        sequence then ends without it: an output that breaks its grammar is never returned."""
         m = self.matcher(seq)
         if not m.accept_token(token_id):
-            logger.warning("structured output: sequence %d sampled token %d, which its grammar "
-                           "does not allow (min_tokens or another mask conflicts with it); "
-                           "ending it", seq.seq_id, token_id)
-            return True
-        return m.is_terminated()
+            logger.info("structured output: sequence %d has no token its grammar and its other "
+                        "masks all allow; ending it", seq.seq_id)
+            return GrammarStep.BREAKS
+        return GrammarStep.COMPLETES if m.is_terminated() else GrammarStep.CONTINUES

@@ -145,6 +145,26 @@ def test_grammar_ends_the_sequence_even_with_ignore_eos(llm):
     assert out.finish_reason == "stop" and out.text in CHOICES
 
 
+@pytest.mark.parametrize("temperature", [0, 1], ids=["greedy", "sampled"])
+def test_no_token_allowed_ends_the_sequence_without_breaking_its_grammar(llm, temperature):
+    """Where a grammar allows no token (a regex that matches nothing), or allowed_token_ids
+    leaves none of those it allows, the row had nothing to draw from: a sampled row drew a
+    token the grammar refuses ("ectable"), which was returned as the output. It ends there,
+    the token dropped."""
+    token = llm.get_tokenizer().encode(" zebra")[0]
+    cases = [StructuredOutputsParams(regex=r"[^\s\S]"),
+             StructuredOutputsParams(choice=["yes", "no"])]
+    params = [SamplingParams(temperature=temperature, seed=1, max_tokens=5,
+                             structured_outputs=so,
+                             allowed_token_ids=[token] if so.choice else None)
+              for so in cases]
+    outs = llm.generate(["Answer:"] * len(params), params, use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.text == "" and list(c.token_ids) == [], c
+    assert_all_blocks_free(llm)
+
+
 def test_max_tokens_and_stop_strings_cut_structured_output(llm):
     prompt, schema = SCHEMAS[0]
     key = next(iter(schema["properties"]))
