@@ -128,9 +128,14 @@ class RequestPreparer:
             params.bad_words_token_ids = tokens
         compilation = None
         if params.structured_outputs is not None:
-            compilation = self._engine.structured_output.prepare(params.structured_outputs)
-            # Its futures cannot be cancelled: a caller giving up leaves it to the others.
-            await asyncio.wrap_future(compilation.grammar)
+            manager = self._engine.structured_output
+            compilation = manager.prepare(params.structured_outputs)
+            # Its futures cannot be cancelled: a caller giving up leaves it to the others, or,
+            # where none is left before its check starts, it is dropped (manager._check).
+            try:
+                await asyncio.wrap_future(compilation.grammar)
+            finally:
+                manager.release(compilation)
         return params, compilation
 
     def _executor(self) -> ThreadPoolExecutor:

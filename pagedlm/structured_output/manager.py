@@ -51,6 +51,9 @@ class Compilation:
     limit (or its ValueError); `grammar`: compiled here (or the same error)."""
     checked: Future = field(default_factory=_new_future)
     grammar: Future = field(default_factory=_new_future)
+    # Callers of prepare() that have not released it (the manager's lock guards it). A spec
+    # whose check has not started when this falls to 0 is not compiled: its clients left.
+    waiters: int = 0
 
     @property
     def failed_for_the_server(self) -> bool:
@@ -98,8 +101,9 @@ class StructuredOutputManager:
             return self._backend
 
     def prepare(self, params: StructuredOutputsParams) -> Compilation:
-        """The spec's compilation: found, or started. Thread-safe; ValueError at once for a
-        spec the backend never takes (the size bounds were checked when params was built)."""
+        """The spec's compilation: found, or started; the caller waits for it until it calls
+        release(). Thread-safe; ValueError at once for a spec the backend never takes (the
+        size bounds were checked when params was built)."""
         key = params.cache_key()
         with self._lock:
             if self._closed:
@@ -107,6 +111,7 @@ class StructuredOutputManager:
             found = self._compilations.get(key)
             if found is not None and not found.failed_for_the_server:
                 self._compilations.move_to_end(key)
+                found.waiters += 1
                 return found
             self.backend_cls.validate(params)
             if self._check_pool is None:
@@ -116,7 +121,7 @@ class StructuredOutputManager:
                                                       initializer=lower_thread_priority)
                 self._compile_pool = ThreadPoolExecutor(1, "pagedlm-grammar",
                                                         initializer=lower_thread_priority)
-            comp = Compilation()
+            comp = Compilation(waiters=1)
             self._compilations[key] = comp
             while len(self._compilations) > _CACHE_SIZE:
                 self._compilations.popitem(last=False)
@@ -125,11 +130,28 @@ class StructuredOutputManager:
             self._check_pool.submit(self._check, params, comp)
         return comp
 
+    def release(self, comp: Compilation) -> None:
+        """The caller of prepare() no longer waits for comp (it has it, or gave up)."""
+        with self._lock:
+            comp.waiters -= 1
+
     def _finished(self, comp: Compilation) -> None:
         with self._lock:
             self._unfinished.discard(comp)
 
     def _check(self, params: StructuredOutputsParams, comp: Compilation) -> None:
+        # Specs are checked one at a time, each up to the compile time limit: one whose
+        # clients all left while it queued is dropped, not compiled for nobody (five slow
+        # regexes whose clients gave up after 1.5 s held a later request 18 s).
+        with self._lock:
+            abandoned = comp.waiters <= 0
+            if abandoned and self._compilations.get(params.cache_key()) is comp:
+                del self._compilations[params.cache_key()]
+        if abandoned:
+            logger.debug("%s: no request waits for it any more; not compiled",
+                         params.field_name)
+            _fail(comp, RuntimeError("the grammar was not compiled: no request waited for it"))
+            return
         try:
             if self._sandbox is None:
                 self._sandbox = GrammarSandbox(self.backend_cls.name,
@@ -170,8 +192,13 @@ class StructuredOutputManager:
         """The request's grammar, compiled or compiling; ValueError naming the field for a spec
         that does not compile (within the time limit). Waits for the sandbox's verdict unless
         the spec was prepared: only LLMEngine's own callers (offline) wait here."""
-        comp = self._adopted.get(params.cache_key()) or self.prepare(params)
-        comp.checked.result()  # raises the spec's error
+        comp = self._adopted.get(params.cache_key())
+        if comp is None:
+            comp = self.prepare(params)
+            try:
+                comp.checked.result()  # raises the spec's error
+            finally:
+                self.release(comp)
         request = StructuredOutputRequest(params, comp.grammar)
         if not comp.grammar.done():
             self._pending.append((request_id, request))

@@ -15,6 +15,7 @@ import torch
 
 from pagedlm import LLM, EngineArgs, SamplingParams
 from pagedlm.sampling_params import StructuredOutputsParams
+from pagedlm.structured_output.sandbox import GrammarSandbox
 from tests.compare_utils import assert_greedy_outputs_match
 from tests.structured_cases import (CHOICE_PROMPT, CHOICES, GRAMMAR, GRAMMAR_PROMPT, GRAMMAR_RE,
                                     REGEX, REGEX_PROMPT, SCHEMAS)
@@ -136,6 +137,37 @@ def test_a_compiling_grammar_holds_up_only_its_own_request(llm, monkeypatch):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     jsonschema.validate(json.loads(finished["held"].outputs[0].text), schema)
     assert_all_blocks_free(llm)
+
+
+def test_a_spec_nobody_waits_for_is_not_compiled(llm, monkeypatch):
+    """Specs are checked one at a time, each up to the compile time limit: one whose clients
+    all left while it queued is dropped unchecked; a later request compiles it afresh."""
+    manager = llm.llm_engine.structured_output
+    gate, checked = threading.Event(), []
+    real = GrammarSandbox.check
+
+    def check(self, params):
+        checked.append(params.regex)
+        if params.regex == "held-[a-z]{3}":
+            gate.wait(60)
+        return real(self, params)
+
+    monkeypatch.setattr(GrammarSandbox, "check", check)
+    held = manager.prepare(StructuredOutputsParams(regex="held-[a-z]{3}"))
+    left = manager.prepare(StructuredOutputsParams(regex="left-[a-z]{3}"))
+    manager.release(left)  # its client went away while it queued behind `held`
+    gate.set()
+    assert held.grammar.result(60) is not None
+    manager.release(held)
+    with pytest.raises(RuntimeError, match="no request waited"):
+        left.grammar.result(60)
+    assert checked == ["held-[a-z]{3}"]
+    again = manager.prepare(StructuredOutputsParams(regex="left-[a-z]{3}"))
+    try:
+        assert again is not left and again.grammar.result(60) is not None
+    finally:
+        manager.release(again)
+    assert checked == ["held-[a-z]{3}", "left-[a-z]{3}"]
 
 
 def test_grammar_ends_the_sequence_even_with_ignore_eos(llm):
