@@ -15,12 +15,12 @@ from pagedlm.engine.detokenizer import IncrementalDetokenizer
 from pagedlm.engine.stop_checker import StopDecision, check_stop
 from pagedlm.model_executor.layers.pooler import finalize_embedding
 from pagedlm.model_io import ModelRunnerOutput, PromptLogprobs
-from pagedlm.structured_output.request import GrammarStep
 from pagedlm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
                              PositionLogprobs, RequestOutput)
 from pagedlm.sampling_params import RequestOutputKind
 from pagedlm.sequence import (OutputCursor, Sequence, SequenceGroup, SequenceStatus,
                               SequenceUpdates)
+from pagedlm.structured_output.request import GrammarStep
 
 
 class OutputProcessor:

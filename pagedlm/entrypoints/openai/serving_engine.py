@@ -272,8 +272,9 @@ class OpenAIServing:
                       max_tokens_field: str = "max_tokens") -> JSONResponse | None:
         """As OpenAI and vLLM do: prompt plus max_tokens over the context is a 400, not a
         silently shortened completion. A prompt longer than the context is refused here with
-        the engine's message, before its ids travel to the engine thread, which would check
-        each of them first (4M ids: 1.5 s of the GIL)."""
+        the engine's message, before its ids travel to the engine thread, which checks each
+        id before the length (a 4M-id prompt's request took 2.29 s that way, 1.65 s refused
+        here)."""
         for prompt in prompts:
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
             if ids is not None and len(ids) > self.max_model_len:
