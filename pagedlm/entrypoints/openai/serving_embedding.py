@@ -71,16 +71,13 @@ class OpenAIServingEmbedding(OpenAIServing):
                 self.engine.add_request(rid, prompt, params, priority=request.priority,
                                         lora_request=lora)))
         except AddFailed as failed:
-            e = failed.cause
-            if isinstance(e, AsyncEngineDeadError):
-                return error_response(str(e), 500)
-            if not isinstance(e, ValueError):
-                raise e
-            msg = str(e)
+            msg = str(failed.cause)
             param = next((f for f in ("dimensions", "priority") if msg.startswith(f)), "input")
             if len(prompts) > 1 and param == "input":
                 msg, param = f"input[{failed.index}]: {msg}", f"input[{failed.index}]"
             return error_response(msg, 400, param)
+        except AsyncEngineDeadError as e:
+            return error_response(str(e), 500)
 
     async def _prompts(self, request: EmbeddingRequest) -> list[PromptType]:
         x = request.input

@@ -38,9 +38,10 @@ MAX_PROMPTS = 2048
 
 
 class AddFailed(Exception):
-    """OpenAIServing.add_all: adding prompt `index` raised `cause` (the others were aborted)."""
+    """OpenAIServing.add_all: the engine refused prompt `index` with `cause` (the others were
+    aborted)."""
 
-    def __init__(self, index: int, cause: BaseException) -> None:
+    def __init__(self, index: int, cause: ValueError) -> None:
         super().__init__(index, cause)
         self.index, self.cause = index, cause
 
@@ -226,10 +227,6 @@ class OpenAIServing:
                                             lora_request=lora)))
         except AddFailed as failed:
             e = failed.cause
-            if isinstance(e, AsyncEngineDeadError):
-                return error_response(str(e), 500)
-            if not isinstance(e, ValueError):
-                raise e
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
         except ValueError as e:
             self.abort(streams)
@@ -248,8 +245,9 @@ class OpenAIServing:
         """add(request id, prompt) for every prompt at once, all or nothing. Each add waits
         for the engine thread to take it between two steps, so one after another a list of N
         prompts took N steps to start (50 one-token prompts: 61 s on a busy 2-core machine);
-        together they start in one. Where one fails the others are aborted and AddFailed
-        names the first; cancelled (the client left), each aborts what it added."""
+        together they start in one. Where one fails the others are aborted, and its error is
+        raised: an invalid prompt's ValueError as AddFailed, naming which; cancelled (the
+        client left), each aborts what it added."""
         tasks = [asyncio.ensure_future(add(request_id if len(prompts) == 1
                                            else f"{request_id}-{i}", prompt))
                  for i, prompt in enumerate(prompts)]
@@ -263,9 +261,11 @@ class OpenAIServing:
             raise
         streams = [t.result() for t in tasks if t.exception() is None]
         for i, t in enumerate(tasks):
-            if t.exception() is not None:
+            if (e := t.exception()) is not None:
                 self.abort(streams)
-                raise AddFailed(i, t.exception())
+                if isinstance(e, ValueError):
+                    raise AddFailed(i, e)
+                raise e  # the engine's (AsyncEngineDeadError), not the request's
         return streams
 
     def check_context(self, prompts: list[PromptType], params: SamplingParams,
