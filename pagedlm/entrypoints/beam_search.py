@@ -26,8 +26,8 @@ from pagedlm.engine.request_prep import check_sampling_limits, clamp_max_tokens
 from pagedlm.engine.stop_checker import check_stop
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.lora.request import LoRARequest
-from pagedlm.outputs import (CompletionOutput, EmbeddingRequestOutput, RequestMetrics,
-                             RequestOutput)
+from pagedlm.outputs import (CompletionOutput, EmbeddingRequestOutput, PositionLogprobs,
+                             RequestMetrics, RequestOutput)
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.sequence import SequenceStatus
@@ -37,6 +37,8 @@ from pagedlm.sequence import SequenceStatus
 class _Beam:
     token_ids: list[int] = field(default_factory=list)  # generated so far
     cumulative_logprob: float = 0.0
+    # Each generated token's logprobs, where the request asks for them (params.logprobs).
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class _Hypothesis:
     cumulative_logprob: float
     status: SequenceStatus
     stop_reason: int | None
+    logprobs: list[PositionLogprobs]
 
 
 @dataclass
@@ -96,7 +99,8 @@ class BeamSearch:
     def next_requests(self) -> list[BeamStepRequest]:
         first = self.num_steps == 0
         step_params = SamplingParams(
-            max_tokens=1, temperature=0.0, logprobs=2 * self.width, ignore_eos=True,
+            max_tokens=1, temperature=0.0, logprobs=max(2 * self.width, self.params.logprobs or 0),
+            ignore_eos=True,
             prompt_logprobs=self.params.prompt_logprobs if first else None,
             skip_special_tokens=self.params.skip_special_tokens,
             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -137,12 +141,14 @@ class BeamSearch:
         """Rank this step's candidates into the next beams and finished hypotheses."""
         width = self.width
         candidates = []  # (cumulative logprob, parent index, token id, logprob)
+        positions: list[list] = []  # each parent's step logprobs, best rank first
         for index, (rid, parent) in enumerate(self.pending.items()):
             result = self.results[rid]
             completion = result.outputs[0] if result is not None else None
             if completion is None or not completion.logprobs:
                 continue  # the step request could not run (it outgrew the KV cache)
             top = sorted(completion.logprobs[0].items(), key=lambda kv: kv[1].rank)
+            positions.append(top)
             for tid, lp in top[:2 * width]:
                 candidates.append((parent.cumulative_logprob + lp.logprob, index, tid,
                                    lp.logprob))
@@ -164,9 +170,10 @@ class BeamSearch:
             if stop is not None:
                 # Only the top beam_width candidates may finish, as in transformers.
                 if rank < width:
-                    self._add_finished(parent, tid, score, stop.status, stop.stop_reason)
+                    self._add_finished(parent, tid, score, stop.status, stop.stop_reason,
+                                       self._position(positions[index], tid))
             elif num_live < width:
-                continuations.setdefault(index, []).append((tid, lp))
+                continuations.setdefault(index, []).append((tid, lp, positions[index]))
                 num_live += 1
                 if num_live == 1:
                     best_running = score
@@ -174,21 +181,34 @@ class BeamSearch:
         # order a fork would have appended them.
         firsts, extras = [], []
         for index, parent in enumerate(self.live):
-            for j, (tid, lp) in enumerate(continuations.get(index, [])):
-                beam = _Beam(parent.token_ids + [tid], parent.cumulative_logprob + lp)
+            for j, (tid, lp, top) in enumerate(continuations.get(index, [])):
+                position = self._position(top, tid)
+                beam = _Beam(parent.token_ids + [tid], parent.cumulative_logprob + lp,
+                             parent.logprobs + [position] if position is not None else [])
                 (extras if j else firsts).append(beam)
         self.live = firsts + extras
         if num_live == 0 or self._is_done(best_running):
             self._finish()
 
+    def _position(self, top: list, tid: int) -> PositionLogprobs | None:
+        """The logprobs of a step's token `tid` as an ordinary request reports them: it, and
+        the params.logprobs most likely tokens; None where the request asks for none."""
+        k = self.params.logprobs
+        if k is None:
+            return None
+        return {t: lp for t, lp in top if lp.rank <= k or t == tid}
+
     def _add_finished(self, parent: _Beam, tid: int | None, cumulative: float,
-                      status: SequenceStatus, stop_reason: int | None = None) -> None:
+                      status: SequenceStatus, stop_reason: int | None = None,
+                      position: PositionLogprobs | None = None) -> None:
         sp = self.params
         if sp.early_stopping is True and len(self.hypotheses) == self.width:
             return
         tokens = parent.token_ids + ([tid] if tid is not None else [])
+        logprobs = parent.logprobs + ([position] if position is not None else [])
         score = cumulative / (max(1, len(tokens)) ** sp.length_penalty)
-        self.hypotheses.append(_Hypothesis(score, tokens, cumulative, status, stop_reason))
+        self.hypotheses.append(_Hypothesis(score, tokens, cumulative, status, stop_reason,
+                                           logprobs))
         self.hypotheses.sort(key=lambda h: h.score, reverse=True)
         del self.hypotheses[self.width:]
 
@@ -215,7 +235,8 @@ class BeamSearch:
             CompletionOutput(index=i, text=self.tokenizer.decode(
                                  h.token_ids, skip_special_tokens=self.params.skip_special_tokens),
                              token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,
-                             logprobs=None, finish_reason=h.status.value,
+                             logprobs=(h.logprobs if self.params.logprobs is not None
+                                       else None), finish_reason=h.status.value,
                              stop_reason=h.stop_reason)
             for i, h in enumerate(self.hypotheses[:self.params.n])]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,

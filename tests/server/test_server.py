@@ -471,8 +471,16 @@ def test_best_of_and_beam_search(client):
                                       temperature=0, logprobs=0,
                                       extra_body={"use_beam_search": True, "ignore_eos": True})
     assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text
+    assert all(len(c.logprobs.token_logprobs) == 6 for c in beams.choices)  # they were empty
     score = [sum(c.logprobs.token_logprobs) for c in beams.choices]
     assert score[0] >= score[1]  # best beam first (equal lengths: length_penalty plays no part)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, n=1,
+        temperature=0, logprobs=True, top_logprobs=3,
+        extra_body={"use_beam_search": True, "best_of": 2, "ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content), content
+    assert all(t.logprob <= 0 and t.logprob >= t.top_logprobs[-1].logprob for t in content)
     with pytest.raises(openai.BadRequestError) as exc_info:
         client.completions.create(model=MODEL, prompt=PROMPT, n=3, best_of=2)
     _error(exc_info, 400, "best_of")
