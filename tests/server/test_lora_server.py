@@ -2,7 +2,9 @@
 tiny random Llama, against the offline LLM's outputs with the same adapters."""
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
+import time
 
 import httpx
 import openai
@@ -12,7 +14,7 @@ from pagedlm import LLM, EngineArgs, LoRARequest, SamplingParams
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.entrypoints.openai.serving_models import parse_lora_module
 from tests.conftest import make_tiny_model
-from tests.server_utils import serve_in_thread, wait_until_idle
+from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
 from tests.server.test_cli import REPO, _env, cli
 from tests.engine.test_lora import ALL_PROJ, make_adapter
 
@@ -152,6 +154,30 @@ def test_load_and_unload_at_runtime(server, client, setup, offline):
     r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "a3"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
     assert server.engine.engine.lora_stats().cached_ids.count(3) == 0
+
+
+def test_unloading_an_adapter_in_use_answers_its_requests(server, client, setup):
+    """Unloading aborts the adapter's running requests; a waiting non-streaming one got a 500
+    (its stream ended without a final output). It is a 404 naming the model now."""
+    _, paths = setup
+    r = httpx.post(server.url + "/v1/load_lora_adapter",
+                   json={"lora_name": "gone", "lora_path": paths["a3"]})
+    assert r.status_code == 200, r.text
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.base_url + "/completions", timeout=120, json={
+            "model": "gone", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True})
+        deadline = time.monotonic() + 60
+        while server.engine.metrics.snapshot.num_running == 0:
+            assert time.monotonic() < deadline and not pending.done(), "it never ran"
+            time.sleep(0.01)
+        r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "gone"})
+        assert r.status_code == 200, r.text
+        answer = pending.result()
+    assert answer.status_code == 404, answer.text
+    err = answer.json()["error"]
+    assert err["param"] == "model" and "unloaded while this request ran" in err["message"]
+    wait_until_idle(server.engine)
+    assert_all_blocks_free(server.engine)
 
 
 @pytest.mark.parametrize("body,param,words", [

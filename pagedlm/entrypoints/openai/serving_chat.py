@@ -15,10 +15,9 @@ from pagedlm.entrypoints.openai.protocol_chat import (ChatCompletionLogProbs, Ch
                                                       ChatLogProbsContent, ChatResponseMessage,
                                                       DeltaMessage, FunctionCall, ToolCall)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError, render_chat
-from pagedlm.entrypoints.openai.serving_engine import (OpenAIServing, clean_logprob,
-                                                       error_response, merge_streams,
-                                                       param_from_message, sse, token_text,
-                                                       _PARAMS)
+from pagedlm.entrypoints.openai.serving_engine import (_PARAMS, OpenAIServing, RequestAborted,
+                                                       clean_logprob, error_response, merge_streams,
+                                                       param_from_message, sse, token_text)
 from pagedlm.entrypoints.openai.serving_tools import (NO_TOOLS, ToolPlan, ToolRequestError,
                                                       constrain_to_json_schema, plan_tools)
 from pagedlm.entrypoints.openai.tool_parsers import ToolParser
@@ -85,6 +84,8 @@ class OpenAIServingChat(OpenAIServing):
                 self._stream(request, request_id, model, streams, tools), streams)
         try:
             (final,) = await self.collect(streams)
+        except RequestAborted:
+            return self.aborted_response(request.model)
         except Exception as e:  # noqa: BLE001 - the engine failed while we waited
             return error_response(str(e) or repr(e), 500)
         choices, completion_tokens = [], 0

@@ -11,10 +11,10 @@ from pagedlm.entrypoints.openai.protocol_completion import (CompletionLogProbs, 
                                                             CompletionResponseChoice,
                                                             CompletionStreamResponse)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
-from pagedlm.entrypoints.openai.serving_engine import (MAX_PROMPTS, OpenAIServing, clean_logprob,
+from pagedlm.entrypoints.openai.serving_engine import (MAX_PROMPTS, _PARAMS, OpenAIServing,
+                                                       RequestAborted, clean_logprob,
                                                        error_response, merge_streams,
-                                                       param_from_message, sse, token_text,
-                                                       _PARAMS)
+                                                       param_from_message, sse, token_text)
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import PositionLogprobs, RequestOutput
 
@@ -42,6 +42,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 self._stream(request, request_id, model, streams), streams)
         try:
             finals = await self.collect(streams)
+        except RequestAborted:
+            return self.aborted_response(request.model)
         except Exception as e:  # noqa: BLE001 - the engine failed while we waited
             return error_response(str(e) or repr(e), 500)
         return JSONResponse(self._response(request, request_id, model, finals).model_dump())

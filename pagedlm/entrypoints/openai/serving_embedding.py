@@ -13,7 +13,7 @@ from pagedlm.entrypoints.openai.protocol_embedding import (EmbeddingData, Embedd
                                                            EmbeddingResponse, EmbeddingUsage)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import (MAX_PROMPTS, AddFailed, OpenAIServing,
-                                                       error_response)
+                                                       RequestAborted, error_response)
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import EmbeddingRequestOutput
 from pagedlm.pooling_params import PoolingParams
@@ -45,6 +45,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             return streams
         try:
             finals: list[EmbeddingRequestOutput] = await self.collect(streams)
+        except RequestAborted:
+            return self.aborted_response(request.model)
         except Exception as e:  # noqa: BLE001 - the engine failed while we waited
             return error_response(str(e) or repr(e), 500)
         data = []

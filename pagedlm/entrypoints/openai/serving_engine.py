@@ -37,6 +37,10 @@ UNTRUSTED_TEMPLATE = ("chat_template: this server does not render chat templates
 MAX_PROMPTS = 2048
 
 
+class RequestAborted(Exception):
+    """OpenAIServing.collect: a request ended without its final output (aborted)."""
+
+
 class AddFailed(Exception):
     """OpenAIServing.add_all: the engine refused prompt `index` with `cause` (the others were
     aborted)."""
@@ -300,7 +304,9 @@ class OpenAIServing:
                            if isinstance(s, RequestStream) and not s.finished])
 
     async def collect(self, streams: list[RequestStream]) -> list:
-        """The final output of each stream (FINAL_ONLY requests); aborts them if cancelled."""
+        """The final output of each stream (FINAL_ONLY requests); aborts them if cancelled.
+        RequestAborted where one ended without it: the engine aborted it (its LoRA adapter was
+        unloaded meanwhile)."""
         async def last(stream: RequestStream):
             out = None
             async for out in stream:
@@ -308,9 +314,21 @@ class OpenAIServing:
             return out
 
         try:
-            return await asyncio.gather(*(last(s) for s in streams))
+            finals = await asyncio.gather(*(last(s) for s in streams))
         finally:
             self.abort(streams)
+        if any(f is None for f in finals):
+            raise RequestAborted
+        return finals
+
+    def aborted_response(self, model: str | None) -> JSONResponse:
+        """The answer to a request the engine aborted before it finished (RequestAborted):
+        a 404 naming `model` where it is an adapter unloaded meanwhile (the only way a client
+        can cause this), else the server's own doing."""
+        if (gone := self.check_model(model)) is not None:
+            return error_response(f"The model `{model}` was unloaded while this request ran; "
+                                  f"the request was aborted.", gone.status_code, "model")
+        return error_response("The server aborted this request before it finished.", 500)
 
     def streaming_response(self, body: AsyncIterator[str],
                            streams: list[RequestStream]) -> EngineStreamingResponse:
