@@ -6,7 +6,11 @@ R = shards x max_lora_rank: a packed layer (QKV, gate/up) gives each of its stac
 its own rank block, since a PEFT adapter has one A per checkpoint module (q_proj, k_proj, ...).
 All slots sit side by side, so one step's tokens of any mix of adapters take two GEMMs:
 
-    y += ((x @ A_cat^T) * mask) @ B_cat        mask[t, c] = 1 where column c is token t's slot
+    y += where(mask, x @ A_cat^T, 0) @ B_cat   mask[t, c] where column c is token t's slot
+
+(`where`, not a product with a 0/1 mask: an adapter whose A overflows to infinity for a token
+would make 0 x inf = NaN in every other token's row, the base model's included; loading refuses
+non-finite weights, models.py.)
 
 The mask is built once per step and width (LoRABatch) and shared by every layer. A step with no
 adapter skips all of it.
@@ -41,7 +45,7 @@ class LoRABatch:
         self.active = False
         self.num_slots = 0  # slots [0, num_slots) cover every adapter in the step
         self.token_slots: torch.Tensor | None = None
-        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._masks: dict[int, torch.Tensor] = {}
         # Deterministic: (slot, the indices of its tokens) for each slot with tokens this step.
         self.slot_rows: list[tuple[int, torch.Tensor]] = []
 
@@ -59,14 +63,14 @@ class LoRABatch:
                 if rows.numel():
                     self.slot_rows.append((slot, rows))
 
-    def mask(self, rank_per_slot: int, dtype: torch.dtype) -> torch.Tensor:
-        key = (rank_per_slot, dtype)
-        m = self._masks.get(key)
+    def mask(self, rank_per_slot: int) -> torch.Tensor:
+        """[tokens, slots x rank_per_slot] bool: True where the column is the token's slot."""
+        m = self._masks.get(rank_per_slot)
         if m is None:
             cols = torch.arange(self.num_slots * rank_per_slot,
                                 device=self.token_slots.device) // rank_per_slot
-            m = (self.token_slots.unsqueeze(1) == cols.unsqueeze(0)).to(dtype)
-            self._masks[key] = m
+            m = self.token_slots.unsqueeze(1) == cols.unsqueeze(0)
+            self._masks[rank_per_slot] = m
         return m
 
 
@@ -108,7 +112,7 @@ class BaseLayerWithLoRA(nn.Module):
             return self._delta_per_slot(x)
         w = self.batch.num_slots * self.rank_per_slot
         shrunk = x @ self.lora_a[:w].T
-        return (shrunk * self.batch.mask(self.rank_per_slot, x.dtype)) @ self.lora_b_t[:w]
+        return torch.where(self.batch.mask(self.rank_per_slot), shrunk, 0.0) @ self.lora_b_t[:w]
 
     def _delta_per_slot(self, x: torch.Tensor) -> torch.Tensor:
         """What `delta` computes, each slot's tokens on their own, one sum order per output."""

@@ -74,6 +74,11 @@ class LoRAModel:
                 raise ValueError(f"lora_path {path!r}: tensor {key!r} is not a lora_A / lora_B "
                                  f"weight (embedding adapters and extra modules are not "
                                  f"supported).")
+            # A NaN or infinity would reach every token of a step: the slots' deltas are
+            # computed together, and 0 x inf is NaN (layers.py).
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise ValueError(f"lora_path {path!r}: tensor {key!r} holds NaN or infinite "
+                                 f"values.")
         if not pairs:
             raise ValueError(f"lora_path {path!r}: the adapter has no LoRA weights.")
         weights = {}

@@ -135,6 +135,42 @@ def test_mixed_batch_equals_each_adapter_alone(tiny, tiny_llm):
     assert alone[0].token_ids != alone[1].token_ids != alone[2].token_ids
 
 
+def _scaled_adapter(src: str, out: str, value: float) -> str:
+    """src's adapter with every lora_A entry set to +-value (inf, nan, or a finite value large
+    enough that x @ A^T overflows)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    st = os.path.join(out, "adapter_model.safetensors")
+    tensors = load_file(st)
+    for key in tensors:
+        if ".lora_A." in key:
+            tensors[key] = torch.sign(tensors[key]) * value
+    save_file(tensors, st)
+    return out
+
+
+def test_an_overflowing_adapter_leaves_the_other_rows_of_its_batch_alone(tiny, tiny_llm,
+                                                                          tmp_path):
+    """The slots' deltas are computed for every token together: with a 0/1 mask, 0 x inf made
+    the base model's rows NaN beside an adapter whose A overflowed (a hostile probe's finding:
+    empty outputs at logprob -9999, kept in the prefix cache). Non-finite weights are refused."""
+    _, loras, _ = tiny
+    huge = LoRARequest("huge", 90, _scaled_adapter(loras[0].lora_path, str(tmp_path / "huge"),
+                                                  3e38))
+    choice = [None, huge, None, huge]
+    prompts = PROMPTS[:4]
+    mixed = firsts(tiny_llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=choice))
+    alone = firsts(tiny_llm.generate([prompts[0], prompts[2]], GREEDY, use_tqdm=False))
+    assert_greedy_outputs_match(alone, [mixed[0], mixed[2]])
+    for i, value in enumerate((float("nan"), float("inf"))):
+        bad = LoRARequest(f"bad{i}", 91 + i, _scaled_adapter(loras[0].lora_path,
+                                                     str(tmp_path / f"bad-{value}"), value))
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            tiny_llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=bad)
+
+
 def test_one_slot_three_adapters_take_turns(tiny, tiny_llm):
     base, loras, _ = tiny
     choice = [loras[i % 3] for i in range(6)]
