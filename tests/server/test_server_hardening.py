@@ -402,6 +402,9 @@ def test_a_list_of_prompts_starts_in_one_step(server, http, engine):
     err = _error(http.post("/v1/completions", json={
         "model": MODEL, "prompt": [[5]] * (MAX_PROMPTS + 1), "max_tokens": 1}), 400, "prompt")
     assert str(MAX_PROMPTS) in err["message"], err
+    err = _error(http.post("/v1/completions", json={
+        "model": MODEL, "prompt": [[5]] * 64, "n": 64, "max_tokens": 1}), 400, "n")
+    assert "4096 sequences" in err["message"] and str(MAX_PROMPTS) in err["message"], err
     # One bad prompt among many: a 400 naming it, and every other one aborted.
     bad = [[5, 6]] * 8 + [[10**9]] + [[5, 6]] * 8
     _error(http.post("/v1/completions", json={"model": MODEL, "prompt": bad, "max_tokens": 4}),

@@ -33,7 +33,8 @@ UNTRUSTED_TEMPLATE = ("chat_template: this server does not render chat templates
 
 
 # The most prompts one request may carry (a completion's `prompt` list, an embedding's `input`
-# list): OpenAI's limit for embedding inputs. Each is an engine request, added in one go.
+# list): OpenAI's limit for embedding inputs. Each is an engine request, added in one go. A list
+# of prompts may also ask for at most this many sequences in all (prompts x n or best_of).
 MAX_PROMPTS = 2048
 
 
@@ -215,6 +216,15 @@ class OpenAIServing:
         max_tokens_field: the request's name for params.max_tokens (for the error)."""
         if (too_long := self.check_context(prompts, params, max_tokens_field)) is not None:
             return too_long
+        per_prompt = max(params.n, params.best_of or params.n)
+        if len(prompts) > 1 and len(prompts) * per_prompt > MAX_PROMPTS:
+            # 2048 prompts x n=256 were 524,288 sequences: minutes of the engine's time, while
+            # the requests behind them waited (first come, first served).
+            field = "best_of" if (params.best_of or 0) > params.n else "n"
+            return error_response(
+                f"{field}: {len(prompts)} prompts x {per_prompt} sequences each are "
+                f"{len(prompts) * per_prompt} sequences; a request may ask for at most "
+                f"{MAX_PROMPTS}.", 400, field)
         if cache_salt is not None:
             prompts = [{**p, "cache_salt": cache_salt} for p in prompts]
         lora = self.models.lora_for(model) if self.models is not None else None
