@@ -99,8 +99,8 @@ class BeamSearch:
     def next_requests(self) -> list[BeamStepRequest]:
         first = self.num_steps == 0
         step_params = SamplingParams(
-            max_tokens=1, temperature=0.0, logprobs=max(2 * self.width, self.params.logprobs or 0),
-            ignore_eos=True,
+            max_tokens=1, temperature=0.0, ignore_eos=True,
+            logprobs=max(2 * self.width, self.params.logprobs or 0),
             prompt_logprobs=self.params.prompt_logprobs if first else None,
             skip_special_tokens=self.params.skip_special_tokens,
             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -141,14 +141,14 @@ class BeamSearch:
         """Rank this step's candidates into the next beams and finished hypotheses."""
         width = self.width
         candidates = []  # (cumulative logprob, parent index, token id, logprob)
-        positions: list[list] = []  # each parent's step logprobs, best rank first
+        positions: dict[int, list] = {}  # parent index -> its step's logprobs, best rank first
         for index, (rid, parent) in enumerate(self.pending.items()):
             result = self.results[rid]
             completion = result.outputs[0] if result is not None else None
             if completion is None or not completion.logprobs:
                 continue  # the step request could not run (it outgrew the KV cache)
             top = sorted(completion.logprobs[0].items(), key=lambda kv: kv[1].rank)
-            positions.append(top)
+            positions[index] = top
             for tid, lp in top[:2 * width]:
                 candidates.append((parent.cumulative_logprob + lp.logprob, index, tid,
                                    lp.logprob))
