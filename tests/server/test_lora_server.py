@@ -3,6 +3,7 @@ tiny random Llama, against the offline LLM's outputs with the same adapters."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import subprocess
 import time
 
@@ -12,7 +13,7 @@ import pytest
 
 from pagedlm import LLM, EngineArgs, LoRARequest, SamplingParams
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
-from pagedlm.entrypoints.openai.serving_models import parse_lora_module
+from pagedlm.entrypoints.openai.serving_models import MAX_LORA_NAME, parse_lora_module
 from tests.conftest import make_tiny_model
 from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
 from tests.server.test_cli import REPO, _env, cli
@@ -178,6 +179,55 @@ def test_unloading_an_adapter_in_use_answers_its_requests(server, client, setup)
     assert err["param"] == "model" and "unloaded while this request ran" in err["message"]
     wait_until_idle(server.engine)
     assert_all_blocks_free(server.engine)
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/completions", {"prompt": PROMPTS[0]}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]}),
+])
+def test_unloading_an_adapter_in_use_ends_its_streams_with_an_error(server, setup, route, body):
+    """A stream whose adapter was unloaded ended with [DONE] alone, as if its answer were
+    complete; its last event before [DONE] is now the 404 naming the model."""
+    _, paths = setup
+    name = "gone-" + route.strip("/").replace("/", "-")
+    r = httpx.post(server.url + "/v1/load_lora_adapter",
+                   json={"lora_name": name, "lora_path": paths["a3"]})
+    assert r.status_code == 200, r.text
+    events = []
+    body = {**body, "model": name, "max_tokens": 200, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.base_url + route, json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: "):])
+            if len(events) == 3:  # it runs: unload its adapter
+                r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name})
+                assert r.status_code == 200, r.text
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 404 and err["param"] == "model", err
+    assert "unloaded while this request ran" in err["message"]
+    # No usage chunk: the answer is not whole.
+    assert all(json.loads(e).get("usage") is None for e in events[:-2])
+    wait_until_idle(server.engine)
+    assert_all_blocks_free(server.engine)
+
+
+def test_an_overlong_adapter_name_is_refused(server, client, setup):
+    before = sorted(m.id for m in client.models.list().data)
+    r = httpx.post(server.url + "/v1/load_lora_adapter",
+                   json={"lora_name": "x" * (MAX_LORA_NAME + 1), "lora_path": setup[1]["a3"]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "lora_name" and str(MAX_LORA_NAME) in err["message"], err
+    assert sorted(m.id for m in client.models.list().data) == before
+    r = httpx.post(server.url + "/v1/load_lora_adapter",
+                   json={"lora_name": "y" * MAX_LORA_NAME, "lora_path": setup[1]["a3"]})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "y" * MAX_LORA_NAME})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("body,param,words", [

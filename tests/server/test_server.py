@@ -200,6 +200,59 @@ def test_chat_logprobs(client):
         assert x.bytes == list(x.token.encode())
 
 
+def _check_prompt_logprobs(plp, prompt_ids: list[int], k: int) -> None:
+    """vLLM's format: per prompt position None (the first) or token id -> logprob, rank,
+    decoded_token, holding the prompt's token and the top k."""
+    assert len(plp) == len(prompt_ids) and plp[0] is None
+    for tid, pos in zip(prompt_ids[1:], plp[1:]):
+        assert str(tid) in pos and len(pos) in (k, k + 1), pos
+        ranked = sorted(pos.values(), key=lambda x: x["rank"])
+        assert [x["rank"] for x in ranked][:k] == list(range(1, k + 1))
+        values = [x["logprob"] for x in ranked if x["rank"] <= k]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert all(isinstance(x["decoded_token"], str) for x in ranked)
+
+
+def test_prompt_logprobs_are_returned(client, tokenizer):
+    """They were computed when asked for, and dropped from the answer."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                  echo=True, logprobs=2, extra_body={"prompt_logprobs": 2})
+    (choice,) = r.choices
+    plp = choice.model_extra["prompt_logprobs"]
+    _check_prompt_logprobs(plp, prompt_ids, 2)
+    # The prompt's own token: as the echoed legacy logprobs of the same answer give it.
+    echoed = choice.logprobs.token_logprobs[1:len(prompt_ids)]
+    assert [pos[str(t)]["logprob"] for t, pos in zip(prompt_ids[1:], plp[1:])] == echoed
+    assert [pos[str(t)]["decoded_token"] for t, pos in zip(prompt_ids[1:], plp[1:])] == \
+        choice.logprobs.tokens[1:len(prompt_ids)]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert plain.choices[0].model_extra["prompt_logprobs"] is None
+
+    messages = [{"role": "user", "content": "Count to five."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"prompt_logprobs": 1})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    chat_ids = tokenizer.encode(text, add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(chat_ids)
+    _check_prompt_logprobs(r.model_extra["prompt_logprobs"], chat_ids, 1)
+
+
+@pytest.mark.parametrize("create", ["completions", "chat"])
+def test_prompt_logprobs_with_stream_are_400(client, create):
+    """As vLLM: they come with the whole answer, which a stream never sends."""
+    kwargs = dict(model=MODEL, max_tokens=2, stream=True)
+    call = client.completions.create if create == "completions" else \
+        client.chat.completions.create
+    kwargs.update({"prompt": PROMPT} if create == "completions" else
+                  {"messages": [{"role": "user", "content": PROMPT}]})
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        call(**kwargs, extra_body={"prompt_logprobs": 1})
+    _error(exc_info, 400, "prompt_logprobs")
+    # 0 asks for nothing a stream would lose.
+    assert list(call(**kwargs, extra_body={"prompt_logprobs": 0}))
+
+
 def test_stop_strings(client):
     base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text

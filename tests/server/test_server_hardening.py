@@ -9,6 +9,7 @@ hostile request must get a 4xx while /health, probed from another thread, answer
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
@@ -26,7 +27,11 @@ from pagedlm import EngineArgs
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.entrypoints.cli import make_parser
 from pagedlm.entrypoints.cli_args import DEFAULT_MAX_REQUEST_BODY_VALUES
-from pagedlm.entrypoints.openai.serving_engine import MAX_PROMPTS
+from pagedlm.entrypoints.openai.protocol import PromptLogprob, UsageInfo
+from pagedlm.entrypoints.openai.protocol_completion import (CompletionLogProbs,
+                                                            CompletionResponse,
+                                                            CompletionResponseChoice)
+from pagedlm.entrypoints.openai.serving_engine import MAX_PROMPTS, json_in_pieces
 from pagedlm.entrypoints.openai.prompt_worker import (MAX_CHARS_PER_TOKEN, RENDER_TIMEOUT_S,
                                                       render_chat)
 from pagedlm.entrypoints.openai.tool_parsers import get_tool_parser
@@ -466,6 +471,42 @@ def _deep_arguments_chat() -> dict:
             {"id": "call_1", "type": "function",
              "function": {"name": "paint", "arguments": '{"a": ' + DEEP + "}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "done"}]}
+
+
+def test_long_answers_are_serialised_with_the_loop_let_in():
+    """A 34 MB answer (1024 echoed prompts with 20 logprobs each) was one json.dumps on the
+    event loop, holding every other client for 1.9-2.7 s; it is written a choice at a time.
+    The text must be the same JSON, whatever the other fields hold."""
+    choices = [CompletionResponseChoice(
+        index=i, text=f"é\"{i}\"\u2028", finish_reason="stop",
+        logprobs=CompletionLogProbs(tokens=["a", "\U0001F600"], token_logprobs=[None, -0.5],
+                                    text_offset=[0, 1], top_logprobs=[None, {"b": -1.0}]),
+        prompt_logprobs=[None, {7: PromptLogprob(logprob=-2.0, rank=1, decoded_token="x")}])
+        for i in range(50)]
+    response = CompletionResponse(id="cmpl-1", model='m "choices":[] ü', choices=choices,
+                                  usage=UsageInfo(prompt_tokens=1, completion_tokens=2,
+                                                  total_tokens=3))
+    ticks = 0
+
+    async def other_client():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def serialise():
+        ticker = asyncio.ensure_future(other_client())
+        await asyncio.sleep(0)
+        try:
+            return await json_in_pieces(response, "choices")
+        finally:
+            ticker.cancel()
+
+    answer = asyncio.run(serialise())
+    assert ticks >= len(choices)
+    assert answer.media_type == "application/json"
+    assert json.loads(answer.body) == json.loads(response.model_dump_json())
+    assert list(json.loads(answer.body)) == list(type(response).model_fields)
 
 
 def test_deep_json_is_400(server, http):

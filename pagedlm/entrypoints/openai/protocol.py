@@ -196,6 +196,9 @@ class SamplingRequest(StrictRequest):
     bad_words: list[str] | None = None
 
     def _unsupported(self) -> str | None:
+        if self.stream and self.prompt_logprobs:
+            # As vLLM: they are returned with the whole answer, which a stream never sends.
+            return "prompt_logprobs are not available when stream is true."
         return None
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
@@ -267,6 +270,19 @@ class SamplingRequest(StrictRequest):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class PromptLogprob(OpenAIBaseModel):
+    """One candidate at one prompt position, in vLLM's `prompt_logprobs` format (keyed by
+    token id)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position: None for the first (nothing to score it against), else token id ->
+# PromptLogprob for the prompt's token and the top alternatives.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 # ---- /v1/models ----

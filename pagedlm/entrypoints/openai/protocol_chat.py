@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pagedlm.entrypoints.openai.protocol import (LOGPROBS_LIMIT, MAX_LOGPROBS, ChatMessage,
-                                                 OpenAIBaseModel, SamplingRequest, StrictRequest,
-                                                 UsageInfo)
+                                                 OpenAIBaseModel, PromptLogprobs, SamplingRequest,
+                                                 StrictRequest, UsageInfo)
 from pagedlm.sampling_params import MAX_TOKEN_COUNT, SamplingParams
 
 
@@ -137,6 +137,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when the request asks
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):

@@ -7,7 +7,8 @@ from typing import Literal
 from pydantic import Field
 
 from pagedlm.entrypoints.openai.protocol import (LOGPROBS_LIMIT, MAX_LOGPROBS, OpenAIBaseModel,
-                                                 SamplingRequest, TokenId, UsageInfo)
+                                                 PromptLogprobs, SamplingRequest, TokenId,
+                                                 UsageInfo)
 from pagedlm.sampling_params import MAX_TOKEN_COUNT, SamplingParams
 
 
@@ -47,6 +48,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when the request asks
 
 
 class CompletionResponse(OpenAIBaseModel):

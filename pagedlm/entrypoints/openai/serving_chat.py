@@ -1,6 +1,7 @@
 """/v1/chat/completions: messages -> the tokenizer's chat template -> a reply, streamed or not."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import jinja2
@@ -16,8 +17,10 @@ from pagedlm.entrypoints.openai.protocol_chat import (ChatCompletionLogProbs, Ch
                                                       DeltaMessage, FunctionCall, ToolCall)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError, render_chat
 from pagedlm.entrypoints.openai.serving_engine import (_PARAMS, OpenAIServing, RequestAborted,
-                                                       clean_logprob, error_response, merge_streams,
-                                                       param_from_message, sse, token_text)
+                                                       clean_logprob, error_response,
+                                                       json_in_pieces, merge_streams,
+                                                       param_from_message, prompt_logprobs_field,
+                                                       sse, token_text)
 from pagedlm.entrypoints.openai.serving_tools import (NO_TOOLS, ToolPlan, ToolRequestError,
                                                       constrain_to_json_schema, plan_tools)
 from pagedlm.entrypoints.openai.tool_parsers import ToolParser
@@ -90,6 +93,7 @@ class OpenAIServingChat(OpenAIServing):
             return error_response(str(e) or repr(e), 500)
         choices, completion_tokens = [], 0
         for c in final.outputs:
+            await asyncio.sleep(0)  # n choices with logprobs take a while to format
             completion_tokens += len(c.token_ids)
             message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
             if tools.make_parser is not None:
@@ -107,8 +111,10 @@ class OpenAIServingChat(OpenAIServing):
         response = ChatCompletionResponse(
             id=request_id, model=model, choices=choices,
             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens))
-        return JSONResponse(response.model_dump())
+                            total_tokens=prompt_tokens + completion_tokens),
+            prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs)
+            if request.prompt_logprobs is not None else None)
+        return await json_in_pieces(response, "choices")
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
                   positions: list[PositionLogprobs] | None) -> ChatCompletionLogProbs | None:
@@ -140,12 +146,14 @@ class OpenAIServingChat(OpenAIServing):
                        .model_dump_json())
 
         prompt_tokens = completion_tokens = 0
+        ended = False  # the final output came
         try:
             # The role comes first, once per choice, as OpenAI sends it.
             for i in range(request.n):
                 yield chunk([ChatCompletionStreamChoice(
                     index=i, delta=DeltaMessage(role="assistant", content=""))])
             async for _, out in merge_streams(streams):
+                ended = ended or out.finished
                 prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
@@ -166,7 +174,9 @@ class OpenAIServingChat(OpenAIServing):
                         index=c.index, delta=delta,
                         logprobs=self._logprobs(request, c.token_ids, c.logprobs),
                         finish_reason=finish_reason, stop_reason=c.stop_reason)])
-            if request.include_usage:
+            if not ended:
+                yield self.aborted_event(request.model)
+            elif request.include_usage:
                 yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
                                           completion_tokens=completion_tokens,
                                           total_tokens=prompt_tokens + completion_tokens))

@@ -1,6 +1,7 @@
 """/v1/completions: prompts (text or token ids, one or a batch) -> completions, streamed or not."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi.responses import JSONResponse, Response
@@ -13,8 +14,9 @@ from pagedlm.entrypoints.openai.protocol_completion import (CompletionLogProbs, 
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import (MAX_PROMPTS, _PARAMS, OpenAIServing,
                                                        RequestAborted, clean_logprob,
-                                                       error_response, merge_streams,
-                                                       param_from_message, sse, token_text)
+                                                       error_response, json_in_pieces,
+                                                       merge_streams, param_from_message,
+                                                       prompt_logprobs_field, sse, token_text)
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import PositionLogprobs, RequestOutput
 
@@ -46,7 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
             return self.aborted_response(request.model)
         except Exception as e:  # noqa: BLE001 - the engine failed while we waited
             return error_response(str(e) or repr(e), 500)
-        return JSONResponse(self._response(request, request_id, model, finals).model_dump())
+        response = await self._response(request, request_id, model, finals)
+        return await json_in_pieces(response, "choices")
 
     async def _prompts(self, request: CompletionRequest) -> list[PromptType]:
         p = request.prompt
@@ -93,12 +96,17 @@ class OpenAIServingCompletion(OpenAIServing):
             lp.top_logprobs.append(top)
         return lp
 
-    def _response(self, request: CompletionRequest, request_id: str, model: str,
-                  finals: list[RequestOutput]) -> CompletionResponse:
+    async def _response(self, request: CompletionRequest, request_id: str, model: str,
+                        finals: list[RequestOutput]) -> CompletionResponse:
+        """The answer, built a prompt at a time with the event loop let in between (2048
+        prompts with logprobs take seconds to format)."""
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
+            await asyncio.sleep(0)
             prompt_tokens += len(out.prompt_token_ids)
             prompt_text = self._prompt_text(out) if request.echo else ""
+            prompt_logprobs = prompt_logprobs_field(out.prompt_logprobs) \
+                if request.prompt_logprobs is not None else None
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 logprobs = None
@@ -111,7 +119,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self._logprobs(ids, positions, 0)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + c.index, text=prompt_text + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_logprobs))
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=UsageInfo(prompt_tokens=prompt_tokens,
@@ -124,8 +133,11 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
+        ended: set[int] = set()  # prompts whose final output came
         try:
             async for i, out in merge_streams(streams):
+                if out.finished:
+                    ended.add(i)
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 for c in out.outputs:
                     index = i * n + c.index
@@ -150,7 +162,9 @@ class OpenAIServingCompletion(OpenAIServing):
                             index=index, text=text, logprobs=logprobs,
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
                     yield sse(chunk.model_dump_json())
-            if request.include_usage:
+            if len(ended) < len(streams):
+                yield self.aborted_event(request.model)
+            elif request.include_usage:
                 p = sum(prompt_tokens.values())
                 chunk = CompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[],

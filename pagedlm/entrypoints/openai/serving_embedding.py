@@ -13,7 +13,8 @@ from pagedlm.entrypoints.openai.protocol_embedding import (EmbeddingData, Embedd
                                                            EmbeddingResponse, EmbeddingUsage)
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import (MAX_PROMPTS, AddFailed, OpenAIServing,
-                                                       RequestAborted, error_response)
+                                                       RequestAborted, error_response,
+                                                       json_in_pieces)
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import EmbeddingRequestOutput
 from pagedlm.pooling_params import PoolingParams
@@ -58,10 +59,9 @@ class OpenAIServingEmbedding(OpenAIServing):
             data.append(EmbeddingData(index=i, embedding=encode_base64(vec)
                                       if request.encoding_format == "base64" else vec))
         num_tokens = sum(len(out.prompt_token_ids) for out in finals)
-        return JSONResponse(EmbeddingResponse(
+        return await json_in_pieces(EmbeddingResponse(
             id=request_id, model=self.model_name(request.model), data=data,
-            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
-        ).model_dump())
+            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)), "data")
 
     async def _submit(self, request_id: str, prompts: list[PromptType], params: PoolingParams,
                       request: EmbeddingRequest) -> list[RequestStream] | JSONResponse:

@@ -10,12 +10,13 @@ import re
 from http import HTTPStatus
 from typing import AsyncIterator, Awaitable, Callable
 
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from pagedlm.engine.request_stream import RequestStream
 from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
+from pagedlm.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
 from pagedlm.entrypoints.openai.serving_beam_search import BeamSearchStream
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import PositionLogprobs
@@ -126,8 +127,39 @@ def token_text(tokenizer, token_id: int, position: PositionLogprobs | None) -> s
     return tokenizer.decode([token_id])
 
 
+def prompt_logprobs_field(positions: list[PositionLogprobs | None] | None
+                          ) -> PromptLogprobs | None:
+    """An output's prompt logprobs in vLLM's response format (-inf as -9999: JSON has none)."""
+    if positions is None:
+        return None
+    return [None if pos is None else {
+        tid: PromptLogprob(logprob=clean_logprob(lp.logprob), rank=lp.rank,
+                           decoded_token=lp.decoded_token) for tid, lp in pos.items()}
+        for pos in positions]
+
+
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
+
+
+async def json_in_pieces(response: BaseModel, field: str) -> Response:
+    """`response` as a JSON response, its list `field` (choices, embeddings) serialised an
+    item at a time with the event loop let in between. As one document a large answer held
+    the loop for seconds: 1024 echoed prompts with 20 logprobs each are 34 MB, whose
+    model_dump and json.dumps kept every other client (and /health) waiting 1.9-2.7 s."""
+    parts: list[str] = []
+    for item in getattr(response, field):
+        parts.append(item.model_dump_json())
+        await asyncio.sleep(0)
+    # The other fields are small; each is dumped on its own, so no text inside one (a model
+    # name) can be mistaken for where the list goes.
+    head = response.model_dump(mode="json", exclude={field})
+    pieces = []
+    for name in type(response).model_fields:
+        value = "[" + ",".join(parts) + "]" if name == field else json.dumps(
+            head[name], ensure_ascii=False, separators=(",", ":"))
+        pieces.append(f"{json.dumps(name)}:{value}")
+    return Response("{" + ",".join(pieces) + "}", media_type="application/json")
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
@@ -331,14 +363,24 @@ class OpenAIServing:
             raise RequestAborted
         return finals
 
-    def aborted_response(self, model: str | None) -> JSONResponse:
-        """The answer to a request the engine aborted before it finished (RequestAborted):
-        a 404 naming `model` where it is an adapter unloaded meanwhile (the only way a client
-        can cause this), else the server's own doing."""
+    def _aborted_error(self, model: str | None) -> dict:
+        """The error for a request the engine aborted before it finished: a 404 naming `model`
+        where it is an adapter unloaded meanwhile (the only way a client can cause this), else
+        the server's own doing."""
         if (gone := self.check_model(model)) is not None:
-            return error_response(f"The model `{model}` was unloaded while this request ran; "
-                                  f"the request was aborted.", gone.status_code, "model")
-        return error_response("The server aborted this request before it finished.", 500)
+            return error_body(f"The model `{model}` was unloaded while this request ran; "
+                              f"the request was aborted.", gone.status_code, "model")
+        return error_body("The server aborted this request before it finished.", 500)
+
+    def aborted_response(self, model: str | None) -> JSONResponse:
+        """The answer to a request collect() found aborted (RequestAborted)."""
+        body = self._aborted_error(model)
+        return JSONResponse(body, status_code=body["error"]["code"])
+
+    def aborted_event(self, model: str | None) -> str:
+        """The error event that ends a stream whose request the engine aborted; without it
+        the stream ended with [DONE] as if the answer were complete."""
+        return sse(json.dumps(self._aborted_error(model)))
 
     def streaming_response(self, body: AsyncIterator[str],
                            streams: list[RequestStream]) -> EngineStreamingResponse:

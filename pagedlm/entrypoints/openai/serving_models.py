@@ -19,6 +19,10 @@ from pagedlm.entrypoints.openai.serving_engine import error_response
 from pagedlm.lora.request import LoRARequest
 
 
+# The longest adapter name /v1/load_lora_adapter accepts (a Hugging Face repo id is at most 96).
+MAX_LORA_NAME = 256
+
+
 @dataclass(frozen=True)
 class LoRAModulePath:
     name: str
@@ -97,6 +101,10 @@ class OpenAIServingModels:
             if not isinstance(value, str) or not value:
                 return error_response(f"{field} must be a non-empty string, got {value!r}.",
                                       400, field)
+        if len(name) > MAX_LORA_NAME:
+            # A name is echoed in every /v1/models listing and in every error naming it.
+            return error_response(f"lora_name is {len(name)} characters long; at most "
+                                  f"{MAX_LORA_NAME} are accepted.", 400, "lora_name")
         if base_model_name is not None and base_model_name not in self.base_model_names:
             return error_response(f"base_model_name {base_model_name!r} is not one of "
                                   f"{self.base_model_names}.", 400, "base_model_name")
