@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass
-class Logprob:
+class Logprob(NamedTuple):
+    """A tuple, not a dataclass: the collector stops tracking a tuple of numbers and strings
+    at its first pass, and a request's logprobs can be a million of these (64 echoed prompts
+    of 500 tokens, 21 candidates each), which full collections otherwise walk every time."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None

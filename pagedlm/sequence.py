@@ -152,6 +152,11 @@ class SequenceGroup:
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        params = self.sampling_params
+        if (self.prompt_logprobs is None and len(self.prompt_token_ids) == 1
+                and params.prompt_logprobs is not None):
+            # Complete already: no position of a one-token prompt is ever scored.
+            self.prompt_logprobs = [None]
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.finished]

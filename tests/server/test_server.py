@@ -205,7 +205,7 @@ def _check_prompt_logprobs(plp, prompt_ids: list[int], k: int) -> None:
     decoded_token, holding the prompt's token and the top k."""
     assert len(plp) == len(prompt_ids) and plp[0] is None
     for tid, pos in zip(prompt_ids[1:], plp[1:]):
-        assert str(tid) in pos and len(pos) in (k, k + 1), pos
+        assert str(tid) in pos and len(pos) in (max(k, 1), k + 1), pos
         ranked = sorted(pos.values(), key=lambda x: x["rank"])
         assert [x["rank"] for x in ranked][:k] == list(range(1, k + 1))
         values = [x["logprob"] for x in ranked if x["rank"] <= k]
@@ -214,10 +214,11 @@ def _check_prompt_logprobs(plp, prompt_ids: list[int], k: int) -> None:
 
 
 def test_prompt_logprobs_are_returned(client, tokenizer):
-    """They were computed when asked for, and dropped from the answer."""
+    """They were computed when asked for, and dropped from the answer. An echo's larger
+    `logprobs` does not widen them; a one-token prompt has its one (empty) position."""
     prompt_ids = tokenizer.encode(PROMPT)
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
-                                  echo=True, logprobs=2, extra_body={"prompt_logprobs": 2})
+                                  echo=True, logprobs=4, extra_body={"prompt_logprobs": 2})
     (choice,) = r.choices
     plp = choice.model_extra["prompt_logprobs"]
     _check_prompt_logprobs(plp, prompt_ids, 2)
@@ -228,6 +229,10 @@ def test_prompt_logprobs_are_returned(client, tokenizer):
         choice.logprobs.tokens[1:len(prompt_ids)]
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert plain.choices[0].model_extra["prompt_logprobs"] is None
+    one = client.completions.create(model=MODEL, prompt=[[prompt_ids[0]], prompt_ids],
+                                    max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert one.choices[0].model_extra["prompt_logprobs"] == [None]
+    _check_prompt_logprobs(one.choices[1].model_extra["prompt_logprobs"], prompt_ids, 0)
 
     messages = [{"role": "user", "content": "Count to five."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,

@@ -1,8 +1,8 @@
 """/v1/chat/completions: messages -> the tokenizer's chat template -> a reply, streamed or not."""
 from __future__ import annotations
 
-import asyncio
 import time
+from typing import Iterator
 
 import jinja2
 from fastapi.responses import JSONResponse, Response
@@ -25,7 +25,7 @@ from pagedlm.entrypoints.openai.serving_tools import (NO_TOOLS, ToolPlan, ToolRe
                                                       constrain_to_json_schema, plan_tools)
 from pagedlm.entrypoints.openai.tool_parsers import ToolParser
 from pagedlm.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, tool_call_id
-from pagedlm.outputs import PositionLogprobs
+from pagedlm.outputs import CompletionOutput, PositionLogprobs
 
 
 def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
@@ -91,10 +91,24 @@ class OpenAIServingChat(OpenAIServing):
             return self.aborted_response(request.model)
         except Exception as e:  # noqa: BLE001 - the engine failed while we waited
             return error_response(str(e) or repr(e), 500)
-        choices, completion_tokens = [], 0
-        for c in final.outputs:
-            await asyncio.sleep(0)  # n choices with logprobs take a while to format
-            completion_tokens += len(c.token_ids)
+        prompt_tokens = len(final.prompt_token_ids)
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        head = ChatCompletionResponse(
+            id=request_id, model=model, choices=[],
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens),
+            prompt_logprobs=prompt_logprobs_field(
+                final.prompt_logprobs, final.prompt_token_ids, request.prompt_logprobs)
+            if request.prompt_logprobs is not None else None)
+        return await json_in_pieces(head, "choices",
+                                    self._choices(request, tools, final.outputs))
+
+    def _choices(self, request: ChatCompletionRequest, tools: ToolPlan,
+                 outputs: list[CompletionOutput]) -> Iterator[ChatCompletionResponseChoice]:
+        """The answer's choices, each built when asked for; an output is dropped from
+        `outputs` once its choice is built (see json_in_pieces)."""
+        for k in range(len(outputs)):
+            c, outputs[k] = outputs[k], None
             message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
             if tools.make_parser is not None:
                 extracted = tools.make_parser().extract_tool_calls(c.text)
@@ -103,18 +117,10 @@ class OpenAIServingChat(OpenAIServing):
                         ToolCall(id=tool_call_id(), function=FunctionCall(name=n, arguments=a))
                         for n, a in extracted.calls])
                 finish_reason = _tool_finish_reason(finish_reason, extracted.tools_called)
-            choices.append(ChatCompletionResponseChoice(
+            yield ChatCompletionResponseChoice(
                 index=c.index, message=message,
                 logprobs=self._logprobs(request, c.token_ids, c.logprobs),
-                finish_reason=finish_reason, stop_reason=c.stop_reason))
-        prompt_tokens = len(final.prompt_token_ids)
-        response = ChatCompletionResponse(
-            id=request_id, model=model, choices=choices,
-            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens),
-            prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs)
-            if request.prompt_logprobs is not None else None)
-        return await json_in_pieces(response, "choices")
+                finish_reason=finish_reason, stop_reason=c.stop_reason)
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
                   positions: list[PositionLogprobs] | None) -> ChatCompletionLogProbs | None:

@@ -1,8 +1,8 @@
 """/v1/completions: prompts (text or token ids, one or a batch) -> completions, streamed or not."""
 from __future__ import annotations
 
-import asyncio
 import time
+from typing import Iterator
 
 from fastapi.responses import JSONResponse, Response
 
@@ -48,8 +48,12 @@ class OpenAIServingCompletion(OpenAIServing):
             return self.aborted_response(request.model)
         except Exception as e:  # noqa: BLE001 - the engine failed while we waited
             return error_response(str(e) or repr(e), 500)
-        response = await self._response(request, request_id, model, finals)
-        return await json_in_pieces(response, "choices")
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
+        completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        head = CompletionResponse(id=request_id, model=model, choices=[], usage=UsageInfo(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens))
+        return await json_in_pieces(head, "choices", self._choices(request, finals))
 
     async def _prompts(self, request: CompletionRequest) -> list[PromptType]:
         p = request.prompt
@@ -96,19 +100,17 @@ class OpenAIServingCompletion(OpenAIServing):
             lp.top_logprobs.append(top)
         return lp
 
-    async def _response(self, request: CompletionRequest, request_id: str, model: str,
-                        finals: list[RequestOutput]) -> CompletionResponse:
-        """The answer, built a prompt at a time with the event loop let in between (2048
-        prompts with logprobs take seconds to format)."""
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for i, out in enumerate(finals):
-            await asyncio.sleep(0)
-            prompt_tokens += len(out.prompt_token_ids)
+    def _choices(self, request: CompletionRequest, finals: list[RequestOutput]
+                 ) -> Iterator[CompletionResponseChoice]:
+        """The answer's choices in index order, each built when asked for; a prompt's output
+        is dropped from `finals` once its choices are built (see json_in_pieces)."""
+        for i in range(len(finals)):
+            out, finals[i] = finals[i], None
             prompt_text = self._prompt_text(out) if request.echo else ""
-            prompt_logprobs = prompt_logprobs_field(out.prompt_logprobs) \
+            prompt_logprobs = prompt_logprobs_field(
+                out.prompt_logprobs, out.prompt_token_ids, request.prompt_logprobs) \
                 if request.prompt_logprobs is not None else None
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
+            for c in sorted(out.outputs, key=lambda c: c.index):
                 logprobs = None
                 if request.logprobs is not None:
                     ids, positions = list(c.token_ids), list(c.logprobs or [])
@@ -117,15 +119,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         positions = list(out.prompt_logprobs or
                                          [None] * len(out.prompt_token_ids)) + positions
                     logprobs = self._logprobs(ids, positions, 0)
-                choices.append(CompletionResponseChoice(
+                yield CompletionResponseChoice(
                     index=i * request.n + c.index, text=prompt_text + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    prompt_logprobs=prompt_logprobs))
-        choices.sort(key=lambda ch: ch.index)
-        return CompletionResponse(id=request_id, model=model, choices=choices,
-                                  usage=UsageInfo(prompt_tokens=prompt_tokens,
-                                                  completion_tokens=completion_tokens,
-                                                  total_tokens=prompt_tokens + completion_tokens))
+                    prompt_logprobs=prompt_logprobs)
 
     async def _stream(self, request: CompletionRequest, request_id: str, model: str, streams):
         created = int(time.time())

@@ -60,8 +60,8 @@ class OpenAIServingEmbedding(OpenAIServing):
                                       if request.encoding_format == "base64" else vec))
         num_tokens = sum(len(out.prompt_token_ids) for out in finals)
         return await json_in_pieces(EmbeddingResponse(
-            id=request_id, model=self.model_name(request.model), data=data,
-            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)), "data")
+            id=request_id, model=self.model_name(request.model), data=[],
+            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)), "data", data)
 
     async def _submit(self, request_id: str, prompts: list[PromptType], params: PoolingParams,
                       request: EmbeddingRequest) -> list[RequestStream] | JSONResponse:

@@ -8,7 +8,7 @@ import logging
 import math
 import re
 from http import HTTPStatus
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Iterable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from pagedlm.engine.request_stream import RequestStream
 from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
-from pagedlm.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
+from pagedlm.entrypoints.openai.protocol import PromptLogprobs
 from pagedlm.entrypoints.openai.serving_beam_search import BeamSearchStream
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import PositionLogprobs
@@ -127,39 +127,49 @@ def token_text(tokenizer, token_id: int, position: PositionLogprobs | None) -> s
     return tokenizer.decode([token_id])
 
 
-def prompt_logprobs_field(positions: list[PositionLogprobs | None] | None
-                          ) -> PromptLogprobs | None:
-    """An output's prompt logprobs in vLLM's response format (-inf as -9999: JSON has none)."""
+def prompt_logprobs_field(positions: list[PositionLogprobs | None] | None,
+                          prompt_token_ids: list[int], top: int) -> PromptLogprobs | None:
+    """An output's prompt logprobs in vLLM's response format (-inf as -9999: JSON has none):
+    each position's prompt token and its `top` alternatives. The engine may hold more (an
+    echo with a larger `logprobs` asks it for those)."""
     if positions is None:
         return None
     return [None if pos is None else {
-        tid: PromptLogprob(logprob=clean_logprob(lp.logprob), rank=lp.rank,
-                           decoded_token=lp.decoded_token) for tid, lp in pos.items()}
-        for pos in positions]
+        tid: {"logprob": clean_logprob(lp.logprob), "rank": lp.rank,
+              "decoded_token": lp.decoded_token}
+        for tid, lp in pos.items() if tid == token or (lp.rank is not None and lp.rank <= top)}
+        for token, pos in zip(prompt_token_ids, positions)]
 
 
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-async def json_in_pieces(response: BaseModel, field: str) -> Response:
-    """`response` as a JSON response, its list `field` (choices, embeddings) serialised an
-    item at a time with the event loop let in between. As one document a large answer held
-    the loop for seconds: 1024 echoed prompts with 20 logprobs each are 34 MB, whose
-    model_dump and json.dumps kept every other client (and /health) waiting 1.9-2.7 s."""
-    parts: list[str] = []
-    for item in getattr(response, field):
-        parts.append(item.model_dump_json())
+async def json_in_pieces(head: BaseModel, field: str, items: Iterable[BaseModel]) -> Response:
+    """`head` as a JSON response, with its (empty) list `field` made of `items` (choices,
+    embeddings), each serialised as it comes with the event loop let in between. `items` may
+    build each item as it is asked for and drop what it was built from, so that the answer's
+    objects are made, dumped and freed a piece at a time. As one document a large answer held
+    the loop: 1024 echoed prompts with 20 logprobs each (34 MB) were formatted and dumped in
+    1.9-2.7 s; 64 prompts of 500 tokens with echo, logprobs and prompt_logprobs (64 MB) were
+    then freed in one go, 0.7 s."""
+    # As UTF-8 bytes throughout (what model_dump_json decodes into a str): one non-Latin-1
+    # character makes a str 2-4 bytes a character, and joining and encoding 64 MB of those
+    # held the loop 0.65 s.
+    parts: list[bytes] = []
+    for item in items:
+        parts.append(item.__pydantic_serializer__.to_json(item))
+        del item
         await asyncio.sleep(0)
     # The other fields are small; each is dumped on its own, so no text inside one (a model
     # name) can be mistaken for where the list goes.
-    head = response.model_dump(mode="json", exclude={field})
+    fields = head.model_dump(mode="json", exclude={field})
     pieces = []
-    for name in type(response).model_fields:
-        value = "[" + ",".join(parts) + "]" if name == field else json.dumps(
-            head[name], ensure_ascii=False, separators=(",", ":"))
-        pieces.append(f"{json.dumps(name)}:{value}")
-    return Response("{" + ",".join(pieces) + "}", media_type="application/json")
+    for name in type(head).model_fields:
+        value = b"[" + b",".join(parts) + b"]" if name == field else json.dumps(
+            fields[name], ensure_ascii=False, separators=(",", ":")).encode()
+        pieces.append(json.dumps(name).encode() + b":" + value)
+    return Response(b"{" + b",".join(pieces) + b"}", media_type="application/json")
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
