@@ -20,7 +20,8 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.output_processor import (OutputProcessor, make_embedding_output,
                                              make_request_output)
 from pagedlm.engine.request_prep import (check_runs_in_engine, check_sampling_limits,
-                                         clamp_max_tokens, tokenize_bad_words)
+                                         check_some_token_allowed, clamp_max_tokens,
+                                         tokenize_bad_words)
 from pagedlm.executor.abstract import Executor
 from pagedlm.inputs.preprocess import InputPreprocessor, ProcessedPrompt, PromptType
 from pagedlm.lora.request import LoRARequest
@@ -220,6 +221,7 @@ class LLMEngine:
         vocab = self.config.model_config.vocab_size
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
+        check_some_token_allowed(params, self.eos_token_ids)
         params.token_constraints = TokenConstraints.build(params, vocab)
 
     def _add_sequence_group(self, request_id: str, processed: ProcessedPrompt,

@@ -17,7 +17,7 @@ from pagedlm.model_executor.layers.pooler import finalize_embedding
 from pagedlm.model_io import ModelRunnerOutput, PromptLogprobs
 from pagedlm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
                              PositionLogprobs, RequestOutput)
-from pagedlm.sampling_params import RequestOutputKind
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.sequence import (OutputCursor, Sequence, SequenceGroup, SequenceStatus,
                               SequenceUpdates)
 from pagedlm.structured_output.request import GrammarStep
@@ -139,7 +139,7 @@ class OutputProcessor:
         # output it had so far.
         grammar = (group.structured_output.accept_token(seq, token_id)
                    if group.structured_output is not None else None)
-        if grammar is GrammarStep.BREAKS:
+        if grammar is GrammarStep.BREAKS or not _allowed(params, token_id):
             seq.stop_reason = None
             return SequenceStatus.FINISHED_STOPPED
         seq.token_ids.append(token_id)
@@ -183,6 +183,15 @@ class OutputProcessor:
             acc.append(self._position_logprobs(tid, p.logprobs[i], p.ranks[i], top_ids, top_vals))
         if len(acc) == len(group.prompt_token_ids):
             group.prompt_logprobs = acc
+
+
+def _allowed(params: SamplingParams, token_id: int) -> bool:
+    """Whether token_id is in the request's allow list (if it has one). A token outside it was
+    drawn from a row with nothing left to sample: multi-token bad words can mask the rest of
+    the list after some output (check_some_token_allowed refuses what the request alone
+    shows). The sequence ends before it, as for a token its grammar refuses."""
+    tc = params.token_constraints
+    return tc is None or tc.allowed is None or token_id in tc.allowed
 
 
 def make_request_output(group: SequenceGroup, finished: bool | None = None

@@ -54,6 +54,24 @@ def check_request_lists(params: SamplingParams, limits: RequestLimits, vocab_siz
                              f"{bad[:5]}.")
 
 
+def check_some_token_allowed(params: SamplingParams, eos_token_ids: frozenset[int]) -> None:
+    """ValueError, naming the field, where the request's own settings leave its first step
+    nothing to sample: an allow list that its single-token bad words, or, under min_tokens,
+    its stop tokens, cover. The sampler would draw from an all-masked row: a token outside
+    the list, returned as if allowed. Needs bad_words tokenized."""
+    if not params.allowed_token_ids:
+        return
+    allowed = set(params.allowed_token_ids)
+    allowed -= {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+    if not allowed:
+        raise ValueError("allowed_token_ids: every allowed token is one of bad_words, so "
+                         "nothing could be generated.")
+    if params.min_tokens and not allowed - params.stop_token_ids_with(eos_token_ids):
+        raise ValueError("min_tokens: every allowed token (allowed_token_ids, less bad_words) "
+                         "would stop the request (stop_token_ids or EOS), and none may end it "
+                         "before min_tokens, so nothing could be generated.")
+
+
 def check_runs_in_engine(params: SamplingParams) -> None:
     """The engine runs one request as one sequence group: a beam search is a series of
     one-token requests driven above it (entrypoints/beam_search.py), and run here it would

@@ -281,6 +281,39 @@ def test_allowed_token_ids_and_bad_words(llm):
 
 
 @pytest.mark.parametrize("kwargs, field", [
+    (dict(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=3), "min_tokens"),
+    (dict(allowed_token_ids=["eos"], min_tokens=3), "min_tokens"),
+    (dict(allowed_token_ids=[5], bad_words=["<file_sep>"]), "allowed_token_ids"),
+])
+def test_settings_that_leave_nothing_to_sample_are_refused(llm, kwargs, field):
+    """Each left the first step's row all masked: the sampler drew a token outside the allow
+    list ("ectable") and returned it, with finish_reason "length"."""
+    eos = llm.get_tokenizer().eos_token_id
+    kwargs = {**kwargs, "allowed_token_ids": [eos if t == "eos" else t
+                                              for t in kwargs["allowed_token_ids"]]}
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=4, **kwargs), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    # One allowed token more, and the request runs inside its list.
+    kwargs["allowed_token_ids"] = kwargs["allowed_token_ids"] + [65]
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=4, **kwargs), use_tqdm=False)[0]
+    assert set(out.outputs[0].token_ids) <= set(kwargs["allowed_token_ids"])
+
+
+@pytest.mark.parametrize("temperature", [0, 1], ids=["greedy", "sampled"])
+def test_an_allow_list_that_bad_words_exhaust_ends_the_sequence(llm, temperature):
+    """"QQ" is [Q, Q]: after one Q the only allowed token is banned, nothing is left to draw.
+    The drawn token is outside the list: the sequence ends before it."""
+    q = llm.get_tokenizer().encode("Q", add_special_tokens=False)
+    assert llm.get_tokenizer().encode("QQ", add_special_tokens=False) == q * 2
+    out = llm.generate(["Letters:"], SamplingParams(
+        temperature=temperature, seed=0, max_tokens=6, allowed_token_ids=q, bad_words=["QQ"]),
+        use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == q and out.finish_reason == "stop", out
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
     (dict(json={"type": "object", "properties": 5}), "structured_outputs.json"),
     (dict(json="{not json"), "structured_outputs.json"),
     (dict(json=[1, 2]), "structured_outputs.json"),

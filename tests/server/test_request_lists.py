@@ -206,6 +206,19 @@ def test_list_past_its_cap_is_a_400_naming_it(server, client, extra, param, limi
         expect_400(client, endpoint, extra, param, limit)
 
 
+@pytest.mark.parametrize("extra, param", [
+    ({"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 3}, "min_tokens"),
+    ({"allowed_token_ids": [5], "bad_words": ["<file_sep>"]}, "allowed_token_ids"),
+])
+def test_settings_that_leave_nothing_to_sample_are_a_400(server, client, extra, param):
+    """They were a 200 whose tokens lay outside allowed_token_ids (every allowed token
+    masked, the sampler drew from nothing)."""
+    for endpoint in ("completions", "chat"):
+        expect_400(client, endpoint, extra, param, "nothing could be generated")
+    wait_until_idle(server.engine)
+    assert_all_blocks_free(server.engine)
+
+
 def test_bad_words_at_the_cap_ban_over_the_server(server, client):
     """1000 words, tokenized on the caller's side: the one the greedy run would write first is
     never written."""

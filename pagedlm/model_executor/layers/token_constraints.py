@@ -21,6 +21,7 @@ class TokenConstraints:
     bias_ids: torch.Tensor | None = None  # int64 token ids
     bias_values: torch.Tensor | None = None  # float32, added to those ids' logits
     allowed_ids: torch.Tensor | None = None  # int64, deduplicated: nothing else is sampled
+    allowed: frozenset[int] | None = None  # the same, for the output processor's check
     banned_ids: torch.Tensor | None = None  # int64: the single-token bad words, always banned
     # Multi-token bad words by prefix length l (ascending): (prefixes (words, l), last tokens
     # (words,)); a word's last token is banned where the output ends with its prefix.
@@ -37,7 +38,8 @@ class TokenConstraints:
             c.bias_ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long)
             c.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
         if params.allowed_token_ids:
-            c.allowed_ids = torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.long)
+            c.allowed = frozenset(params.allowed_token_ids)
+            c.allowed_ids = torch.tensor(sorted(c.allowed), dtype=torch.long)
         single: set[int] = set()
         by_len: dict[int, dict[tuple[int, ...], None]] = defaultdict(dict)  # ordered sets
         for word in params.bad_words_token_ids or ():
