@@ -74,7 +74,8 @@ def refs(node) -> list[str]:
 
 def test_every_route_is_documented_and_every_ref_resolves(doc):
     ops = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
-    assert ops == {("POST", p) for p in BODIES} | {("GET", p) for p in GETS}
+    assert ops == ({("POST", p) for p in BODIES} | {("GET", p) for p in GETS}
+                   | {("HEAD", "/health")})
     for ref in refs(doc):
         resolve(doc, ref)  # KeyError if the document points at a missing schema
 
@@ -111,7 +112,8 @@ def test_responses_and_error_statuses(doc):
             # /health: 503 once the engine failed (vLLM's status), as the route declares.
             want = {"200", "503"} if path == "/health" else {"200", "500"}
             if method == "post":
-                want.update({"400", "413"})  # 413: a body over --max-request-body-bytes
+                # 413: a body over --max-request-body-bytes; 415: one not sent as JSON
+                want.update({"400", "413", "415"})
             if path != "/health":
                 want.add("401")  # with an API key, every route but the probe
             if path in WITH_MODEL:
@@ -204,7 +206,7 @@ def test_schemathesis_fuzz(server):
     reports = fuzz.fuzz_server(server.url, max_examples=10, max_tokens=2, modes=["positive"],
                                headers=auth, verbose=False, deadline_s=30)
     assert {r.label.split(" [")[0] for r in reports} == (
-        {f"POST {p}" for p in BODIES} | {f"GET {p}" for p in GETS})
+        {f"POST {p}" for p in BODIES} | {f"GET {p}" for p in GETS} | {"HEAD /health"})
     negative = fuzz.fuzz_server(server.url, max_examples=40, max_tokens=2, modes=["negative"],
                                 only=set(BODIES), headers=auth, verbose=False, deadline_s=30)
     assert {r.label for r in negative} == {f"POST {p} [negative]" for p in BODIES}

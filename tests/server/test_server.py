@@ -394,6 +394,27 @@ def test_api_key(server):
     assert httpx.get(server.url + "/metrics", headers=AUTH).status_code == 200
 
 
+def test_bodies_not_sent_as_json_are_415(server):
+    """A page in a browser may send text/plain, form and multipart bodies anywhere without a
+    CORS preflight: read as JSON, they let any page use a server without an API key on its
+    visitor's machine. JSON media types, or none, are read as before (FastAPI's rule)."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for ctype in ("text/plain", "application/x-www-form-urlencoded",
+                      "multipart/form-data; boundary=x", "text/html; charset=utf-8"):
+            r = httpx.post(server.url + path, content=body, headers={
+                **AUTH, "Content-Type": ctype, "Origin": "http://elsewhere.test"})
+            assert r.status_code == 415, (path, ctype, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "UnsupportedMediaTypeError" and ctype in err["message"], err
+    for ctype in (None, "application/json", "application/json; charset=utf-8",
+                  "Application/JSON", "application/merge-patch+json"):
+        headers = AUTH if ctype is None else {**AUTH, "Content-Type": ctype}
+        r = httpx.post(server.base_url + "/completions", content=body, headers=headers)
+        assert r.status_code == 200, (ctype, r.text)
+    assert httpx.head(server.url + "/health").status_code == 200  # load balancers' checks
+
+
 def test_cors_preflight(server):
     r = httpx.options(server.base_url + "/chat/completions",
                       headers={"Origin": "http://example.test",

@@ -24,6 +24,7 @@ ERROR_DESCRIPTIONS = {
     401: "Missing or wrong API key (only when the server was started with one).",
     404: "Unknown model (or adapter).",
     413: "The request body is larger than the server accepts (--max-request-body-bytes).",
+    415: "The request body is not sent as JSON (Content-Type: application/json).",
     500: "Internal error, or the engine is not running.",
     503: "The engine failed: the server is shutting down.",
 }

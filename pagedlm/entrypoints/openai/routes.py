@@ -96,11 +96,29 @@ async def with_cancellation(handler: Awaitable[Response], request: Request) -> R
 _SHOWN_UNKNOWN_FIELDS = 8
 
 
+def _is_json(content_type: str | None) -> bool:
+    """No Content-Type, application/json or application/*+json (parameters aside): what
+    FastAPI parses as JSON, and so vLLM."""
+    if content_type is None:
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/")
+                                          and kind.endswith("+json"))
+
+
 async def _body(raw: Request) -> bytes | Response:
-    """The request's body, or a 413 where it holds more JSON values than the server parses
-    (--max-request-body-values; cli_args.py says why). Commas bound the values from above:
-    one inside a string counts too, which a body of text reaches only far past any prompt
-    length the server takes."""
+    """The request's body, or a 415 for a body sent as something other than JSON, or a 413
+    where it holds more JSON values than the server parses (--max-request-body-values;
+    cli_args.py says why). Commas bound the values from above: one inside a string counts
+    too, which a body of text reaches only far past any prompt length the server takes.
+
+    A browser sends text/plain and form bodies from any page without asking the server first
+    (no CORS preflight): read as JSON, they let a page its user visits use a server without an
+    API key on their machine, and read the answers."""
+    content_type = raw.headers.get("content-type")
+    if not _is_json(content_type):
+        return error_response(f"The request body must be JSON (Content-Type: application/json),"
+                              f" not {content_type[:100]!r}.", 415)
     body = await raw.body()
     limit = _serving(raw).max_body_values
     if len(body) > limit and (values := body.count(b",") + 1) > limit:
@@ -134,9 +152,10 @@ async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
 server_router = APIRouter()
 
 
-@server_router.get("/health", response_class=Response,
-                   responses=responses(None, 503,
-                                       ok_description="The engine is running (no body)."))
+# HEAD too: some load balancers' health checks send it.
+@server_router.api_route("/health", methods=["GET", "HEAD"], response_class=Response,
+                         responses=responses(None, 503,
+                                             ok_description="The engine is running (no body)."))
 async def health(raw: Request) -> Response:
     engine = _serving(raw).engine
     if engine.is_running:
@@ -219,7 +238,7 @@ async def _json_object(raw: Request) -> dict | Response:
 
 
 @lora_router.post("/v1/load_lora_adapter", openapi_extra=json_body(LoadLoRAAdapterRequest),
-                  responses=responses(None, 400, 401, 413, 500, ok_content=_LORA_OK))
+                  responses=responses(None, 400, 401, 413, 415, 500, ok_content=_LORA_OK))
 async def load_lora_adapter(raw: Request) -> Response:
     body = await _json_object(raw)
     if isinstance(body, Response):
@@ -231,7 +250,7 @@ async def load_lora_adapter(raw: Request) -> Response:
 
 
 @lora_router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UnloadLoRAAdapterRequest),
-                  responses=responses(None, 400, 401, 404, 413, 500, ok_content=_LORA_OK))
+                  responses=responses(None, 400, 401, 404, 413, 415, 500, ok_content=_LORA_OK))
 async def unload_lora_adapter(raw: Request) -> Response:
     body = await _json_object(raw)
     if isinstance(body, Response):
@@ -250,7 +269,7 @@ API_BODY_MODELS: tuple[type[BaseModel], ...] = (
 
 
 @api_router.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
-                 responses=responses(CompletionResponse, 400, 401, 404, 413, 500,
+                 responses=responses(CompletionResponse, 400, 401, 404, 413, 415, 500,
                                      ok_content=SSE_CONTENT))
 async def create_completion(raw: Request) -> Response:
     request = await _parse(raw, CompletionRequest)
@@ -260,7 +279,7 @@ async def create_completion(raw: Request) -> Response:
 
 
 @api_router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
-                 responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 500,
+                 responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 415, 500,
                                      ok_content=SSE_CONTENT))
 async def create_chat_completion(raw: Request) -> Response:
     request = await _parse(raw, ChatCompletionRequest)
@@ -270,7 +289,7 @@ async def create_chat_completion(raw: Request) -> Response:
 
 
 @api_router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest),
-                 responses=responses(EmbeddingResponse, 400, 401, 404, 413, 500))
+                 responses=responses(EmbeddingResponse, 400, 401, 404, 413, 415, 500))
 async def create_embedding(raw: Request) -> Response:
     request = await _parse(raw, EmbeddingRequest)
     if isinstance(request, Response):
@@ -288,7 +307,7 @@ def _has_messages(body: bytes) -> bool:
 
 @api_router.post("/tokenize",
                  openapi_extra=json_body(TokenizeCompletionRequest, TokenizeChatRequest),
-                 responses=responses(TokenizeResponse, 400, 401, 404, 413, 500))
+                 responses=responses(TokenizeResponse, 400, 401, 404, 413, 415, 500))
 async def tokenize(raw: Request) -> Response:
     body = await _body(raw)
     if isinstance(body, Response):
@@ -301,7 +320,7 @@ async def tokenize(raw: Request) -> Response:
 
 
 @api_router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest),
-                 responses=responses(DetokenizeResponse, 400, 401, 404, 413, 500))
+                 responses=responses(DetokenizeResponse, 400, 401, 404, 413, 415, 500))
 async def detokenize(raw: Request) -> Response:
     request = await _parse(raw, DetokenizeRequest)
     if isinstance(request, Response):

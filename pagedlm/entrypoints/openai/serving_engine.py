@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 # Fixed names: HTTPStatus's phrases change between Python versions (413's did in 3.13).
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
+                415: "UnsupportedMediaTypeError",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
 UNTRUSTED_TEMPLATE = ("chat_template: this server does not render chat templates sent with "
                       "requests (start it with --trust-request-chat-template to allow them); "
