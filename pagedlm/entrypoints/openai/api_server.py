@@ -37,9 +37,10 @@ from pagedlm.entrypoints.cli_args import (DEFAULT_MAX_REQUEST_BODY_BYTES,
                                            DEFAULT_MAX_REQUEST_BODY_VALUES)
 from pagedlm.entrypoints.openai.openapi import install_openapi
 from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
-from pagedlm.entrypoints.openai.routes import (API_BODY_MODELS, LORA_BODY_MODELS, STATIC_DIR,
-                                               ServingState, api_router, lora_router,
-                                               server_router)
+from pagedlm.entrypoints.openai.engine_events import EngineEvents
+from pagedlm.entrypoints.openai.routes import (API_BODY_MODELS, ENGINE_EVENTS_PER_S,
+                                               LORA_BODY_MODELS, STATIC_DIR, ServingState,
+                                               api_router, lora_router, server_router)
 from pagedlm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -213,7 +214,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                                **shared),
         embedding=OpenAIServingEmbedding(engine, names, models, **shared),
         tokenization=OpenAIServingTokenization(engine, names, models,
-                                               chat_template=chat_template, **shared))
+                                               chat_template=chat_template, **shared),
+        engine_events=EngineEvents(engine, max_age_s=1 / ENGINE_EVENTS_PER_S))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(_, exc: StarletteHTTPException):

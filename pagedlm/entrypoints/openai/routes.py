@@ -10,8 +10,6 @@ router's routes read are listed next to it for the OpenAPI document.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 import pagedlm
 from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from pagedlm.entrypoints.openai.engine_events import EngineEvents
 from pagedlm.entrypoints.openai.openapi import SSE_CONTENT, json_body, responses, sse_content
 from pagedlm.entrypoints.openai.protocol import (LoadLoRAAdapterRequest, ModelList,
                                                  UnloadLoRAAdapterRequest, VersionResponse)
@@ -64,6 +63,7 @@ class ServingState:
     chat: OpenAIServingChat
     embedding: OpenAIServingEmbedding
     tokenization: OpenAIServingTokenization
+    engine_events: EngineEvents  # GET /engine/events' views, shared by its subscribers
 
 
 def _serving(raw: Request) -> ServingState:
@@ -198,10 +198,9 @@ async def engine_events(raw: Request) -> Response:
         end = loop.time() + ENGINE_EVENTS_MAX_S
         while loop.time() < end:
             try:
-                view = await engine.engine_view()
+                yield await _serving(raw).engine_events.next_event()
             except AsyncEngineDeadError:  # the stream ends; /health says why
                 return
-            yield f"data: {json.dumps(dataclasses.asdict(view), separators=(',', ':'))}\n\n"
             await asyncio.sleep(1 / ENGINE_EVENTS_PER_S)
 
     if not engine.is_running:
