@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pagedlm import prefault
 from pagedlm.device_config import DeviceConfig
 from pagedlm.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig,
-                            ModelConfig, ParallelConfig, RequestLimits, SchedulerConfig)
+                            ModelConfig, ParallelConfig, SchedulerConfig)
 from pagedlm.model_executor.layers.quantization import (get_quantization_config,
                                                         resolve_quantization,
                                                         verify_quantization)
 from pagedlm.model_executor.model_loader.memory_check import check_fits_memory, weight_memory
 from pagedlm.model_executor.model_loader.model_path import ensure_float_weights, resolve_model
 from pagedlm.pooling_params import PoolerConfig
+from pagedlm.request_limits import RequestLimits
 from pagedlm.speculative_config import SpeculativeConfig
 from pagedlm.spec_decode.draft_config import check_draft_model
 from pagedlm.structured_output.registry import SUPPORTED_BACKENDS

@@ -14,7 +14,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from pagedlm.config import EngineConfig, RequestLimits
+from pagedlm.config import EngineConfig
+from pagedlm.request_limits import RequestLimits
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.transformers_utils.tokenizer import thread_tokenizer
 from pagedlm.utils import lower_thread_priority

@@ -278,8 +278,8 @@ def test_serve_stops_cleanly_on_sigint(served):
 def test_configs_check_their_own_fields_and_are_frozen(monkeypatch):
     """Each config refuses a bad value itself, whoever builds it, and cannot change after."""
     from pagedlm import envs
-    from pagedlm.config import (CacheConfig, LoRAConfig, ParallelConfig, RequestLimits,
-                                SchedulerConfig)
+    from pagedlm.config import CacheConfig, LoRAConfig, ParallelConfig, SchedulerConfig
+    from pagedlm.request_limits import RequestLimits
     cases = [(lambda: CacheConfig(block_size=0), "block_size must be a positive integer"),
              (lambda: CacheConfig(prefix_caching_hash_algo="md5"), "prefix_caching_hash_algo"),
              (lambda: CacheConfig(cache_dtype=torch.int8), "cache_dtype"),
