@@ -288,6 +288,10 @@ class SamplingParams:
               "must be True, False or 'never'")
         check(self.structured_outputs is None, "structured_outputs",
               "is not supported with use_beam_search")
+        # A search ranks each step's top candidates of the raw distribution: these would be
+        # ignored (a 200 whose beams break them), not applied.
+        for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+            check(not getattr(self, name), name, "is not supported with use_beam_search")
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS

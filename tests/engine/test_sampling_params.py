@@ -87,6 +87,11 @@ INVALID = [
     ({"length_penalty": 33}, "length_penalty"),
     ({"length_penalty": -1e300, "use_beam_search": True, "temperature": 0}, "length_penalty"),
     ({"length_penalty": "1"}, "length_penalty"),
+    # A search ranks the raw distribution's top candidates: these were silently ignored.
+    ({"logit_bias": {1: -100}, "use_beam_search": True, "temperature": 0}, "logit_bias"),
+    ({"allowed_token_ids": [1], "use_beam_search": True, "temperature": 0},
+     "allowed_token_ids"),
+    ({"bad_words": ["x"], "use_beam_search": True, "temperature": 0}, "bad_words"),
 ]
 
 

@@ -215,6 +215,39 @@ def test_unloading_an_adapter_in_use_ends_its_streams_with_an_error(server, setu
     assert_all_blocks_free(server.engine)
 
 
+@pytest.mark.parametrize("route,body", [
+    ("/completions", {"prompt": PROMPTS[0]}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]}),
+])
+def test_unloading_an_adapter_ends_its_beam_searches(server, setup, route, body):
+    """A beam search adds each step's requests afresh, and the engine loaded the unloaded
+    adapter again from its path: the search ran on with it and answered 200. It ends at the
+    next step now, as a 404 naming the model."""
+    _, paths = setup
+    name = "beam-" + route.strip("/").replace("/", "-")
+    r = httpx.post(server.url + "/v1/load_lora_adapter",
+                   json={"lora_name": name, "lora_path": paths["a3"]})
+    assert r.status_code == 200, r.text
+    body = {**body, "model": name, "max_tokens": 120, "ignore_eos": True,
+            "use_beam_search": True, "n": 2, "temperature": 0}
+    generated = server.engine.metrics.snapshot.generation_tokens
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.base_url + route, json=body, timeout=120)
+        deadline = time.monotonic() + 60
+        # A few steps in (each adds its one-token requests afresh, briefly running).
+        while server.engine.metrics.snapshot.generation_tokens < generated + 8:
+            assert time.monotonic() < deadline and not pending.done(), "it never ran"
+            time.sleep(0.005)
+        r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name})
+        assert r.status_code == 200, r.text
+        answer = pending.result()
+    assert answer.status_code == 404, answer.text[:300]
+    err = answer.json()["error"]
+    assert err["param"] == "model" and "unloaded while this request ran" in err["message"]
+    wait_until_idle(server.engine)
+    assert_all_blocks_free(server.engine)
+
+
 def test_an_overlong_adapter_name_is_refused(server, client, setup):
     before = sorted(m.id for m in client.models.list().data)
     r = httpx.post(server.url + "/v1/load_lora_adapter",

@@ -407,6 +407,12 @@ def test_bodies_not_sent_as_json_are_415(server):
             assert r.status_code == 415, (path, ctype, r.text)
             err = r.json()["error"]
             assert err["type"] == "UnsupportedMediaTypeError" and ctype in err["message"], err
+    # A second header must not slip a type past the first, in either order.
+    for first, second in (("application/json", "text/plain"), ("text/plain", "application/json"),
+                          ("application/+json", "application/json")):
+        r = httpx.post(server.base_url + "/completions", content=body,
+                       headers=[*AUTH.items(), ("Content-Type", first), ("Content-Type", second)])
+        assert r.status_code == 415, (first, second, r.text)
     for ctype in (None, "application/json", "application/json; charset=utf-8",
                   "Application/JSON", "application/merge-patch+json"):
         headers = AUTH if ctype is None else {**AUTH, "Content-Type": ctype}

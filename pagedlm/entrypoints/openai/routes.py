@@ -96,14 +96,13 @@ async def with_cancellation(handler: Awaitable[Response], request: Request) -> R
 _SHOWN_UNKNOWN_FIELDS = 8
 
 
-def _is_json(content_type: str | None) -> bool:
-    """No Content-Type, application/json or application/*+json (parameters aside): what
+def _is_json(content_type: str) -> bool:
+    """application/json or application/*+json (parameters aside): with no Content-Type, what
     FastAPI parses as JSON, and so vLLM."""
-    if content_type is None:
-        return True
     kind = content_type.split(";", 1)[0].strip().lower()
     return kind == "application/json" or (kind.startswith("application/")
-                                          and kind.endswith("+json"))
+                                          and kind.endswith("+json")
+                                          and len(kind) > len("application/+json"))
 
 
 async def _body(raw: Request) -> bytes | Response:
@@ -115,10 +114,11 @@ async def _body(raw: Request) -> bytes | Response:
     A browser sends text/plain and form bodies from any page without asking the server first
     (no CORS preflight): read as JSON, they let a page its user visits use a server without an
     API key on their machine, and read the answers."""
-    content_type = raw.headers.get("content-type")
-    if not _is_json(content_type):
-        return error_response(f"The request body must be JSON (Content-Type: application/json),"
-                              f" not {content_type[:100]!r}.", 415)
+    # Every Content-Type header: a second one must not slip a type past the first.
+    for content_type in raw.headers.getlist("content-type"):
+        if not _is_json(content_type):
+            return error_response(f"The request body must be JSON (Content-Type: "
+                                  f"application/json), not {content_type[:100]!r}.", 415)
     body = await raw.body()
     limit = _serving(raw).max_body_values
     if len(body) > limit and (values := body.count(b",") + 1) > limit:

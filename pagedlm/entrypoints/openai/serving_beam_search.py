@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.engine.request_stream import RequestStream
@@ -27,9 +28,13 @@ async def _final(stream: RequestStream) -> RequestOutput | None:
 
 class BeamSearchStream:
 
-    def __init__(self, engine: AsyncLLMEngine, search: BeamSearch) -> None:
+    def __init__(self, engine: AsyncLLMEngine, search: BeamSearch,
+                 still_served: Callable[[], bool] | None = None) -> None:
         self.engine = engine
         self.search = search
+        # Whether its LoRA adapter is still served: each step adds requests afresh, and the
+        # engine would load an adapter unloaded meanwhile again from its path.
+        self._still_served = still_served
         self.request_id = search.request_id
         self.finished = False  # the consumer has seen the end, or it was aborted
         self._steps: list[RequestStream] = []  # the current step's requests
@@ -37,13 +42,14 @@ class BeamSearchStream:
     @classmethod
     async def start(cls, engine: AsyncLLMEngine, request_id: str, prompt: dict,
                     params: SamplingParams, tokenizer, priority: int = 0,
-                    lora_request=None) -> "BeamSearchStream":
+                    lora_request=None, still_served: Callable[[], bool] | None = None
+                    ) -> "BeamSearchStream":
         """Check the request and add its first step: the engine's ValueError for a bad one
         (then nothing is left in the engine). `prompt` holds prompt_token_ids."""
         search = new_beam_search(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
                                  params, engine.config, engine.eos_token_ids, tokenizer,
                                  time.time(), prompt.get("cache_salt"), priority, lora_request)
-        stream = cls(engine, search)
+        stream = cls(engine, search, still_served)
         await stream._add_step()
         return stream
 
@@ -95,6 +101,8 @@ class BeamSearchStream:
             search.advance()
             if search.done:
                 return search.request_output()
+            if self._still_served is not None and not self._still_served():
+                return None  # its adapter was unloaded: aborted, as its engine requests are
             await self._add_step()
 
     def abort(self) -> None:

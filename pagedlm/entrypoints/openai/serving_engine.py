@@ -277,7 +277,8 @@ class OpenAIServing:
                 for i, prompt in enumerate(prompts):
                     rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                     streams.append(await BeamSearchStream.start(
-                        self.engine, rid, prompt, params, self.tokenizer, priority, lora))
+                        self.engine, rid, prompt, params, self.tokenizer, priority, lora,
+                        None if lora is None else lambda: self.models.lora_for(model) is lora))
             else:
                 streams = await self.add_all(request_id, prompts, lambda rid, prompt: (
                     self.engine.add_request(rid, prompt, params, priority=priority,
