@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from pagedlm import envs
@@ -20,6 +21,27 @@ from pagedlm.config import EngineConfig
 from pagedlm.executor.abstract import Executor, WorkerFailedError
 
 logger = logging.getLogger(__name__)
+
+
+# How long a failed call waits for the other ranks' calls, to name a rank that died.
+DEATH_WAIT_S = 3.0
+
+
+def _dead_rank(pending: list, rank_of: dict, timeout: float) -> int | None:
+    """The rank of a pending call whose actor died, within timeout; None if none did."""
+    import ray
+    from ray.exceptions import RayActorError
+    deadline = time.monotonic() + timeout
+    while pending and (left := deadline - time.monotonic()) > 0:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                return rank_of[ref]
+            except Exception:  # noqa: BLE001 - another rank's own failure: not a death
+                pass
+    return None
 
 
 class RayWorkerWrapper:
@@ -90,6 +112,12 @@ class RayDistributedExecutor(Executor):
             except RayActorError as e:
                 self._fail(f"worker rank {rank} died during {name!r}: {e}")
             except RayTaskError as e:
+                # A rank whose peer died fails in the collective it shared with it ("connection
+                # reset by peer"), often before Ray reports the death: name the dead one.
+                dead = _dead_rank(pending, rank_of, DEATH_WAIT_S)
+                if dead is not None:
+                    self._fail(f"worker rank {dead} died during {name!r} (rank {rank} then "
+                               f"failed: {str(e).splitlines()[-1][:300]})")
                 self._fail(f"worker rank {rank} failed in {name!r}: {e}")
         return results
 

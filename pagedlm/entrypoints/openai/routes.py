@@ -152,10 +152,13 @@ async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel | Response:
 server_router = APIRouter()
 
 
-# HEAD too: some load balancers' health checks send it.
-@server_router.api_route("/health", methods=["GET", "HEAD"], response_class=Response,
-                         responses=responses(None, 503,
-                                             ok_description="The engine is running (no body)."))
+# HEAD too: some load balancers' health checks send it (two routes: one operation id each).
+@server_router.head("/health", response_class=Response,
+                    responses=responses(None, 503,
+                                        ok_description="The engine is running (no body)."))
+@server_router.get("/health", response_class=Response,
+                   responses=responses(None, 503,
+                                       ok_description="The engine is running (no body)."))
 async def health(raw: Request) -> Response:
     engine = _serving(raw).engine
     if engine.is_running:
