@@ -93,6 +93,21 @@ def _error(exc_info, status: int, param: str | None = None) -> dict:
     return body
 
 
+# A completion and a chat completion, each of one prompt.
+BOTH_ROUTES = pytest.mark.parametrize("route,body", [
+    ("/completions", {"prompt": PROMPTS[0]}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]}),
+])
+
+
+def assert_unloaded_error(server, err: dict) -> None:
+    """The 404 naming the model of a request whose adapter was unloaded; then nothing left."""
+    assert err["code"] == 404 and err["param"] == "model", err
+    assert "unloaded while this request ran" in err["message"]
+    wait_until_idle(server.engine)
+    assert_all_blocks_free(server.engine)
+
+
 def test_models_lists_adapters_with_parent(client):
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {BASE, "a1", "a2"}
@@ -175,16 +190,10 @@ def test_unloading_an_adapter_in_use_answers_its_requests(server, client, setup)
         assert r.status_code == 200, r.text
         answer = pending.result()
     assert answer.status_code == 404, answer.text
-    err = answer.json()["error"]
-    assert err["param"] == "model" and "unloaded while this request ran" in err["message"]
-    wait_until_idle(server.engine)
-    assert_all_blocks_free(server.engine)
+    assert_unloaded_error(server, answer.json()["error"])
 
 
-@pytest.mark.parametrize("route,body", [
-    ("/completions", {"prompt": PROMPTS[0]}),
-    ("/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]}),
-])
+@BOTH_ROUTES
 def test_unloading_an_adapter_in_use_ends_its_streams_with_an_error(server, setup, route, body):
     """A stream whose adapter was unloaded ended with [DONE] alone, as if its answer were
     complete; its last event before [DONE] is now the 404 naming the model."""
@@ -206,19 +215,12 @@ def test_unloading_an_adapter_in_use_ends_its_streams_with_an_error(server, setu
                 r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name})
                 assert r.status_code == 200, r.text
     assert events[-1] == "[DONE]"
-    err = json.loads(events[-2])["error"]
-    assert err["code"] == 404 and err["param"] == "model", err
-    assert "unloaded while this request ran" in err["message"]
     # No usage chunk: the answer is not whole.
     assert all(json.loads(e).get("usage") is None for e in events[:-2])
-    wait_until_idle(server.engine)
-    assert_all_blocks_free(server.engine)
+    assert_unloaded_error(server, json.loads(events[-2])["error"])
 
 
-@pytest.mark.parametrize("route,body", [
-    ("/completions", {"prompt": PROMPTS[0]}),
-    ("/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]}),
-])
+@BOTH_ROUTES
 def test_unloading_an_adapter_ends_its_beam_searches(server, setup, route, body):
     """A beam search adds each step's requests afresh, and the engine loaded the unloaded
     adapter again from its path: the search ran on with it and answered 200. It ends at the
@@ -242,10 +244,7 @@ def test_unloading_an_adapter_ends_its_beam_searches(server, setup, route, body)
         assert r.status_code == 200, r.text
         answer = pending.result()
     assert answer.status_code == 404, answer.text[:300]
-    err = answer.json()["error"]
-    assert err["param"] == "model" and "unloaded while this request ran" in err["message"]
-    wait_until_idle(server.engine)
-    assert_all_blocks_free(server.engine)
+    assert_unloaded_error(server, answer.json()["error"])
 
 
 def test_an_overlong_adapter_name_is_refused(server, client, setup):
