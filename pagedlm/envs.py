@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     PAGEDLM_DEFAULT_MALLOC: bool
     PAGEDLM_DISABLE_HUGE_PAGES: bool
     PAGEDLM_GGUF_IN_PLACE: bool
+    PAGEDLM_PANEL_CACHE: str | None
     PAGEDLM_PRECISE_ACTIVATIONS: bool
     PAGEDLM_ATTENTION_BACKEND: str | None
     PAGEDLM_TRITON_GEMV: bool
@@ -75,6 +76,11 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # for holding a quantized file to a float reference on its dequantized weights
     # (benchmarks/gguf_fidelity.py).
     "PAGEDLM_PRECISE_ACTIVATIONS": _flag("PAGEDLM_PRECISE_ACTIVATIONS"),
+    # Whether a bfloat16 or float16 checkpoint's weight panels are kept in a file of the cache,
+    # which later loads of the same checkpoint map instead of packing it again (panel_cache.py):
+    # "auto" (unset or empty: panels of at least 1 GiB), "always" (or 1, on), "off" (or 0,
+    # never).
+    "PAGEDLM_PANEL_CACHE": _string("PAGEDLM_PANEL_CACHE"),
     # "native" | "torch_sdpa" | "triton": the attention backend every model uses
     # (get_attn_backend; an error if it cannot run the model's dtype on its device). Unset or
     # empty: chosen by dtype and device (Triton on a GPU, the native kernel for float32 on the

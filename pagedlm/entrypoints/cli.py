@@ -18,7 +18,7 @@ import sys
 import textwrap
 
 import pagedlm
-from pagedlm import envs, prefault
+from pagedlm import envs, panel_cache, prefault
 
 logger = logging.getLogger("pagedlm.cli")
 
@@ -306,7 +306,8 @@ def _prefault(argv: list[str], min_bytes: int = _PREFAULT_MIN_BYTES,
     panels' memory, being faulted in while the parser's imports run (prefault.py). Read from
     argv before any parser exists, so only the plainest spellings count (the model as the
     first argument after `serve` or --model); a flag that could put the weights elsewhere
-    (other processes, a GPU, a quantized format) rules it out. Any spelling missed only
+    (other processes, a GPU, a quantized format) rules it out, and so does a panels' file
+    that an earlier load left in the cache (panel_cache.py). Any spelling missed only
     forgoes the head start: the parser still checks everything."""
     if len(argv) < 2 or argv[0] != "serve" or envs.PAGEDLM_DISABLE_HUGE_PAGES:
         return None
@@ -320,6 +321,9 @@ def _prefault(argv: list[str], min_bytes: int = _PREFAULT_MIN_BYTES,
                                                        "--pipeline-parallel-size", "-pp"))
             or not os.path.isdir(model)):
         return None
+    dtype = "float16" if values["--dtype"] == "half" else values["--dtype"]
+    if panel_cache.is_cached(model, dtype):
+        return None  # the panels are mapped from their file: no fresh memory to fault in
     return prefault.for_checkpoint(model, min_bytes)
 
 

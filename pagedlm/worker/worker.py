@@ -90,6 +90,10 @@ class Worker:
         self.model = get_model(mc, self.device)
         if self.device.type == "cpu":  # every decode step streams the panels (huge_pages.py)
             huge_pages.gather_panels(self.model, release=release_freed_memory)
+        write = getattr(self.model, "panel_cache_write", None)
+        if write is not None:  # the panels for the next load, written while this one serves
+            del self.model.panel_cache_write
+            write.start()
         # What loading freed goes back before the KV cache is sized from the memory available,
         # and the settings for steps replace those for loading (malloc_tuning.py).
         release_freed_memory()

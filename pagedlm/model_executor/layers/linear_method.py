@@ -264,7 +264,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
         plain weight, which processing drops, is never written. That write was a fresh page
         for every 4 KiB of the 1B Llama's 1.95 GB of bfloat16 matrices, 0.67 s of its load
         (Zen 4 EPYC; the checkpoint's own pages, read once either way, 0.13 s). False: the
-        loader copies them into the weight."""
+        loader copies them into the weight. A layer whose panels are a view of the panels'
+        file (panel_cache.py, `panels_mapped`) holds these rows already: nothing is read."""
+        if getattr(layer, "panels_mapped", False):
+            return True
         if getattr(layer, "weight_shared", False) or not self.process_when_loaded(layer):
             return False
         weight = layer.weight

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import torch
 from torch import nn
 
+from pagedlm import panel_cache
 from pagedlm.attention.backends import get_attn_backend
-import logging
-
 from pagedlm.config import ModelConfig
+from pagedlm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedlm.model_executor.layers.linear_method import (LinearMethodBase, panels_in_arena,
                                                          use_deterministic_linear_methods,
                                                          weights_on_meta)
@@ -63,16 +64,45 @@ def get_model(config: ModelConfig, device: torch.device | str = "cpu") -> torch.
     materialize_weights(model, device)
     store_weights_in(model, config.dtype)
     process_as_loaded(model)
+    mapped, write = _panels_from_cache(model, config, device)
     with panels_in_arena():  # and the panels processing packs (a tied LM head's)
         model.load_weights(weights)
         round_other_weights(model, config.dtype)
         model.process_weights_after_loading()
+    if write is not None:
+        model.panel_cache_write = write  # the worker starts it once the panels stay put
+    if mapped is not None:
+        logger.info("panels mapped from %s", mapped.path)
     if quant_config is not None:
         quant_config.process_weights_after_loading(model)
     if quant_config is not None:
         logger.info("quantization=%r: linear layers by weight format: %s",
                     config.quantization, dict(weight_formats(model)))
     return model.eval().requires_grad_(False)
+
+
+def _panels_from_cache(model: nn.Module, config: ModelConfig, device: torch.device | str,
+                       ) -> tuple[panel_cache.MappedPanels | None,
+                                  panel_cache.PanelCacheWrite | None]:
+    """The panels' file of this checkpoint (panel_cache.py) mapped and placed in the model's
+    layers, or else the write that keeps them for the next load; (None, None) where the load
+    does not qualify: one worker on the CPU, 2-byte weights from the checkpoint unquantized."""
+    if (panel_cache.mode() == "off" or torch.device(device).type != "cpu"
+            or config.quantization is not None
+            or config.dtype not in (torch.bfloat16, torch.float16)
+            or get_tp_group().world_size * get_pp_group().world_size != 1):
+        return None, None
+    layers = panel_cache.panel_layers(model)
+    path = panel_cache.cache_file(config.model_dir, str(config.dtype).removeprefix("torch."))
+    if not layers or path is None:
+        return None, None
+    mapped = panel_cache.open_cached(path)
+    if mapped is not None and mapped.place(layers):
+        return mapped, None
+    if mapped is not None:
+        logger.info("panels' file %s does not match the model: packing from the checkpoint",
+                    path)
+    return None, panel_cache.PanelCacheWrite(path, layers)
 
 
 def materialize_weights(model: nn.Module, device: torch.device | str) -> None:

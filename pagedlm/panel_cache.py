@@ -1,0 +1,328 @@
+"""A 2-byte checkpoint's weight panels kept in a file of the cache, which a later load of the
+same checkpoint maps instead of packing the checkpoint again.
+
+Why: packing writes every panel byte into memory the process has not touched before, and on
+these VMs that first touch is most of the load. `pagedlm serve` of the 1B bfloat16 Llama
+(2.15 GB of panels) was ready in 4.0-4.6 s, its weights loaded in 2.2-2.7 s after other
+servers had run, against 0.55 s for llama.cpp on the same weights as an F16 GGUF file, which it
+maps (Zen 4 EPYC, 2 vCPUs; benchmarks/results/gguf-models-20261129T005037Z-zen4-gc). The
+panels' file, which the page cache holds after the first load, maps in a fraction of that.
+
+Which loads: one worker on the CPU, bfloat16 or float16 weights (ModelConfig.dtype) from a
+safetensors directory, no quantization; PAGEDLM_PANEL_CACHE chooses between "auto" (panels of
+at least AUTO_MIN_BYTES: a small model packs in less time than it takes to write the file),
+"always" and "off". The first load packs as before and a thread writes the panels into the
+file once the model is loaded (at lowered priority; tmp file, fsync, rename: a reader sees a
+whole file or none). Its name is a hash of the checkpoint (each file's name, size, mtime and
+inode, config.json's too), the dtype and this module's FORMAT; the file ends with an index of
+every layer's panels (name, offset, shape, dtype) and the panel kernel's layout, which a load
+checks against the model it builds: any difference, a truncated or foreign file, and the load
+packs from the checkpoint again (and rewrites the file). A changed checkpoint gets another
+name; the files of its older versions are removed when the new one is written.
+
+The file is mapped privately (copy on write; nothing writes the panels), with the advice for
+huge pages, and the layers' panels are views of it: the checkpoint's matrices are not read at
+all. The bytes live in the page cache, shared with any other process that maps the same file.
+
+This module imports nothing heavy at its top: `pagedlm serve` asks `is_cached` before torch is
+imported (prefault.py's head start is not needed when the panels come from the file).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedlm import envs
+from pagedlm.utils import cache_root, lower_thread_priority
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Bumped whenever the file's layout or the meaning of a panel's bytes changes.
+FORMAT = 1
+_MAGIC = b"PGLMPNL1"
+# The file's last 16 bytes: the index's length, then the magic.
+_TRAILER = struct.Struct("<Q8s")
+# Each panel starts on a cache line, as huge_pages.Arena's do.
+_ALIGN = 64
+# "auto" writes the file for panels of at least this many bytes. SmolLM2-135M in bfloat16 (270
+# MB of panels) packs in about 0.2 s; the 1B Llama's 2.15 GB took 0.7-2.7 s.
+AUTO_MIN_BYTES = 1 << 30
+# The index is JSON of a few hundred bytes a layer; more than this is not our file.
+_MAX_INDEX = 64 << 20
+# A file is not written unless the disk keeps this much free beside it.
+_DISK_MARGIN = 1 << 30
+# Write this many bytes a call: each releases the GIL.
+_WRITE_PIECE = 64 << 20
+_MODES = {"auto": "auto", "always": "always", "1": "always", "on": "always",
+          "off": "off", "0": "off", "never": "off"}
+
+
+def mode() -> str:
+    """PAGEDLM_PANEL_CACHE as one of "auto", "always", "off" (unset or empty: "auto")."""
+    raw = (envs.PAGEDLM_PANEL_CACHE or "auto").strip().lower()
+    if raw not in _MODES:
+        raise ValueError(f"PAGEDLM_PANEL_CACHE={envs.PAGEDLM_PANEL_CACHE!r}: expected one of "
+                         f"auto, always (or 1, on), off (or 0, never).")
+    return _MODES[raw]
+
+
+def _directory() -> str:
+    return os.path.join(cache_root(), "panels")
+
+
+def _checkpoint_files(model_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))
+                  + [os.path.join(model_dir, "config.json")])
+
+
+def cache_file(model_dir: str, dtype_name: str) -> str | None:
+    """The path of the panels' file for the checkpoint in `model_dir` as `dtype_name`
+    ("bfloat16" or "float16"), whether it exists or not; None where a file of the checkpoint
+    cannot be read (the loader reports that)."""
+    folder = os.path.realpath(model_dir)
+    stats = []
+    for path in _checkpoint_files(folder):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        stats.append([os.path.basename(path), st.st_size, st.st_mtime_ns, st.st_ino])
+    key = hashlib.sha256(json.dumps([FORMAT, folder, dtype_name, stats]).encode()).hexdigest()
+    return os.path.join(_directory(), f"{_folder_tag(folder)}-{key[:32]}.panels")
+
+
+def _folder_tag(folder: str) -> str:
+    """What every version's file of one checkpoint folder starts with."""
+    return hashlib.sha256(folder.encode()).hexdigest()[:16]
+
+
+def is_cached(model_dir: str, dtype_name: str) -> bool:
+    """Whether a panels' file of this checkpoint exists (not yet checked: a load does that).
+    False under a PAGEDLM_PANEL_CACHE that is off or wrong (the load reports the latter)."""
+    try:
+        if mode() == "off":
+            return False
+    except ValueError:
+        return False
+    path = cache_file(model_dir, dtype_name)
+    return path is not None and os.path.isfile(path)
+
+
+@dataclass(frozen=True)
+class PanelEntry:
+    """One layer's panels in the file."""
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str  # "bfloat16" or "float16"
+
+    @property
+    def nbytes(self) -> int:
+        n = 2
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layout() -> dict:
+    """What decides the panels' bytes besides the checkpoint: the panel kernel's width and
+    whether bfloat16 panels are k-pairs (both the build's)."""
+    from pagedlm.kernels import gemv
+    return {"width": gemv.panel_width(), "bf16_pairs": gemv.bf16_pairs()}
+
+
+def panel_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers whose panels a load packs as their checkpoint rows arrive (their method's
+    process_when_loaded), by module name: the ones the file holds. Asked before loading."""
+    from pagedlm.model_executor.layers.linear_method import LinearMethodBase
+    found = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "linear_method", None)
+        if isinstance(method, LinearMethodBase) and method.process_when_loaded(module):
+            found[name] = module
+    return found
+
+
+class MappedPanels:
+    """A panels' file, mapped and its index read and checked: `place` makes the model's
+    layers' panels views of it."""
+
+    def __init__(self, path: str) -> None:
+        """Raises ValueError (or OSError) where the file is not a whole panels' file."""
+        import torch
+        self.path = path
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < _TRAILER.size:
+                raise ValueError("shorter than its trailer")
+            self._map = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # THP compiled out
+                pass
+        length, magic = _TRAILER.unpack_from(self._map, size - _TRAILER.size)
+        if magic != _MAGIC or length > min(_MAX_INDEX, size - _TRAILER.size):
+            raise ValueError("no panels' trailer")
+        index_at = size - _TRAILER.size - length
+        index = json.loads(bytes(self._map[index_at:index_at + length]))
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise ValueError("another format")
+        self.layout = index.get("layout")
+        self.entries: dict[str, PanelEntry] = {}
+        for name, (offset, shape, dtype) in index["panels"].items():
+            entry = PanelEntry(int(offset), tuple(int(d) for d in shape), str(dtype))
+            if (entry.offset % _ALIGN or entry.offset < 0
+                    or entry.offset + entry.nbytes > index_at
+                    or entry.dtype not in ("bfloat16", "float16")):
+                raise ValueError(f"entry {name!r} out of the file")
+            self.entries[name] = entry
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def place(self, layers: dict[str, nn.Module]) -> bool:
+        """Make each of `layers` (panel_layers's) take its panels from the file, marking it
+        `panels_mapped` so its loader skips packing the checkpoint's rows; False, and no layer
+        touched, unless the file holds exactly these layers' panels in the layout and shape
+        the kernel takes here."""
+        import torch
+        from pagedlm.kernels import gemv
+        if self.layout != _layout() or set(self.entries) != set(layers):
+            return False
+
+        def meta(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        views = {}
+        for name, module in layers.items():
+            entry, weight = self.entries[name], module.weight
+            expected = gemv.empty_panels(*weight.shape, weight.dtype, zeros=meta)
+            if (expected is None or tuple(expected.shape) != entry.shape
+                    or _dtype_name(weight.dtype) != entry.dtype):
+                return False
+            views[name] = (self._bytes[entry.offset:entry.offset + entry.nbytes]
+                           .view(weight.dtype).view(entry.shape))
+        for name, module in layers.items():
+            module.panel_weight = views[name]
+            module.panels_mapped = True
+        return True
+
+    def map_range(self) -> tuple[int, int]:
+        """The first and past-the-last address of the file's map."""
+        start = self._bytes.data_ptr()
+        return start, start + len(self._map)
+
+    def map_owner(self) -> object:
+        """What keeps the map mapped while it is held (the views hold it too)."""
+        return self._map
+
+
+def open_cached(path: str) -> MappedPanels | None:
+    """The panels' file at `path` mapped, or None where there is none or it is not a whole
+    one of this format (logged: the load packs from the checkpoint and rewrites it)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        return MappedPanels(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("panels' file %s unusable (%s): packing from the checkpoint", path, e)
+        return None
+
+
+def _free_disk(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def write_panels(path: str, layers: dict[str, nn.Module]) -> bool:
+    """Write the layers' panels (each one's `panel_weight`, as loaded) into the file at `path`
+    (tmp file, fsync, rename) and remove the files of the same folder's other checkpoint
+    versions; False, nothing written, where a layer has no 2-byte panels or the disk lacks the
+    room."""
+    import torch
+    panels = {name: getattr(module, "panel_weight", None) for name, module in layers.items()}
+    if not panels or any(not isinstance(t, torch.Tensor) or t.element_size() != 2
+                         or not t.is_contiguous() for t in panels.values()):
+        return False
+    index, offset = {}, 0
+    for name, t in panels.items():
+        index[name] = [offset, list(t.shape), _dtype_name(t.dtype)]
+        offset += -(-t.nbytes // _ALIGN) * _ALIGN
+    blob = json.dumps({"format": FORMAT, "layout": _layout(), "panels": index}).encode()
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    if _free_disk(folder) < offset + len(blob) + _DISK_MARGIN:
+        logger.info("panels' file not written: %.2f GB would leave under %.1f GB free in %s",
+                    offset / 1e9, _DISK_MARGIN / 2**30, folder)
+        return False
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            for name, t in panels.items():
+                raw = t.view(torch.uint8).view(-1).numpy()
+                for start in range(0, raw.size, _WRITE_PIECE):
+                    f.write(memoryview(raw[start:start + _WRITE_PIECE]))
+                f.write(b"\0" * (-t.nbytes % _ALIGN))
+            f.write(blob)
+            f.write(_TRAILER.pack(len(blob), _MAGIC))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    tag = os.path.basename(path).split("-", 1)[0]
+    for old in glob.glob(os.path.join(folder, f"{tag}-*.panels")):
+        if old != path:
+            try:
+                os.unlink(old)
+            except OSError:
+                pass
+    return True
+
+
+@dataclass
+class PanelCacheWrite:
+    """A pending write of a loaded model's panels (get_model decides it; the worker starts it
+    once the panels are where they stay)."""
+    path: str
+    layers: dict[str, nn.Module]
+
+    def start(self) -> threading.Thread | None:
+        """Write in a thread at lowered priority; None where "auto" finds the panels too small
+        to be worth a file."""
+        total = sum(getattr(getattr(m, "panel_weight", None), "nbytes", 0)
+                    for m in self.layers.values())
+        if mode() == "auto" and total < AUTO_MIN_BYTES:
+            return None
+        thread = threading.Thread(target=self._run, name="pagedlm-panel-cache", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        lower_thread_priority()
+        began = time.perf_counter()
+        try:
+            if write_panels(self.path, self.layers):
+                logger.info("panels written to %s for the next load (%.1f s)", self.path,
+                            time.perf_counter() - began)
+        except OSError as e:
+            logger.warning("panels' file %s not written: %s", self.path, e)
+        finally:
+            self.layers = {}
