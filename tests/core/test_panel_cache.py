@@ -107,7 +107,8 @@ def test_the_layers_read_the_file_s_map(cache, tied_model):
         layers = [m for m in model.modules() if getattr(m, "panels_mapped", False)]
         assert layers and spans
         for m in layers:
-            start, end = m.panel_weight.data_ptr(), m.panel_weight.data_ptr() + m.panel_weight.nbytes
+            start = m.panel_weight.data_ptr()
+            end = start + m.panel_weight.nbytes
             assert any(lo <= start and end <= hi for lo, hi in spans)
             assert m.weight.is_meta  # no plain copy of the checkpoint's matrix either
     finally:
