@@ -240,7 +240,7 @@ def open_cached(path: str) -> MappedPanels | None:
         return None
     try:
         return MappedPanels(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         logger.warning("panels' file %s unusable (%s): packing from the checkpoint", path, e)
         return None
 

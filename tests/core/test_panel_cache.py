@@ -161,8 +161,14 @@ def _out_of_the_file(path):
     _rewrite_index(path, change)
 
 
+def _not_an_index(path):
+    def change(index):
+        index["panels"] = list(index["panels"])
+    _rewrite_index(path, change)
+
+
 @pytest.mark.parametrize("damage", [_truncate, _flip_magic, _other_shape, _missing_layer,
-                                    _other_layout, _out_of_the_file])
+                                    _other_layout, _out_of_the_file, _not_an_index])
 def test_a_file_that_does_not_match_is_packed_again_and_rewritten(cache, tied_model, damage):
     tokens, panels, _ = _load(tied_model)
     path = _wait_for_file(cache)
