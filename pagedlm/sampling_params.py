@@ -272,7 +272,8 @@ class SamplingParams:
         check(self.bad_words is None or (
             isinstance(self.bad_words, list)
             and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
-            "bad_words", "must be a list of non-empty strings")
+            "bad_words", "must be a list of strings that are neither empty nor whitespace "
+            "only (each word is matched from its first non-space character)")
 
     def _verify_beam_search(self, check) -> None:
         check(self.greedy, "temperature", "must be 0 with use_beam_search")

@@ -219,6 +219,12 @@ def test_settings_that_leave_nothing_to_sample_are_a_400(server, client, extra, 
     assert_all_blocks_free(server.engine)
 
 
+def test_a_whitespace_bad_word_is_a_400_that_says_why(server, client):
+    for endpoint in ("completions", "chat"):
+        for words in (["\n"], ["ok", "  "], [""]):
+            expect_400(client, endpoint, {"bad_words": words}, "bad_words", "whitespace only")
+
+
 def test_bad_words_at_the_cap_ban_over_the_server(server, client):
     """1000 words, tokenized on the caller's side: the one the greedy run would write first is
     never written."""

@@ -413,12 +413,31 @@ def test_bodies_not_sent_as_json_are_415(server):
         r = httpx.post(server.base_url + "/completions", content=body,
                        headers=[*AUTH.items(), ("Content-Type", first), ("Content-Type", second)])
         assert r.status_code == 415, (first, second, r.text)
+    # JSON is UTF-8: a body declared in another charset would be misread, so it is refused.
+    for ctype in ("application/json; charset=latin-1", 'application/json; Charset="ISO-8859-1"',
+                  "application/json; charset=utf-16"):
+        r = httpx.post(server.base_url + "/completions", content=body,
+                       headers={**AUTH, "Content-Type": ctype})
+        assert r.status_code == 415, (ctype, r.text)
+        assert "UTF-8" in r.json()["error"]["message"], r.text
     for ctype in (None, "application/json", "application/json; charset=utf-8",
-                  "Application/JSON", "application/merge-patch+json"):
+                  'application/json; charset="UTF-8"', "Application/JSON",
+                  "application/merge-patch+json"):
         headers = AUTH if ctype is None else {**AUTH, "Content-Type": ctype}
         r = httpx.post(server.base_url + "/completions", content=body, headers=headers)
         assert r.status_code == 200, (ctype, r.text)
     assert httpx.head(server.url + "/health").status_code == 200  # load balancers' checks
+
+
+def test_a_body_that_is_not_json_is_a_400_that_says_so(server):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        for body in (b'{"prompt": ', b"\xff\xfe", b"[1, 2"):
+            r = httpx.post(server.url + path, content=body,
+                           headers={**AUTH, "Content-Type": "application/json"})
+            assert r.status_code == 400, (path, body, r.text)
+            message = r.json()["error"]["message"]
+            assert message.startswith("The request body is not valid JSON: "), message
+            assert "Invalid JSON" not in message, message
 
 
 def test_cors_preflight(server):

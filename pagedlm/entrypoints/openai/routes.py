@@ -105,6 +105,15 @@ def _is_json(content_type: str) -> bool:
                                           and len(kind) > len("application/+json"))
 
 
+def _charset(content_type: str) -> str | None:
+    """The charset parameter of a Content-Type, lower case and unquoted; None without one."""
+    for param in content_type.split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"').lower()
+    return None
+
+
 async def _body(raw: Request) -> bytes | Response:
     """The request's body, or a 415 for a body sent as something other than JSON, or a 413
     where it holds more JSON values than the server parses (--max-request-body-values;
@@ -119,6 +128,12 @@ async def _body(raw: Request) -> bytes | Response:
         if not _is_json(content_type):
             return error_response(f"The request body must be JSON (Content-Type: "
                                   f"application/json), not {content_type[:100]!r}.", 415)
+        # JSON is UTF-8 (RFC 8259): a body in another charset would be read as UTF-8 anyway,
+        # its non-ASCII text garbled or refused as invalid bytes.
+        charset = _charset(content_type)
+        if charset not in (None, "utf-8", "utf8"):
+            return error_response(f"The request body must be UTF-8 JSON; charset "
+                                  f"{charset[:40]!r} is not supported.", 415)
     body = await raw.body()
     limit = _serving(raw).max_body_values
     if len(body) > limit and (values := body.count(b",") + 1) > limit:
@@ -233,7 +248,7 @@ async def _json_object(raw: Request) -> dict | Response:
     try:
         body = loads_json(data or b"{}")
     except ValueError as e:  # bad JSON, too deep, or bytes that are not UTF-8 at all
-        return error_response(f"Invalid JSON body: {e}", 400)
+        return error_response(f"The request body is not valid JSON: {e}", 400)
     if not isinstance(body, dict):
         return error_response("The body must be a JSON object.", 400)
     return body

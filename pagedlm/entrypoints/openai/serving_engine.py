@@ -83,7 +83,9 @@ def validation_error_response(e: ValidationError) -> JSONResponse:
     by_loc: dict[str, tuple[list[str], object]] = {}
     for err in e.errors(include_url=False):
         if err.get("type") == "json_invalid":
-            return error_response(f"Invalid JSON body: {err.get('msg')}", 400)
+            # pydantic's message starts "Invalid JSON: " itself.
+            detail = str(err.get("msg", "")).removeprefix("Invalid JSON: ")
+            return error_response(f"The request body is not valid JSON: {detail}", 400)
         # Drop the union-member tags pydantic puts in the location ("stop.str", "stop.list[str]").
         loc = ".".join(str(x) for x in err.get("loc", ())
                        if isinstance(x, int) or not _UNION_TAG.search(str(x)))
