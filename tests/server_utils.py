@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import uvicorn
 
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
+from pagedlm.entrypoints.cli_args import DEFAULT_REQUEST_READ_TIMEOUT_S
 from pagedlm.entrypoints.openai.api_server import build_app
+from pagedlm.entrypoints.openai.slow_clients import http_protocol
 
 
 @dataclass
@@ -31,12 +33,16 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_in_thread(engine: AsyncLLMEngine, **app_kwargs):
-    """Serve `engine` with the real app and uvicorn on 127.0.0.1:<free port> until exit."""
+    """Serve `engine` with the real app and uvicorn on 127.0.0.1:<free port> until exit, on
+    the HTTP protocol run_server uses (its header deadline is app_kwargs' request_read_timeout,
+    as the body's is)."""
     app = build_app(engine, **app_kwargs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5))
+    read_timeout = app_kwargs.get("request_read_timeout", DEFAULT_REQUEST_READ_TIMEOUT_S)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5,
+                                           http=http_protocol(read_timeout)))
     app.state.server = server  # as run_server does: a failed engine stops the server
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

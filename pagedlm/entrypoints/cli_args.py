@@ -30,6 +30,9 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
 # from a worker thread as from the loop). Bounding the values (counted as commas, before
 # parsing) bounds that pause at about 0.2 s. 2^19 ids are 64 prompts of 8,192 tokens.
 DEFAULT_MAX_REQUEST_BODY_VALUES = 2**19
+# nginx waits 60 s for headers and between a body's reads; a client of this API sends both at
+# once, so half that still leaves a slow link room.
+DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
 
 _HELP = {
     "model": "A GGUF file or a local HuggingFace model directory. Default: the embedded "
@@ -243,6 +246,16 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _lora_module(text: str):
     from pagedlm.entrypoints.openai.serving_models import parse_lora_module
     return parse_lora_module(text)
@@ -306,6 +319,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
                        help="Seconds an idle HTTP keep-alive connection stays open. "
                             "(default: 5)")
+    group.add_argument("--request-read-timeout", type=_positive_seconds,
+                       default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="SECONDS",
+                       help="A connection is closed unless a request's headers arrive within "
+                            "SECONDS of connecting (or of the previous response), and a "
+                            "request whose body pauses for longer than SECONDS is a 408: slow "
+                            "clients cannot hold the server's sockets. (default: "
+                            f"{DEFAULT_REQUEST_READ_TIMEOUT_S:g})")
     group.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None,
                        metavar="NAME=PATH",
                        help="LoRA adapters to serve (with --enable-lora), each as name=path "

@@ -112,8 +112,9 @@ def test_responses_and_error_statuses(doc):
             # /health: 503 once the engine failed (vLLM's status), as the route declares.
             want = {"200", "503"} if path == "/health" else {"200", "500"}
             if method == "post":
-                # 413: a body over --max-request-body-bytes; 415: one not sent as JSON
-                want.update({"400", "413", "415"})
+                # 408: a body that stopped arriving (--request-read-timeout); 413: one over
+                # --max-request-body-bytes; 415: one not sent as JSON
+                want.update({"400", "408", "413", "415"})
             if path != "/health":
                 want.add("401")  # with an API key, every route but the probe
             if path in WITH_MODEL:

@@ -34,10 +34,12 @@ import pagedlm
 from pagedlm import envs
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.entrypoints.cli_args import (DEFAULT_MAX_REQUEST_BODY_BYTES,
-                                           DEFAULT_MAX_REQUEST_BODY_VALUES)
+                                           DEFAULT_MAX_REQUEST_BODY_VALUES,
+                                           DEFAULT_REQUEST_READ_TIMEOUT_S)
 from pagedlm.entrypoints.openai.openapi import install_openapi
 from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
 from pagedlm.entrypoints.openai.engine_events import EngineEvents
+from pagedlm.entrypoints.openai.slow_clients import BodyReadTimeoutMiddleware, http_protocol
 from pagedlm.entrypoints.openai.routes import (API_BODY_MODELS, ENGINE_EVENTS_PER_S,
                                                LORA_BODY_MODELS, STATIC_DIR, ServingState,
                                                api_router, lora_router, server_router)
@@ -175,14 +177,16 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               chat_template: str | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              max_request_body_values: int = DEFAULT_MAX_REQUEST_BODY_VALUES) -> FastAPI:
+              max_request_body_values: int = DEFAULT_MAX_REQUEST_BODY_VALUES,
+              request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine`. The caller owns the engine (and shuts it down).
     lora_modules are loaded at start-up (an invalid one stops it). Runtime LoRA updating:
     None reads VLLM_ALLOW_RUNTIME_LORA_UPDATING. chat_template replaces the tokenizer's;
     tool_choice "auto" needs enable_auto_tool_choice and a tool_call_parser name. A request's
     own chat_template is refused (400) unless trust_request_chat_template. A body over
     max_request_body_bytes, or holding more than max_request_body_values JSON values, is a
-    413."""
+    413; one that pauses for longer than request_read_timeout seconds, a 408 (run_server
+    bounds the headers' time too: slow_clients.py)."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("enable_auto_tool_choice needs a tool_call_parser (one of "
                          f"{', '.join(sorted(TOOL_PARSERS))}).")
@@ -243,6 +247,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     app.include_router(api_router)
     install_openapi(app, body_models)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    app.add_middleware(BodyReadTimeoutMiddleware, timeout_s=request_read_timeout)
     if api_key:  # outside the size limit: a request without the key is not read at all
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # Added last, so outermost: error responses (a 401 too) carry the CORS headers.
@@ -278,10 +283,12 @@ def run_server(args: argparse.Namespace, start: ServerStart | None = None) -> No
                         tool_call_parser=args.tool_call_parser,
                         trust_request_chat_template=args.trust_request_chat_template,
                         max_request_body_bytes=args.max_request_body_bytes,
-                        max_request_body_values=args.max_request_body_values)
+                        max_request_body_values=args.max_request_body_values,
+                        request_read_timeout=args.request_read_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
-                                timeout_keep_alive=args.timeout_keep_alive)
+                                timeout_keep_alive=args.timeout_keep_alive,
+                                http=http_protocol(args.request_read_timeout))
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(names),
                     host, port)

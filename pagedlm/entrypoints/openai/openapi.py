@@ -23,6 +23,7 @@ ERROR_DESCRIPTIONS = {
     400: "Bad request: the message names the bad field in `param`.",
     401: "Missing or wrong API key (only when the server was started with one).",
     404: "Unknown model (or adapter).",
+    408: "The request body paused for longer than the server waits (--request-read-timeout).",
     413: "The request body is larger than the server accepts (--max-request-body-bytes).",
     415: "The request body is not sent as JSON (Content-Type: application/json).",
     500: "Internal error, or the engine is not running.",

@@ -255,7 +255,7 @@ async def _json_object(raw: Request) -> dict | Response:
 
 
 @lora_router.post("/v1/load_lora_adapter", openapi_extra=json_body(LoadLoRAAdapterRequest),
-                  responses=responses(None, 400, 401, 413, 415, 500, ok_content=_LORA_OK))
+                  responses=responses(None, 400, 401, 408, 413, 415, 500, ok_content=_LORA_OK))
 async def load_lora_adapter(raw: Request) -> Response:
     body = await _json_object(raw)
     if isinstance(body, Response):
@@ -267,7 +267,7 @@ async def load_lora_adapter(raw: Request) -> Response:
 
 
 @lora_router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UnloadLoRAAdapterRequest),
-                  responses=responses(None, 400, 401, 404, 413, 415, 500, ok_content=_LORA_OK))
+                  responses=responses(None, 400, 401, 404, 408, 413, 415, 500, ok_content=_LORA_OK))
 async def unload_lora_adapter(raw: Request) -> Response:
     body = await _json_object(raw)
     if isinstance(body, Response):
@@ -286,7 +286,7 @@ API_BODY_MODELS: tuple[type[BaseModel], ...] = (
 
 
 @api_router.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
-                 responses=responses(CompletionResponse, 400, 401, 404, 413, 415, 500,
+                 responses=responses(CompletionResponse, 400, 401, 404, 408, 413, 415, 500,
                                      ok_content=SSE_CONTENT))
 async def create_completion(raw: Request) -> Response:
     request = await _parse(raw, CompletionRequest)
@@ -296,7 +296,7 @@ async def create_completion(raw: Request) -> Response:
 
 
 @api_router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
-                 responses=responses(ChatCompletionResponse, 400, 401, 404, 413, 415, 500,
+                 responses=responses(ChatCompletionResponse, 400, 401, 404, 408, 413, 415, 500,
                                      ok_content=SSE_CONTENT))
 async def create_chat_completion(raw: Request) -> Response:
     request = await _parse(raw, ChatCompletionRequest)
@@ -306,7 +306,7 @@ async def create_chat_completion(raw: Request) -> Response:
 
 
 @api_router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest),
-                 responses=responses(EmbeddingResponse, 400, 401, 404, 413, 415, 500))
+                 responses=responses(EmbeddingResponse, 400, 401, 404, 408, 413, 415, 500))
 async def create_embedding(raw: Request) -> Response:
     request = await _parse(raw, EmbeddingRequest)
     if isinstance(request, Response):
@@ -324,7 +324,7 @@ def _has_messages(body: bytes) -> bool:
 
 @api_router.post("/tokenize",
                  openapi_extra=json_body(TokenizeCompletionRequest, TokenizeChatRequest),
-                 responses=responses(TokenizeResponse, 400, 401, 404, 413, 415, 500))
+                 responses=responses(TokenizeResponse, 400, 401, 404, 408, 413, 415, 500))
 async def tokenize(raw: Request) -> Response:
     body = await _body(raw)
     if isinstance(body, Response):
@@ -337,7 +337,7 @@ async def tokenize(raw: Request) -> Response:
 
 
 @api_router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest),
-                 responses=responses(DetokenizeResponse, 400, 401, 404, 413, 415, 500))
+                 responses=responses(DetokenizeResponse, 400, 401, 404, 408, 413, 415, 500))
 async def detokenize(raw: Request) -> Response:
     request = await _parse(raw, DetokenizeRequest)
     if isinstance(request, Response):

@@ -1,0 +1,109 @@
+"""Bounds on how slowly a client may send a request (--request-read-timeout).
+
+uvicorn times out only an idle keep-alive connection, and only until its first byte: a client
+that opens connections and sends their headers a byte at a time, or a body slower still, holds
+each connection, its socket and its buffers for as long as it likes, and enough of them leave
+the server no sockets for anyone else (the "slowloris" attack). So:
+- a connection must deliver a request's headers within the timeout of connecting or of its
+  previous response, else it is closed (`http_protocol`: there is no request yet to answer);
+- a request's body must arrive with no pause longer than the timeout between its pieces, else
+  the request is a 408 and its connection closed (`BodyReadTimeoutMiddleware`). A pause, not a
+  total: a large prompt over a slow link still arrives as long as it keeps arriving, as with
+  nginx's client_body_timeout.
+A request being answered is not timed: generation takes as long as it takes, and a client's
+disconnect still aborts it.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi.responses import JSONResponse
+
+from pagedlm.entrypoints.openai.serving_engine import error_body
+
+
+def http_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools where installed, else h11: its own choice) with the
+    header deadline above."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeadDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_timer()  # the next request's headers are due in their turn
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(timeout_s, self._head_deadline)
+
+        def _head_deadline(self) -> None:
+            self._head_timer = None
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                return  # its headers came: the request is being read or answered
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadDeadlineProtocol
+
+
+class _BodyTimedOut(Exception):
+    pass
+
+
+class BodyReadTimeoutMiddleware:
+    """Pure ASGI: a request whose body pauses for longer than `timeout_s` between pieces is a
+    408 (see the module). Only the body's reads are timed: once it is complete, receive() is
+    the app's wait for a disconnect, which lasts as long as the response does."""
+
+    def __init__(self, app, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    def _response(self) -> JSONResponse:
+        return JSONResponse(error_body(
+            f"The request body stopped arriving: nothing for {self.timeout_s:g} s (see "
+            f"--request-read-timeout).", 408), status_code=408,
+            headers={"Connection": "close"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body_done = False
+        started = False
+
+        async def timed_receive():
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise _BodyTimedOut from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, tracking_send)
+        except _BodyTimedOut:
+            if started:  # a handler reading its body after answering: nothing left to say
+                return
+            await self._response()(scope, receive, send)
