@@ -140,28 +140,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _layout() -> dict:
-    """What decides the panels' bytes besides the checkpoint: the panel kernel's width and
-    whether bfloat16 panels are k-pairs (both the build's)."""
-    from pagedlm.kernels import gemv
-    return {"width": gemv.panel_width(), "bf16_pairs": gemv.bf16_pairs()}
-
-
-def panel_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The layers whose panels a load packs as their checkpoint rows arrive (their method's
-    process_when_loaded), by module name: the ones the file holds. Asked before loading."""
-    from pagedlm.model_executor.layers.linear_method import LinearMethodBase
-    found = {}
-    for name, module in model.named_modules():
-        method = getattr(module, "linear_method", None)
-        if isinstance(method, LinearMethodBase) and method.process_when_loaded(module):
-            found[name] = module
-    return found
-
-
 class MappedPanels:
-    """A panels' file, mapped and its index read and checked: `place` makes the model's
-    layers' panels views of it."""
+    """A panels' file, mapped and its index read and checked; `view` gives one layer's panels
+    as a tensor on the map (the loader makes them the layers' panels)."""
 
     def __init__(self, path: str) -> None:
         """Raises ValueError (or OSError) where the file is not a whole panels' file."""
@@ -196,32 +177,12 @@ class MappedPanels:
             self.entries[name] = entry
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
-    def place(self, layers: dict[str, nn.Module]) -> bool:
-        """Make each of `layers` (panel_layers's) take its panels from the file, marking it
-        `panels_mapped` so its loader skips packing the checkpoint's rows; False, and no layer
-        touched, unless the file holds exactly these layers' panels in the layout and shape
-        the kernel takes here."""
+    def view(self, name: str) -> torch.Tensor:
+        """Layer `name`'s panels: a view of the map, which it keeps mapped."""
         import torch
-        from pagedlm.kernels import gemv
-        if self.layout != _layout() or set(self.entries) != set(layers):
-            return False
-
-        def meta(shape, dtype):
-            return torch.empty(shape, dtype=dtype, device="meta")
-
-        views = {}
-        for name, module in layers.items():
-            entry, weight = self.entries[name], module.weight
-            expected = gemv.empty_panels(*weight.shape, weight.dtype, zeros=meta)
-            if (expected is None or tuple(expected.shape) != entry.shape
-                    or _dtype_name(weight.dtype) != entry.dtype):
-                return False
-            views[name] = (self._bytes[entry.offset:entry.offset + entry.nbytes]
-                           .view(weight.dtype).view(entry.shape))
-        for name, module in layers.items():
-            module.panel_weight = views[name]
-            module.panels_mapped = True
-        return True
+        entry = self.entries[name]
+        dtype = torch.bfloat16 if entry.dtype == "bfloat16" else torch.float16
+        return self._bytes[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
 
     def map_range(self) -> tuple[int, int]:
         """The first and past-the-last address of the file's map."""
@@ -250,11 +211,12 @@ def _free_disk(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def write_panels(path: str, layers: dict[str, nn.Module]) -> bool:
-    """Write the layers' panels (each one's `panel_weight`, as loaded) into the file at `path`
-    (tmp file, fsync, rename) and remove the files of the same folder's other checkpoint
-    versions; False, nothing written, where a layer has no 2-byte panels or the disk lacks the
-    room."""
+def write_panels(path: str, layers: dict[str, nn.Module], layout: dict) -> bool:
+    """Write the layers' panels (each one's `panel_weight`, as loaded) and `layout` (what
+    decides the panels' bytes besides the checkpoint: the kernel's panel width, ...) into the
+    file at `path` (tmp file, fsync, rename), and remove the files of the same folder's other
+    checkpoint versions; False, nothing written, where a layer has no 2-byte panels or the
+    disk lacks the room."""
     import torch
     panels = {name: getattr(module, "panel_weight", None) for name, module in layers.items()}
     if not panels or any(not isinstance(t, torch.Tensor) or t.element_size() != 2
@@ -264,7 +226,7 @@ def write_panels(path: str, layers: dict[str, nn.Module]) -> bool:
     for name, t in panels.items():
         index[name] = [offset, list(t.shape), _dtype_name(t.dtype)]
         offset += -(-t.nbytes // _ALIGN) * _ALIGN
-    blob = json.dumps({"format": FORMAT, "layout": _layout(), "panels": index}).encode()
+    blob = json.dumps({"format": FORMAT, "layout": layout, "panels": index}).encode()
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     if _free_disk(folder) < offset + len(blob) + _DISK_MARGIN:
@@ -303,6 +265,7 @@ class PanelCacheWrite:
     once the panels are where they stay)."""
     path: str
     layers: dict[str, nn.Module]
+    layout: dict
 
     def start(self) -> threading.Thread | None:
         """Write in a thread at lowered priority; None where "auto" finds the panels too small
@@ -319,7 +282,7 @@ class PanelCacheWrite:
         lower_thread_priority()
         began = time.perf_counter()
         try:
-            if write_panels(self.path, self.layers):
+            if write_panels(self.path, self.layers, self.layout):
                 logger.info("panels written to %s for the next load (%.1f s)", self.path,
                             time.perf_counter() - began)
         except OSError as e:

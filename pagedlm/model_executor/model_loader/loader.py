@@ -12,6 +12,7 @@ from pagedlm import panel_cache
 from pagedlm.attention.backends import get_attn_backend
 from pagedlm.config import ModelConfig
 from pagedlm.distributed.parallel_state import get_pp_group, get_tp_group
+from pagedlm.kernels import gemv
 from pagedlm.model_executor.layers.linear_method import (LinearMethodBase, panels_in_arena,
                                                          use_deterministic_linear_methods,
                                                          weights_on_meta)
@@ -92,17 +93,46 @@ def _panels_from_cache(model: nn.Module, config: ModelConfig, device: torch.devi
             or config.dtype not in (torch.bfloat16, torch.float16)
             or get_tp_group().world_size * get_pp_group().world_size != 1):
         return None, None
-    layers = panel_cache.panel_layers(model)
+    # The layers whose panels loading packs as their rows arrive: the ones the file holds.
+    layers = {name: module for name, module in model.named_modules()
+              if isinstance(getattr(module, "linear_method", None), LinearMethodBase)
+              and module.linear_method.process_when_loaded(module)}
     path = panel_cache.cache_file(config.model_dir, str(config.dtype).removeprefix("torch."))
     if not layers or path is None:
         return None, None
+    # What decides the panels' bytes besides the checkpoint: the build's panel layout.
+    layout = {"width": gemv.panel_width(), "bf16_pairs": gemv.bf16_pairs()}
     mapped = panel_cache.open_cached(path)
-    if mapped is not None and mapped.place(layers):
+    if mapped is not None and _place_panels(mapped, layers, layout):
         return mapped, None
     if mapped is not None:
         logger.info("panels' file %s does not match the model: packing from the checkpoint",
                     path)
-    return None, panel_cache.PanelCacheWrite(path, layers)
+    return None, panel_cache.PanelCacheWrite(path, layers, layout)
+
+
+def _place_panels(mapped: panel_cache.MappedPanels, layers: dict[str, nn.Module],
+                  layout: dict) -> bool:
+    """Make each layer's panels its view of the file, marked `panels_mapped` so that its
+    loader skips packing the checkpoint's rows (UnquantizedLinearMethod.put_rows); False, and
+    no layer touched, unless the file holds exactly these layers' panels, in this build's
+    layout and in the shape and dtype the kernel would pack them."""
+    if mapped.layout != layout or set(mapped.entries) != set(layers):
+        return False
+
+    def meta(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    for name, module in layers.items():
+        entry, weight = mapped.entries[name], module.weight
+        expected = gemv.empty_panels(*weight.shape, weight.dtype, zeros=meta)
+        if (expected is None or tuple(expected.shape) != entry.shape
+                or str(weight.dtype).removeprefix("torch.") != entry.dtype):
+            return False
+    for name, module in layers.items():
+        module.panel_weight = mapped.view(name)
+        module.panels_mapped = True
+    return True
 
 
 def materialize_weights(model: nn.Module, device: torch.device | str) -> None:
