@@ -5,8 +5,10 @@ Why: packing writes every panel byte into memory the process has not touched bef
 these VMs that first touch is most of the load. `pagedlm serve` of the 1B bfloat16 Llama
 (2.15 GB of panels) was ready in 4.0-4.6 s, its weights loaded in 2.2-2.7 s after other
 servers had run, against 0.55 s for llama.cpp on the same weights as an F16 GGUF file, which it
-maps (Zen 4 EPYC, 2 vCPUs; benchmarks/results/gguf-models-20261129T005037Z-zen4-gc). The
-panels' file, which the page cache holds after the first load, maps in a fraction of that.
+maps (Zen 4 EPYC, 2 vCPUs; benchmarks/results/gguf-models-20261129T005037Z-zen4-gc). Mapped
+from the panels' file, which the page cache holds after the first load, it was ready in 2.0 s
+(gguf-models-20261129T090948Z-zen4-panel-file), and in process LLM() took 0.6-1.1 s against
+4.1-5.2 packing.
 
 Which loads: one worker on the CPU, bfloat16 or float16 weights (ModelConfig.dtype) from a
 safetensors directory, no quantization; PAGEDLM_PANEL_CACHE chooses between "auto" (panels of
