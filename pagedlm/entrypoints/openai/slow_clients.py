@@ -6,10 +6,12 @@ each connection, its socket and its buffers for as long as it likes, and enough 
 the server no sockets for anyone else (the "slowloris" attack). So:
 - a connection must deliver a request's headers within the timeout of connecting or of its
   previous response, else it is closed (`http_protocol`: there is no request yet to answer);
-- a request's body must arrive with no pause longer than the timeout between its pieces, else
-  the request is a 408 and its connection closed (`BodyReadTimeoutMiddleware`). A pause, not a
-  total: a large prompt over a slow link still arrives as long as it keeps arriving, as with
-  nginx's client_body_timeout.
+- a request's body must arrive with no pause longer than the timeout between the pieces of
+  data the server receives, else the request is a 408 and its connection closed
+  (`BodyReadTimeoutMiddleware`). A pause, not a total: a large prompt over a slow link still
+  arrives as long as it keeps arriving, as with nginx's client_body_timeout. Only body data
+  counts: a chunked upload that sends each chunk's size line apart from its data, the data
+  after a pause as long as the timeout, is cut.
 A request being answered is not timed: generation takes as long as it takes, and a client's
 disconnect still aborts it.
 """
@@ -88,9 +90,12 @@ class BodyReadTimeoutMiddleware:
             nonlocal body_done
             if body_done:
                 return await receive()
+            # A deadline on this task rather than wait_for's task of its own: the read runs
+            # as it would untimed, with no task to create per piece of the body.
             try:
-                message = await asyncio.wait_for(receive(), self.timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.timeout_s):
+                    message = await receive()
+            except TimeoutError:
                 raise _BodyTimedOut from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
