@@ -12,7 +12,7 @@ import uvicorn
 from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.entrypoints.cli_args import DEFAULT_REQUEST_READ_TIMEOUT_S
 from pagedlm.entrypoints.openai.api_server import build_app
-from pagedlm.entrypoints.openai.slow_clients import http_protocol
+from pagedlm.entrypoints.openai.request_reading import http_protocol
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Slow clients (--request-read-timeout, slow_clients.py): a connection that does not deliver a
+"""Slow clients (--request-read-timeout, request_reading.py): a connection that does not deliver a
 request's headers in time is closed, a body that pauses too long is a 408, and neither a slow
 but steady body nor a long answer is cut. Over real sockets to a real uvicorn server."""
 from __future__ import annotations

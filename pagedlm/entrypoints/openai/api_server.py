@@ -39,7 +39,7 @@ from pagedlm.entrypoints.cli_args import (DEFAULT_MAX_REQUEST_BODY_BYTES,
 from pagedlm.entrypoints.openai.openapi import install_openapi
 from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
 from pagedlm.entrypoints.openai.engine_events import EngineEvents
-from pagedlm.entrypoints.openai.slow_clients import BodyReadTimeoutMiddleware, http_protocol
+from pagedlm.entrypoints.openai.request_reading import RequestBodyMiddleware, http_protocol
 from pagedlm.entrypoints.openai.routes import (API_BODY_MODELS, ENGINE_EVENTS_PER_S,
                                                LORA_BODY_MODELS, STATIC_DIR, ServingState,
                                                api_router, lora_router, server_router)
@@ -85,56 +85,6 @@ class APIKeyMiddleware:
                                     headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class BodySizeLimitMiddleware:
-    """Pure ASGI: a request body over `max_bytes` is a 413 before it is buffered. A declared
-    Content-Length over the limit is answered at once (the app never runs); a chunked body is
-    counted as the app reads it, and reading stops at the first chunk past the limit. uvicorn
-    discards the rest of an unread body."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _response(self) -> JSONResponse:
-        return JSONResponse(error_body(
-            f"The request body is larger than this server accepts ({self.max_bytes} bytes; "
-            f"see --max-request-body-bytes).", 413), status_code=413)
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._response()(scope, receive, send)
-        received = 0
-        started = False
-
-        async def counting_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        async def tracking_send(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if started:  # a handler reading its body after answering: nothing left to say
-                return
-            await self._response()(scope, receive, send)
 
 
 # How often the server looks at its engine, and how long responses still open when the engine
@@ -186,7 +136,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     own chat_template is refused (400) unless trust_request_chat_template. A body over
     max_request_body_bytes, or holding more than max_request_body_values JSON values, is a
     413; one that pauses for longer than request_read_timeout seconds, a 408 (run_server
-    bounds the headers' time too: slow_clients.py)."""
+    bounds the headers' time too: request_reading.py)."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("enable_auto_tool_choice needs a tool_call_parser (one of "
                          f"{', '.join(sorted(TOOL_PARSERS))}).")
@@ -246,8 +196,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         body_models[:0] = LORA_BODY_MODELS
     app.include_router(api_router)
     install_openapi(app, body_models)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
-    app.add_middleware(BodyReadTimeoutMiddleware, timeout_s=request_read_timeout)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=max_request_body_bytes,
+                       timeout_s=request_read_timeout)
     if api_key:  # outside the size limit: a request without the key is not read at all
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # Added last, so outermost: error responses (a 401 too) carry the CORS headers.

@@ -1,4 +1,11 @@
-"""Bounds on how slowly a client may send a request (--request-read-timeout).
+"""How the server reads a request: bounds on its body's size (--max-request-body-bytes) and on
+how slowly a client may send it (--request-read-timeout).
+
+A body over the size limit is a 413 before it is buffered: a declared Content-Length over the
+limit is answered at once (the app never runs); a chunked body is counted as the app reads it,
+and reading stops at the first chunk past the limit (uvicorn discards the rest of an unread
+body).
+
 
 uvicorn times out only an idle keep-alive connection, and only until its first byte: a client
 that opens connections and sends their headers a byte at a time, or a body slower still, holds
@@ -8,7 +15,7 @@ the server no sockets for anyone else (the "slowloris" attack). So:
   previous response, else it is closed (`http_protocol`: there is no request yet to answer);
 - a request's body must arrive with no pause longer than the timeout between the pieces of
   data the server receives, else the request is a 408 and its connection closed
-  (`BodyReadTimeoutMiddleware`). A pause, not a total: a large prompt over a slow link still
+  (`RequestBodyMiddleware`). A pause, not a total: a large prompt over a slow link still
   arrives as long as it keeps arriving, as with nginx's client_body_timeout. Only body data
   counts: a chunked upload that sends each chunk's size line apart from its data, the data
   after a pause as long as the timeout, is cut.
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 
 from pagedlm.entrypoints.openai.serving_engine import error_body
 
@@ -61,20 +69,31 @@ def http_protocol(timeout_s: float) -> type[asyncio.Protocol]:
     return HeadDeadlineProtocol
 
 
-class _BodyTimedOut(Exception):
-    pass
+class _BodyRefused(Exception):
+    """Raised from the app's receive(): the body broke a bound; `response` says which."""
+
+    def __init__(self, response: JSONResponse) -> None:
+        super().__init__(response)
+        self.response = response
 
 
-class BodyReadTimeoutMiddleware:
-    """Pure ASGI: a request whose body pauses for longer than `timeout_s` between pieces is a
-    408 (see the module). Only the body's reads are timed: once it is complete, receive() is
-    the app's wait for a disconnect, which lasts as long as the response does."""
+class RequestBodyMiddleware:
+    """Pure ASGI: a body over `max_bytes` is a 413, one that pauses for longer than
+    `timeout_s` between pieces a 408 (see the module). Only the body's reads are bounded: once
+    it is complete, receive() is the app's wait for a disconnect, which lasts as long as the
+    response does."""
 
-    def __init__(self, app, timeout_s: float) -> None:
+    def __init__(self, app, max_bytes: int, timeout_s: float) -> None:
         self.app = app
+        self.max_bytes = max_bytes
         self.timeout_s = timeout_s
 
-    def _response(self) -> JSONResponse:
+    def _too_large(self) -> JSONResponse:
+        return JSONResponse(error_body(
+            f"The request body is larger than this server accepts ({self.max_bytes} bytes; "
+            f"see --max-request-body-bytes).", 413), status_code=413)
+
+    def _stalled(self) -> JSONResponse:
         return JSONResponse(error_body(
             f"The request body stopped arriving: nothing for {self.timeout_s:g} s (see "
             f"--request-read-timeout).", 408), status_code=408,
@@ -83,20 +102,27 @@ class BodyReadTimeoutMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        body_done = False
-        started = False
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large()(scope, receive, send)
+        received = 0
+        body_done = started = False
 
-        async def timed_receive():
-            nonlocal body_done
+        async def bounded_receive():
+            nonlocal received, body_done
             if body_done:
                 return await receive()
             # A deadline on this task rather than wait_for's task of its own: the read runs
-            # as it would untimed, with no task to create per piece of the body.
+            # as it would unbounded, with no task to create per piece of the body.
             try:
                 async with asyncio.timeout(self.timeout_s):
                     message = await receive()
             except TimeoutError:
-                raise _BodyTimedOut from None
+                raise _BodyRefused(self._stalled()) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyRefused(self._too_large())
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message
@@ -107,8 +133,8 @@ class BodyReadTimeoutMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, timed_receive, tracking_send)
-        except _BodyTimedOut:
+            await self.app(scope, bounded_receive, tracking_send)
+        except _BodyRefused as refused:
             if started:  # a handler reading its body after answering: nothing left to say
                 return
-            await self._response()(scope, receive, send)
+            await refused.response(scope, receive, send)
