@@ -6,7 +6,6 @@ limit is answered at once (the app never runs); a chunked body is counted as the
 and reading stops at the first chunk past the limit (uvicorn discards the rest of an unread
 body).
 
-
 uvicorn times out only an idle keep-alive connection, and only until its first byte: a client
 that opens connections and sends their headers a byte at a time, or a body slower still, holds
 each connection, its socket and its buffers for as long as it likes, and enough of them leave
