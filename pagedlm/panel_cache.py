@@ -20,7 +20,8 @@ inode, config.json's too), the dtype and this module's FORMAT; the file ends wit
 every layer's panels (name, offset, shape, dtype) and the panel kernel's layout, which a load
 checks against the model it builds: any difference, a truncated or foreign file, and the load
 packs from the checkpoint again (and rewrites the file). A changed checkpoint gets another
-name; the files of its older versions are removed when the new one is written.
+name; writing a file removes those of the folder's older versions and of folders that no
+longer exist.
 
 The file is mapped privately (copy on write; nothing writes the panels), with the advice for
 huge pages, and the layers' panels are views of it: the checkpoint's matrices are not read at
@@ -215,12 +216,50 @@ def _free_disk(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def write_panels(path: str, layers: dict[str, nn.Module], layout: dict) -> bool:
-    """Write the layers' panels (each one's `panel_weight`, as loaded) and `layout` (what
-    decides the panels' bytes besides the checkpoint: the kernel's panel width, ...) into the
-    file at `path` (tmp file, fsync, rename), and remove the files of the same folder's other
-    checkpoint versions; False, nothing written, where a layer has no 2-byte panels or the
-    disk lacks the room."""
+def _checkpoint_of(path: str) -> str | None:
+    """The checkpoint folder a panels' file was written for, from its index; None where the
+    file is not a readable one of this format."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < _TRAILER.size:
+                return None
+            f.seek(size - _TRAILER.size)
+            length, magic = _TRAILER.unpack(f.read(_TRAILER.size))
+            if magic != _MAGIC or length > min(_MAX_INDEX, size - _TRAILER.size):
+                return None
+            f.seek(size - _TRAILER.size - length)
+            index = json.loads(f.read(length))
+    except (OSError, ValueError):
+        return None
+    folder = index.get("checkpoint") if isinstance(index, dict) else None
+    return folder if isinstance(folder, str) else None
+
+
+def _remove_stale(path: str) -> None:
+    """Remove the panels' files beside `path` that no load will map again: the other versions
+    of its checkpoint folder's, and those of folders that no longer exist."""
+    tag = os.path.basename(path).split("-", 1)[0]
+    for other in glob.glob(os.path.join(os.path.dirname(path), "*.panels")):
+        if other == path:
+            continue
+        if not os.path.basename(other).startswith(tag + "-"):
+            folder = _checkpoint_of(other)
+            if folder is None or os.path.isdir(folder):
+                continue
+        try:
+            os.unlink(other)
+        except OSError:
+            pass
+
+
+def write_panels(path: str, checkpoint: str, layers: dict[str, nn.Module],
+                 layout: dict) -> bool:
+    """Write the layers' panels (each one's `panel_weight`, as loaded) of the checkpoint in
+    folder `checkpoint`, and `layout` (what decides the panels' bytes besides the checkpoint:
+    the kernel's panel width, ...), into the file at `path` (tmp file, fsync, rename), having
+    removed the files no load will map again (_remove_stale); False, nothing written, where a
+    layer has no 2-byte panels or the disk lacks the room."""
     import torch
     panels = {name: getattr(module, "panel_weight", None) for name, module in layers.items()}
     if not panels or any(not isinstance(t, torch.Tensor) or t.element_size() != 2
@@ -230,9 +269,11 @@ def write_panels(path: str, layers: dict[str, nn.Module], layout: dict) -> bool:
     for name, t in panels.items():
         index[name] = [offset, list(t.shape), _dtype_name(t.dtype)]
         offset += -(-t.nbytes // _ALIGN) * _ALIGN
-    blob = json.dumps({"format": FORMAT, "layout": layout, "panels": index}).encode()
+    blob = json.dumps({"format": FORMAT, "checkpoint": os.path.realpath(checkpoint),
+                       "layout": layout, "panels": index}).encode()
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
+    _remove_stale(path)  # first: the room they take may be what the new file needs
     if _free_disk(folder) < offset + len(blob) + _DISK_MARGIN:
         logger.info("panels' file not written: %.2f GB would leave under %.1f GB free in %s",
                     offset / 1e9, _DISK_MARGIN / 2**30, folder)
@@ -253,13 +294,6 @@ def write_panels(path: str, layers: dict[str, nn.Module], layout: dict) -> bool:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    tag = os.path.basename(path).split("-", 1)[0]
-    for old in glob.glob(os.path.join(folder, f"{tag}-*.panels")):
-        if old != path:
-            try:
-                os.unlink(old)
-            except OSError:
-                pass
     return True
 
 
@@ -268,6 +302,7 @@ class PanelCacheWrite:
     """A pending write of a loaded model's panels (get_model decides it; the worker starts it
     once the panels are where they stay)."""
     path: str
+    checkpoint: str  # the checkpoint's folder
     layers: dict[str, nn.Module]
     layout: dict
 
@@ -286,7 +321,7 @@ class PanelCacheWrite:
         lower_thread_priority()
         began = time.perf_counter()
         try:
-            if write_panels(self.path, self.layers, self.layout):
+            if write_panels(self.path, self.checkpoint, self.layers, self.layout):
                 logger.info("panels written to %s for the next load (%.1f s)", self.path,
                             time.perf_counter() - began)
         except OSError as e:

@@ -209,6 +209,26 @@ def test_a_changed_checkpoint_gets_its_own_file_and_the_old_one_goes(cache, tmp_
     assert all(_load(model)[2].values())
 
 
+def test_the_file_of_a_deleted_folder_goes_when_another_is_written(cache, tmp_path,
+                                                                   tied_model,
+                                                                   default_model_dir):
+    import shutil
+    gone = make_tiny_model(tmp_path / "gone", "llama", default_model_dir, hidden_size=256,
+                           intermediate_size=512)
+    _load(gone)
+    stale = _wait_for_file(cache)
+    shutil.rmtree(gone)
+    foreign = cache / "0123456789abcdef-0.panels"  # not ours: left alone
+    foreign.write_bytes(b"not a panels' file")
+    _load(tied_model)
+    fresh = _wait_for_file(cache, old=[stale, str(foreign)])
+    deadline = time.monotonic() + 10
+    while stale in _files(cache):
+        assert time.monotonic() < deadline, "the deleted folder's file stayed"
+        time.sleep(0.05)
+    assert _files(cache) == sorted([fresh, str(foreign)])
+
+
 def test_auto_writes_no_file_for_small_panels_and_off_none_at_all(cache, tied_model,
                                                                   monkeypatch):
     for value in ("auto", "", "off", "0"):

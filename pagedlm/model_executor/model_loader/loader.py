@@ -108,7 +108,7 @@ def _panels_from_cache(model: nn.Module, config: ModelConfig, device: torch.devi
     if mapped is not None:
         logger.info("panels' file %s does not match the model: packing from the checkpoint",
                     path)
-    return None, panel_cache.PanelCacheWrite(path, layers, layout)
+    return None, panel_cache.PanelCacheWrite(path, config.model_dir, layers, layout)
 
 
 def _place_panels(mapped: panel_cache.MappedPanels, layers: dict[str, nn.Module],
