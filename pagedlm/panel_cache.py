@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedlm import envs
-from pagedlm.utils import cache_root, lower_thread_priority
+from pagedlm.utils import cache_root, dtype_name, lower_thread_priority
 
 if TYPE_CHECKING:
     import torch
@@ -141,8 +141,20 @@ class PanelEntry:
         return n
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _read_index(m: mmap.mmap) -> tuple[dict, int]:
+    """A panels' file's index, read from its map, and the offset where it starts; ValueError
+    where the map does not end with one of this FORMAT."""
+    size = len(m)
+    if size < _TRAILER.size:
+        raise ValueError("shorter than its trailer")
+    length, magic = _TRAILER.unpack_from(m, size - _TRAILER.size)
+    if magic != _MAGIC or length > min(_MAX_INDEX, size - _TRAILER.size):
+        raise ValueError("no panels' trailer")
+    index_at = size - _TRAILER.size - length
+    index = json.loads(bytes(m[index_at:index_at + length]))
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ValueError("another format")
+    return index, index_at
 
 
 class MappedPanels:
@@ -153,24 +165,15 @@ class MappedPanels:
         """Raises ValueError (or OSError) where the file is not a whole panels' file."""
         import torch
         self.path = path
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < _TRAILER.size:
-                raise ValueError("shorter than its trailer")
-            self._map = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
+        with open(path, "rb") as f:  # an empty file cannot be mapped: a ValueError too
+            self._map = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
             except OSError:  # THP compiled out
                 pass
-        length, magic = _TRAILER.unpack_from(self._map, size - _TRAILER.size)
-        if magic != _MAGIC or length > min(_MAX_INDEX, size - _TRAILER.size):
-            raise ValueError("no panels' trailer")
-        index_at = size - _TRAILER.size - length
-        index = json.loads(bytes(self._map[index_at:index_at + length]))
-        if not isinstance(index, dict) or index.get("format") != FORMAT:
-            raise ValueError("another format")
+        index, index_at = _read_index(self._map)
         self.layout = index.get("layout")
         self.entries: dict[str, PanelEntry] = {}
         for name, (offset, shape, dtype) in index["panels"].items():
@@ -188,15 +191,6 @@ class MappedPanels:
         entry = self.entries[name]
         dtype = torch.bfloat16 if entry.dtype == "bfloat16" else torch.float16
         return self._bytes[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
-
-    def map_range(self) -> tuple[int, int]:
-        """The first and past-the-last address of the file's map."""
-        start = self._bytes.data_ptr()
-        return start, start + len(self._map)
-
-    def map_owner(self) -> object:
-        """What keeps the map mapped while it is held (the views hold it too)."""
-        return self._map
 
 
 def open_cached(path: str) -> MappedPanels | None:
@@ -220,19 +214,10 @@ def _checkpoint_of(path: str) -> str | None:
     """The checkpoint folder a panels' file was written for, from its index; None where the
     file is not a readable one of this format."""
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            if size < _TRAILER.size:
-                return None
-            f.seek(size - _TRAILER.size)
-            length, magic = _TRAILER.unpack(f.read(_TRAILER.size))
-            if magic != _MAGIC or length > min(_MAX_INDEX, size - _TRAILER.size):
-                return None
-            f.seek(size - _TRAILER.size - length)
-            index = json.loads(f.read(length))
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            folder = _read_index(m)[0].get("checkpoint")
     except (OSError, ValueError):
         return None
-    folder = index.get("checkpoint") if isinstance(index, dict) else None
     return folder if isinstance(folder, str) else None
 
 
@@ -267,7 +252,7 @@ def write_panels(path: str, checkpoint: str, layers: dict[str, nn.Module],
         return False
     index, offset = {}, 0
     for name, t in panels.items():
-        index[name] = [offset, list(t.shape), _dtype_name(t.dtype)]
+        index[name] = [offset, list(t.shape), dtype_name(t.dtype)]
         offset += -(-t.nbytes // _ALIGN) * _ALIGN
     blob = json.dumps({"format": FORMAT, "checkpoint": os.path.realpath(checkpoint),
                        "layout": layout, "panels": index}).encode()

@@ -293,6 +293,7 @@ class SamplingParams:
         # ignored (a 200 whose beams break them), not applied.
         for name in ("logit_bias", "allowed_token_ids", "bad_words"):
             check(not getattr(self, name), name, "is not supported with use_beam_search")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS

@@ -16,6 +16,11 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "pagedlm"
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype's name without its module: torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
     try:

@@ -22,6 +22,7 @@ from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabP
 from pagedlm.model_executor.model_loader.model_path import ensure_float_weights
 from pagedlm.model_executor.model_loader.weight_utils import iterate_safetensors
 from pagedlm.model_executor.models.registry import get_model_class
+from pagedlm.utils import dtype_name
 
 __all__ = ["get_model", "iterate_safetensors"]
 
@@ -97,7 +98,7 @@ def _panels_from_cache(model: nn.Module, config: ModelConfig, device: torch.devi
     layers = {name: module for name, module in model.named_modules()
               if isinstance(getattr(module, "linear_method", None), LinearMethodBase)
               and module.linear_method.process_when_loaded(module)}
-    path = panel_cache.cache_file(config.model_dir, str(config.dtype).removeprefix("torch."))
+    path = panel_cache.cache_file(config.model_dir, dtype_name(config.dtype))
     if not layers or path is None:
         return None, None
     # What decides the panels' bytes besides the checkpoint: the build's panel layout.
@@ -127,7 +128,7 @@ def _place_panels(mapped: panel_cache.MappedPanels, layers: dict[str, nn.Module]
         entry, weight = mapped.entries[name], module.weight
         expected = gemv.empty_panels(*weight.shape, weight.dtype, zeros=meta)
         if (expected is None or tuple(expected.shape) != entry.shape
-                or str(weight.dtype).removeprefix("torch.") != entry.dtype):
+                or dtype_name(weight.dtype) != entry.dtype):
             return False
     for name, module in layers.items():
         module.panel_weight = mapped.view(name)

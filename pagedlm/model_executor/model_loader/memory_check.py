@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.model_executor.model_loader.model_path import FLOAT_WEIGHTS_FILE, gguf_source
+from pagedlm.utils import dtype_name
 
 # Bytes a weight takes once loaded, for the weight-only quantization methods (scales aside).
 _QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5}
@@ -45,7 +46,8 @@ def weight_memory(model_dir: str, quantization: str | None, dtype: torch.dtype
     hint = ("" if quantization is not None or dtype.itemsize == 2
             else f"With dtype='bfloat16' they take half (about {_gib(elements * 2)}).")
     return WeightMemory(model_dir, int(elements * per_weight),
-                        f"{elements / 1e9:.2f}B weights in {quantization or _name(dtype)}", hint)
+                        f"{elements / 1e9:.2f}B weights in "
+                        f"{quantization or dtype_name(dtype)}", hint)
 
 
 def check_fits_memory(need: WeightMemory, available_bytes: int, kv_cache_bytes: int = 0
@@ -77,7 +79,7 @@ def _gguf_memory(model_dir: str, source: str, quantization: str | None, dtype: t
     if os.path.isfile(converted):
         elements = _safetensors_elements([converted])
         return WeightMemory(source, elements * dtype.itemsize,
-                            f"its weights in {_name(dtype)}", hint)
+                            f"its weights in {dtype_name(dtype)}", hint)
     # Here, not at the top: the gguf package is only needed for GGUF files (a safetensors
     # model runs without it installed).
     from pagedlm.model_executor.model_loader.gguf_file import gguf_element_count
@@ -111,5 +113,3 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
