@@ -181,6 +181,18 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
  * took 0.83 ms a layer without, 0.56 with (64 float32 rows of 128 bytes ahead). For bfloat16
  * panels on the AVX2 EPYC, 4, 16 and 32 KiB ahead measured the same as 8 within the noise. */
 #define PREFETCH_BYTES 8192
+/* Tiles of fewer rows go without it. A tile of 1 or 2 rows spends too little time on a panel
+ * row for the streamer to fall behind, and the prefetches, 8 KiB ahead, cost it bandwidth: on
+ * the Zen 4 EPYC, 2 threads, bfloat16 k-pair panels on huge pages (2048- and 8192-wide),
+ * GB/s from memory without / with: 1 row 56-63 / 43-45, 2 rows 53-56 / 43-46; 4 rows 40-42 /
+ * 48-50 and from 8 rows the prefetch wins by more (a session's microbenchmark, best of 5, in
+ * the phases where the host's memory read above 50 GB/s; in those below 35 GB/s, all within
+ * the noise). */
+#ifdef __AVX512F__
+#define PREFETCH_MIN_ROWS 3
+#else
+#define PREFETCH_MIN_ROWS 1
+#endif
 
 /* The panels' element type; 2-byte ones are widened exactly to float32 as they are read (the
  * bfloat16 k-pair panels too), but for PANEL_BF16_PAIRS, multiplied by vdpbf16ps (see above). */
@@ -302,7 +314,7 @@ static inline __attribute__((always_inline)) void panel_tile(
     /* A panel row is 128 bytes (AVX-512 float32 or bfloat16 pairs), 64 or 32 (AVX2 bfloat16:
      * each line is prefetched twice, which measured 5-15% faster at 1 and 8 rows than
      * skipping odd k). */
-    const int row_bytes = PANEL * ELT_BYTES(elt);
+    const int row_bytes = PANEL * ELT_BYTES(elt), prefetch = mr >= PREFETCH_MIN_ROWS;
     pvec c0[MR], c1[MR];
     for (int m = 0; m < mr; m++) c0[m] = PZERO(), c1[m] = PZERO();
 #ifdef BF16_PAIRS
@@ -313,8 +325,10 @@ static inline __attribute__((always_inline)) void panel_tile(
         const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
         for (int j = 0; j < STEPS(elt, K); j++) {
             const char *r = (const char *)wp + (size_t)j * row_bytes;
-            _mm_prefetch(r + PREFETCH_BYTES, _MM_HINT_T1);
-            _mm_prefetch(r + PREFETCH_BYTES + 64, _MM_HINT_T1);
+            if (prefetch) {
+                _mm_prefetch(r + PREFETCH_BYTES, _MM_HINT_T1);
+                _mm_prefetch(r + PREFETCH_BYTES + 64, _MM_HINT_T1);
+            }
             const __m512i d0 = _mm512_loadu_si512(r), d1 = _mm512_loadu_si512(r + 64);
             const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(d0, 16));
             const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(d1, 16));
@@ -338,8 +352,10 @@ static inline __attribute__((always_inline)) void panel_tile(
 #endif
     for (int k = 0; k < STEPS(elt, K); k++) {
         const char *ahead = (const char *)wp + (size_t)k * row_bytes + PREFETCH_BYTES;
-        _mm_prefetch(ahead, _MM_HINT_T1);
-        if (row_bytes == 128) _mm_prefetch(ahead + 64, _MM_HINT_T1);
+        if (prefetch) {
+            _mm_prefetch(ahead, _MM_HINT_T1);
+            if (row_bytes == 128) _mm_prefetch(ahead + 64, _MM_HINT_T1);
+        }
 #ifdef BF16_PAIRS
         if (elt == PANEL_BF16_PAIRS) {
             /* Columns 0-15's pairs, then 16-31's; each x pair is broadcast as one dword. */
