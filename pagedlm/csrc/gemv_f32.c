@@ -187,7 +187,9 @@ void gemv_f32(float *y, const float *x, const float *w, int M, int N, int K, int
  * GB/s from memory without / with: 1 row 56-63 / 43-45, 2 rows 53-56 / 43-46; 4 rows 40-42 /
  * 48-50 and from 8 rows the prefetch wins by more (a session's microbenchmark, best of 5, in
  * the phases where the host's memory read above 50 GB/s; in those below 35 GB/s, all within
- * the noise). */
+ * the noise). The 1B model's bfloat16 matrices at 1 row, this build against the one before
+ * (benchmarks/gemv.py --bf16-baseline; calls of the two alternating): 1.05-1.06x in slow
+ * phases, 1.22x in a fast one; 3 and 4 rows level. Not measured on a Xeon. */
 #ifdef __AVX512F__
 #define PREFETCH_MIN_ROWS 3
 #else
