@@ -1,7 +1,7 @@
 """The issue-33 benchmark tools without the model or llama.cpp: gguf_models.py's system names,
 weight bytes per token (the roofline's numerator) from tiny GGUF and safetensors files, the
-roofline arithmetic, process-tree memory, make_gguf_model.py's atomic steps, and
-gguf_fidelity.py's position-by-position comparison."""
+roofline arithmetic, process-tree memory, make_gguf_model.py's atomic steps,
+gguf_fidelity.py's position-by-position comparison, and kquant_kernels.py's random blocks."""
 from __future__ import annotations
 
 import importlib
@@ -22,12 +22,13 @@ def bench():
     sys.path.insert(0, str(BENCHMARKS))
     try:
         yield {name: importlib.import_module(name)
-               for name in ("gguf_models", "make_gguf_model", "gguf_fidelity", "lib.roofline")}
+               for name in ("gguf_models", "make_gguf_model", "gguf_fidelity", "lib.roofline",
+                            "kquant_kernels")}
     finally:
         sys.path.remove(str(BENCHMARKS))
         for name in [m for m in sys.modules if m in ("compare", "lib", "gguf_models",
                                                        "make_gguf_model", "make_random_model",
-                                                       "gguf_fidelity")
+                                                       "gguf_fidelity", "kquant_kernels")
                      or m.startswith("lib.")]:
             sys.modules.pop(name)
 
@@ -157,3 +158,30 @@ def test_fidelity_comparison(bench):
     assert tie["differences"][0]["gap"] == pytest.approx(0.01, abs=1e-6)
     wrong = compare_positions(ref, [1, 0, 0], [0.0] * 3, near_tie=0.05)
     assert not wrong["only_near_ties"] and wrong["differences"][0]["gap"] == pytest.approx(5.0)
+
+
+def test_kquant_kernels_blocks_are_valid(bench):
+    """The A/B script's random blocks are blocks of the format it names: the library's kernel
+    multiplies them as gguf-py's dequantization does, within what 8-bit activations cost (a
+    block of the wrong size or scales at the wrong offset would miss by far more)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from pagedlm.kernels import loader
+    kk = bench["kquant_kernels"]
+    lib = loader.load_library()
+    if lib is None:
+        pytest.skip("the native kernels do not build here")
+    rng = np.random.default_rng(1)
+    n, k, rows = 32, 512, 3
+    for fmt in sorted(kk.FORMATS):
+        w = kk.random_blocks(fmt, n, k, rng)
+        assert w.shape == (n, k // 256, kk.FORMATS[fmt][0])
+        dense = dequantize(w.reshape(n, -1), GGMLQuantizationType[fmt.upper()])
+        assert dense.shape == (n, k) and np.isfinite(dense).all()
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        y = np.zeros((rows, n), np.float32)
+        kk.kernel(lib, fmt)(y.ctypes.data, x.ctypes.data, w.ctypes.data, rows, n, k, 1)
+        ref = x.astype(np.float64) @ dense.T.astype(np.float64)
+        scale = np.abs(x).astype(np.float64) @ np.abs(dense).T.astype(np.float64)
+        assert (np.abs(y - ref) <= 0.005 * scale).all(), fmt  # measured: at most 0.0018
