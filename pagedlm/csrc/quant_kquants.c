@@ -267,7 +267,7 @@ typedef struct {
      * operand with a plain load, which vpdpbusd takes from memory, instead of a vbroadcasti64x4
      * each: on the Zen 4 EPYC, 2 threads, 1 row, hot in L3, q4_k 41.3 -> 45.8 GB/s of blocks,
      * q5_k 38.6 -> 41.8, q6_k 41.4 -> 44.7, 2-8 rows 1.12-1.18x, the same bits. From memory
-     * while the host's ran slow (about 30 GB/s read) q4_k at 1 row read 0.96-0.98x on 8192 x
+     * while the host's memory ran slow (about 30 GB/s) q4_k at 1 row read 0.96-0.98x on 8192 x
      * 2048 (a further prefetch distance or an L1 hint did not change that), 1.00-1.02x on 2048
      * x 8192, 1.10-1.16x at 2 rows (benchmarks/kquant_kernels.py). NULL elsewhere. */
     const int8_t *q2;
