@@ -354,16 +354,28 @@ def avx2_library(tmp_path_factory):
     return ctypes.CDLL(str(out))
 
 
+@pytest.fixture(scope="module")
+def avx512_without_gfni_library(tmp_path_factory):
+    """The loader's build less GFNI: the pair kernels' shifts and masks where the native build
+    moves bits with vgf2p8affineqb (AVX-512 CPUs before Ice Lake have no GFNI)."""
+    out = tmp_path_factory.mktemp("nogfni") / "kquant_nogfni.so"
+    sources = [str(loader.CSRC / "quant_kquants.c"), str(loader.CSRC / "quant_matmul.c")]
+    subprocess.run([loader.COMPILER, *loader.CFLAGS, "-mno-gfni", *sources, "-o", str(out),
+                    "-lm"], check=True, capture_output=True, timeout=120)
+    return ctypes.CDLL(str(out))
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64" or
                     not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= _cpu_flags(),
                     reason="no AVX-512 (F, BW, DQ, VL) on this CPU: the native build is the "
                            "256-bit one")
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_avx512_build_gives_the_256_bit_builds_bits(fmt, avx2_library):
+def test_avx512_build_gives_the_256_bit_builds_bits(fmt, avx2_library,
+                                                   avx512_without_gfni_library):
     """q4_k, q5_k and q6_k take two weight rows per zmm in AVX-512 builds (kq_pair_block):
     every tile shape (quads and pairs of x rows, single rows, leftover weight rows) at M 1..9
     and ragged N, 1 and 2 threads, at 8 bits and in two limbs, gives the 256-bit kernel's
-    bits."""
+    bits, with GFNI's bit moves (where the CPU has them) and without."""
     p = ctypes.c_void_p
     bw = kernels.BLOCK_WEIGHTS[fmt]
     for n, k in [(1, bw), (6, 3 * bw), (37, 2 * bw)]:
@@ -374,12 +386,13 @@ def test_avx512_build_gives_the_256_bit_builds_bits(fmt, avx2_library):
             x[0] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # every q_x +-127
             for threads in (1, 2):
                 for prefix, native_kernel in (("qmm", _kernel), ("qmm16", _kernel16)):
-                    y = torch.empty(m, n)
-                    getattr(avx2_library, f"{prefix}_{fmt}")(
-                        p(y.data_ptr()), p(x.data_ptr()), p(blocks.data_ptr()), m, n, k,
-                        threads)
-                    assert torch.equal(native_kernel(fmt, x, blocks, threads), y), (
-                        prefix, n, k, m, threads)
+                    expected = native_kernel(fmt, x, blocks, threads)
+                    for lib in (avx2_library, avx512_without_gfni_library):
+                        y = torch.empty(m, n)
+                        getattr(lib, f"{prefix}_{fmt}")(
+                            p(y.data_ptr()), p(x.data_ptr()), p(blocks.data_ptr()), m, n, k,
+                            threads)
+                        assert torch.equal(expected, y), (lib, prefix, n, k, m, threads)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
