@@ -1,14 +1,15 @@
 """Cache entries built by one process at a time, and the leftovers of builders that died.
 
-A cache entry (a converted GGUF model directory, a compiled kernel library) is written under a
-staging name ``.NAME.tmp-XXXXXXXX`` beside its final name ``NAME`` and renamed into place, so a
-reader sees either nothing or the complete entry. The builder holds an exclusive ``flock`` on
-``LOCK_DIR/NAME.lock`` from before its staging entry exists until after it is gone. A staging
-entry whose lock can be taken therefore belongs to a builder that died (SIGKILL, OOM killer,
-power loss) and will never be finished: :func:`remove_leftovers` deletes it. The kernel drops
-a flock with the holder's last file descriptor however the process ends, and the lock works
-across processes of different pid namespaces (containers sharing a cache volume), where a pid
-written into the name could not be checked for liveness.
+A cache entry (a converted GGUF model directory, a compiled kernel library, a checkpoint's
+weight panels) is written under a staging name ``.NAME.tmp-XXXXXXXX`` beside its final name
+``NAME`` and renamed into place, so a reader sees either nothing or the complete entry. The
+builder holds an exclusive ``flock`` on ``LOCK_DIR/NAME.lock`` from before its staging entry
+exists until after it is gone. A staging entry whose lock can be taken therefore belongs to a
+builder that died (SIGKILL, OOM killer, power loss) and will never be finished:
+:func:`remove_leftovers` deletes it. The kernel drops a flock with the holder's last file
+descriptor however the process ends, and the lock works across processes of different pid
+namespaces (containers sharing a cache volume), where a pid written into the name could not be
+checked for liveness.
 
 Lock files stay (empty, one per entry ever built): deleting a lock file while another process
 may be opening it would let two builders hold "the" lock at once.
@@ -92,6 +93,16 @@ def remove_leftovers(directory: Path, lock_dir: Path) -> list[Path]:
             # A read-only cache still serves its complete entries; the leftover just stays.
             logger.debug("cannot remove the leftovers of %s in %s: %s", name, directory, exc)
     return removed
+
+
+@contextlib.contextmanager
+def try_build_lock(directory: Path, lock_dir: Path, name: str) -> Iterator[bool]:
+    """build_lock without the wait, for an entry that whoever comes first writes: yields False,
+    having done nothing, while another builder holds the lock."""
+    with _flock(lock_dir, name, blocking=False) as held:
+        if held:
+            _remove_staging_of(directory, name)
+        yield held
 
 
 @contextlib.contextmanager

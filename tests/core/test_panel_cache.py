@@ -8,6 +8,9 @@ import glob
 import json
 import os
 import struct
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -272,3 +275,74 @@ def test_serve_faults_no_memory_in_for_panels_it_will_map(cache, tied_model):
     memory = cli._prefault(["serve", tied_model, "--dtype", "half"], min_bytes=0)
     assert memory is not None  # float16 panels are another file
     memory.finish()
+
+
+def _staging_files(cache) -> list[str]:
+    return sorted(glob.glob(str(cache / ".*")))
+
+
+def test_a_dead_writer_s_staging_file_goes_at_the_next_load(cache, tied_model):
+    """What a writer killed mid-write leaves (its staging file, its lock free) is removed by
+    the next load, one that maps the file and writes nothing; one whose writer holds the lock
+    stays until it is free."""
+    from pagedlm import staging
+    _load(tied_model)
+    entry = os.path.basename(_wait_for_file(cache))
+    leftover = cache / f"{staging.staging_prefix(entry)}killed"
+    leftover.write_bytes(b"\0" * 4096)
+    with staging.try_build_lock(cache, panel_cache._lock_directory(), "other.panels") as mine:
+        assert mine
+        alive = cache / f"{staging.staging_prefix('other.panels')}writing"
+        alive.write_bytes(b"\0" * 4096)
+        assert all(_load(tied_model)[2].values())
+        assert _staging_files(cache) == [str(alive)]
+    _load(tied_model)
+    assert _staging_files(cache) == []
+
+
+def test_a_write_another_process_holds_or_a_stop_abandons_leaves_nothing(cache, tied_model):
+    from pagedlm import staging
+    llm = LLM(tied_model, dtype="bfloat16", kv_cache_memory_bytes=32 << 20)
+    try:
+        model = llm.llm_engine.executor.worker.model
+        layers = {name: m for name, m in model.named_modules()
+                  if isinstance(getattr(m, "panel_weight", None), torch.Tensor)}
+        _wait_for_file(cache)
+        for f in _files(cache):
+            os.unlink(f)
+        path = panel_cache.cache_file(tied_model, "bfloat16")
+        with staging.try_build_lock(cache, panel_cache._lock_directory(),
+                                    os.path.basename(path)):
+            assert not panel_cache.write_panels(path, tied_model, layers, {})
+        stop = threading.Event()
+        stop.set()
+        assert not panel_cache.write_panels(path, tied_model, layers, {}, stop)
+        assert _files(cache) == [] and _staging_files(cache) == []
+        assert panel_cache.write_panels(path, tied_model, layers, {})
+        assert _files(cache) == [path] and _staging_files(cache) == []
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_server_stopped_while_it_writes_leaves_no_staging_file(cache, tied_model, tmp_path):
+    """The write stops at the process's exit (atexit) and removes its staging file: a
+    process that exits mid-write, as a server stopped seconds after it started."""
+    script = tmp_path / "exit_mid_write.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "from pagedlm import LLM, panel_cache\n"
+        "writing = threading.Event()\n"
+        "def slow_piece(piece):  # each 4 KiB piece 20 ms: the write takes far longer\n"
+        "    writing.set()\n"
+        "    time.sleep(0.02)\n"
+        "    return memoryview(piece)\n"
+        "panel_cache._WRITE_PIECE = 4096\n"
+        "panel_cache.memoryview = slow_piece  # the module's name, before the builtin\n"
+        "LLM(sys.argv[1], dtype='bfloat16', kv_cache_memory_bytes=32 << 20)\n"
+        "assert writing.wait(30)\n"
+        "print('exiting mid-write', flush=True)\n")
+    out = subprocess.run([sys.executable, str(script), tied_model], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "exiting mid-write" in out.stdout
+    assert _files(cache) == [] and _staging_files(cache) == []
