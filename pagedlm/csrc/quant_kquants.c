@@ -541,10 +541,10 @@ static inline __attribute__((always_inline)) void kq_block(
 /* Bit moves within each byte. With GFNI, one vgf2p8affineqb: output bit i is the parity of
  * the input byte AND the matrix's byte 7 - i, so a matrix with one bit a byte moves bits. It
  * replaces a shift and a mask in the pair kernels: on the Zen 4 EPYC, 2 threads, 8192 x 2048
- * hot in L3, 1 row, q4_k 51.4 -> 53.8 GB/s of blocks, q5_k 39.1 -> 40.8, q6_k 42.9 -> 45.4
- * (benchmarks/kquant_kernels.py --hot), 4 rows 0.99-1.03x, the same bits; level from memory,
- * which bounds the kernels there. In qg_unpack it was level (the GEMM's dot products bound
- * it), so that keeps its shifts. */
+ * hot in L3, 1 row, q4_k 51.4 -> 53.8 GB/s of blocks, q5_k 39.1 -> 40.8 (and its fifth bits
+ * then 1.02-1.05x more), q6_k 42.9 -> 45.4 (benchmarks/kquant_kernels.py --hot), 2-8 rows
+ * 0.99-1.03x, the same bits; level from memory, which bounds the kernels there. In qg_unpack
+ * it was level (the GEMM's dot products bound it), so that keeps its shifts. */
 #ifdef __GFNI__
 static inline __m512i gf_move_bits(__m512i v, long long matrix) {
     return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(matrix), 0);
@@ -668,8 +668,14 @@ static inline __attribute__((always_inline)) void kq_pair_block(
         for (int t = 0; t < 4; t++) {
             const __m512i v = _mm512_srlv_epi32(_mm512_permutexvar_epi32(
                 _mm512_add_epi32(dword, _mm512_set1_epi32(t)), qh), sh);
+#ifdef __GFNI__  /* bit 4 <- bit 0 (the low nibbles' fifth bits), <- bit 1 (the high's) */
+            (void)five;
+            L[t] = _mm512_or_si512(L[t], gf_move_bits(v, 0x01000000LL));
+            H[t] = _mm512_or_si512(H[t], gf_move_bits(v, 0x02000000LL));
+#else
             L[t] = _mm512_or_si512(L[t], _mm512_and_si512(_mm512_slli_epi32(v, 4), five));
             H[t] = _mm512_or_si512(H[t], _mm512_and_si512(_mm512_slli_epi32(v, 3), five));
+#endif
         }
     }
     for (int m = 0; m < mt; m++) {
