@@ -201,13 +201,29 @@ class MappedPanels:
         return self._bytes[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
 
 
+# Writers before the staging files named theirs PATH.PID.THREAD.tmp and took no lock; one
+# that has not been written to for this long has no live writer (the 1B Llama's 2.15 GB take
+# seconds).
+_LEGACY_TEMPORARY_MAX_AGE_S = 3600
+
+
+def _remove_leftovers() -> None:
+    """The staging files of writers that died (killed mid-write: up to the panels' size)."""
+    folder = _directory()
+    try:
+        remove_leftovers(Path(folder), _lock_directory())
+        now = time.time()
+        for tmp in glob.glob(os.path.join(folder, "*.panels.*.tmp")):
+            if now - os.stat(tmp).st_mtime > _LEGACY_TEMPORARY_MAX_AGE_S:
+                os.unlink(tmp)
+    except OSError as e:  # a read-only cache, or another process removed one first
+        logger.debug("panels' leftovers not removed: %s", e)
+
+
 def open_cached(path: str) -> MappedPanels | None:
     """The panels' file at `path` mapped, or None where there is none or it is not a whole
     one of this format (logged: the load packs from the checkpoint and rewrites it)."""
-    try:  # the staging files of writers that died (killed mid-write: up to the panels' size)
-        remove_leftovers(Path(_directory()), _lock_directory())
-    except OSError as e:
-        logger.debug("panels' leftovers not removed: %s", e)
+    _remove_leftovers()
     if not os.path.isfile(path):
         return None
     try:

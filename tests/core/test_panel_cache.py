@@ -298,6 +298,13 @@ def test_a_dead_writer_s_staging_file_goes_at_the_next_load(cache, tied_model):
         assert _staging_files(cache) == [str(alive)]
     _load(tied_model)
     assert _staging_files(cache) == []
+    # The temporaries of writers before staging files: gone once an hour old.
+    old, recent = cache / f"{entry}.123.456.tmp", cache / f"{entry}.124.457.tmp"
+    for tmp in (old, recent):
+        tmp.write_bytes(b"\0" * 4096)
+    os.utime(old, (time.time() - 7200,) * 2)
+    _load(tied_model)
+    assert not old.exists() and recent.exists()
 
 
 def test_a_write_another_process_holds_or_a_stop_abandons_leaves_nothing(cache, tied_model):
