@@ -212,12 +212,15 @@ def _remove_leftovers() -> None:
     folder = _directory()
     try:
         remove_leftovers(Path(folder), _lock_directory())
-        now = time.time()
-        for tmp in glob.glob(os.path.join(folder, "*.panels.*.tmp")):
+    except OSError as e:  # a read-only cache
+        logger.debug("panels' leftovers not removed: %s", e)
+    now = time.time()
+    for tmp in glob.glob(os.path.join(folder, "*.panels.*.tmp")):
+        try:
             if now - os.stat(tmp).st_mtime > _LEGACY_TEMPORARY_MAX_AGE_S:
                 os.unlink(tmp)
-    except OSError as e:  # a read-only cache, or another process removed one first
-        logger.debug("panels' leftovers not removed: %s", e)
+        except OSError:  # another process removed it first, or a read-only cache
+            pass
 
 
 def open_cached(path: str) -> MappedPanels | None:
