@@ -515,12 +515,40 @@ def test_tokenizer_config_lists_the_added_tokens(tiny_gguf, tmp_path):
 
 
 def test_modified_gguf_gets_a_new_cache_entry(tiny_gguf):
+    """...and the old entry, which no load keys any more, goes when the new one is made."""
     first = resolve_model(str(tiny_gguf))
     stat = tiny_gguf.stat()
     os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     second = resolve_model(str(tiny_gguf))
     assert second != first
     assert (Path(second) / CONVERSION_MARKER).is_file()
+    assert not Path(first).exists()
+
+
+def test_the_conversions_of_deleted_files_go_when_another_is_made(tiny_gguf, tmp_path):
+    """A conversion whose GGUF file is gone (a removed virtualenv's copy of the default model:
+    517 MB each once the float path ran) is removed when the cache next grows; one whose
+    file is there stays, and so does one whose float weights another process is writing."""
+    from pagedlm.staging import try_build_lock
+    kept = resolve_model(str(tiny_gguf))
+    copies = []
+    for name in ("gone.gguf", "busy.gguf", "other.gguf"):
+        copy = tmp_path / name
+        shutil.copy(tiny_gguf, copy)
+        copies.append((copy, Path(resolve_model(str(copy)))))
+    (gone, gone_dir), (busy, busy_dir), (other, other_dir) = copies
+    gone.unlink()
+    busy.unlink()
+    lock_dir = cache_root() / "locks" / "gguf"
+    with try_build_lock(gone_dir.parent, lock_dir, busy_dir.name + ".f32") as mine:
+        assert mine  # as ensure_float_weights holds it while it writes
+        newest = tmp_path / "newest.gguf"
+        shutil.copy(tiny_gguf, newest)
+        resolve_model(str(newest))
+    assert not gone_dir.exists()
+    assert busy_dir.exists() and Path(kept).exists() and other_dir.exists()
+    assert resolve_model(str(other)) == str(other_dir)  # a cache hit removes nothing
+    assert busy_dir.exists()
 
 
 def test_failed_conversion_leaves_nothing_behind(tiny_gguf, tmp_path, monkeypatch):

