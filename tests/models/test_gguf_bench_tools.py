@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from tests.conftest import needs_kernels
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -161,6 +162,7 @@ def test_fidelity_comparison(bench):
     assert not wrong["only_near_ties"] and wrong["differences"][0]["gap"] == pytest.approx(5.0)
 
 
+@needs_kernels
 def test_kquant_kernels_blocks_are_valid(bench):
     """The A/B script's random blocks are blocks of the format it names: the library's kernel
     multiplies them as gguf-py's dequantization does, within what 8-bit activations cost (a
@@ -170,8 +172,6 @@ def test_kquant_kernels_blocks_are_valid(bench):
 
     from pagedlm.kernels import loader
     kk = bench["kquant_kernels"]
-    if shutil.which(loader.COMPILER) is None:  # as the kernel tests: no compiler, no kernels
-        pytest.skip(f"{loader.COMPILER} not found")
     lib = loader.load_library()
     assert lib is not None, "the native kernels failed to build"
     rng = np.random.default_rng(1)
