@@ -660,7 +660,6 @@ static inline __attribute__((always_inline)) void kq_pair_block(
     }
     if (fmt == F_Q5_K) {  /* as kq_block's */
         const __m512i qh = pair256(b0 + 16, row_bytes);
-        const __m512i five = _mm512_set1_epi8(0x10);
         const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
         /* lane l of vector t: qh's dword t + 4 (l / 4), as T[t]'s chunks */
         const __m512i dword = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8,
@@ -669,10 +668,10 @@ static inline __attribute__((always_inline)) void kq_pair_block(
             const __m512i v = _mm512_srlv_epi32(_mm512_permutexvar_epi32(
                 _mm512_add_epi32(dword, _mm512_set1_epi32(t)), qh), sh);
 #ifdef __GFNI__  /* bit 4 <- bit 0 (the low nibbles' fifth bits), <- bit 1 (the high's) */
-            (void)five;
             L[t] = _mm512_or_si512(L[t], gf_move_bits(v, 0x01000000LL));
             H[t] = _mm512_or_si512(H[t], gf_move_bits(v, 0x02000000LL));
 #else
+            const __m512i five = _mm512_set1_epi8(0x10);
             L[t] = _mm512_or_si512(L[t], _mm512_and_si512(_mm512_slli_epi32(v, 4), five));
             H[t] = _mm512_or_si512(H[t], _mm512_and_si512(_mm512_slli_epi32(v, 3), five));
 #endif
