@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedlm import envs
-from pagedlm.staging import remove_leftovers, staging_prefix, try_build_lock
+from pagedlm.staging import (remove_leftovers, remove_stale_temporaries, staging_prefix,
+                             try_build_lock)
 from pagedlm.utils import cache_root, dtype_name, lower_thread_priority
 
 if TYPE_CHECKING:
@@ -214,13 +215,8 @@ def _remove_leftovers() -> None:
         remove_leftovers(Path(folder), _lock_directory())
     except OSError as e:  # a read-only cache
         logger.debug("panels' leftovers not removed: %s", e)
-    now = time.time()
-    for tmp in glob.glob(os.path.join(folder, "*.panels.*.tmp")):
-        try:
-            if now - os.stat(tmp).st_mtime > _LEGACY_TEMPORARY_MAX_AGE_S:
-                os.unlink(tmp)
-        except OSError:  # another process removed it first, or a read-only cache
-            pass
+    remove_stale_temporaries(glob.glob(os.path.join(folder, "*.panels.*.tmp")),
+                             _LEGACY_TEMPORARY_MAX_AGE_S)
 
 
 def open_cached(path: str) -> MappedPanels | None:

@@ -21,7 +21,8 @@ import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,19 @@ def remove_leftovers(directory: Path, lock_dir: Path) -> list[Path]:
             # A read-only cache still serves its complete entries; the leftover just stays.
             logger.debug("cannot remove the leftovers of %s in %s: %s", name, directory, exc)
     return removed
+
+
+def remove_stale_temporaries(paths: Iterable[str], max_age_s: float) -> None:
+    """Delete the files among `paths` not written to for `max_age_s`: the temporaries of
+    builders from before staging entries, which took no lock, so only their age tells that
+    the builder is gone."""
+    now = time.time()
+    for path in paths:
+        try:
+            if now - os.stat(path, follow_symlinks=False).st_mtime > max_age_s:
+                os.unlink(path)
+        except OSError:  # another process removed it first, or a read-only cache
+            pass
 
 
 @contextlib.contextmanager

@@ -29,12 +29,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pagedlm import envs
-from pagedlm.staging import build_lock, remove_leftovers, staging_prefix
+from pagedlm.staging import (build_lock, remove_leftovers, remove_stale_temporaries,
+                             staging_prefix)
 from pagedlm.utils import cache_root
 
 logger = logging.getLogger(__name__)
@@ -114,18 +114,12 @@ _LEGACY_TEMPORARY_MAX_AGE_S = 3600
 
 def _remove_legacy_temporaries(out_dir: Path) -> None:
     try:
-        entries = list(os.scandir(out_dir))
+        names = os.listdir(out_dir)
     except FileNotFoundError:
         return
-    now = time.time()
-    for entry in entries:
-        if not (entry.name.startswith(".") and entry.name.endswith(".so.tmp")):
-            continue
-        try:
-            if now - entry.stat(follow_symlinks=False).st_mtime > _LEGACY_TEMPORARY_MAX_AGE_S:
-                os.unlink(entry.path)
-        except FileNotFoundError:
-            pass  # another process removed it first
+    remove_stale_temporaries((str(out_dir / n) for n in names
+                              if n.startswith(".") and n.endswith(".so.tmp")),
+                             _LEGACY_TEMPORARY_MAX_AGE_S)
 
 
 @functools.lru_cache(maxsize=None)
