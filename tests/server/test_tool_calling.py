@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from pagedlm import EngineArgs
@@ -23,7 +24,8 @@ from pagedlm.engine.async_llm_engine import AsyncLLMEngine
 from pagedlm.entrypoints.openai.api_server import build_app
 from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from pagedlm.entrypoints.openai.tool_parsers.constrained import (NamedFunctionParser,
-                                                                 RequiredToolsParser)
+                                                                 RequiredToolsParser,
+                                                                 required_tools_schema)
 from pagedlm.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer
 from tests.server_utils import assert_all_blocks_free, serve_in_thread, wait_until_idle
 
@@ -253,6 +255,57 @@ def test_named_function_arguments_validate(client, name):
     assert finish == "tool_calls"
     assert [{"name": x["name"], "arguments": x["arguments"]} for x in calls] == \
         _as_list(c.message)
+
+
+class _Address(pydantic.BaseModel):
+    city: str = pydantic.Field(min_length=1, max_length=20)
+
+
+class _Parcel(pydantic.BaseModel):
+    address: _Address
+    inner: _Parcel | None = None  # "#/$defs/_Parcel": recursion through a reference
+
+
+# As openai.pydantic_function_tool writes nested models: "$defs" and references into them.
+SHIP = openai.pydantic_function_tool(_Parcel, name="ship", description="Ship a parcel")
+
+
+def test_required_rebases_each_tools_local_references():
+    schema = required_tools_schema([(t["function"]["name"], t["function"]["parameters"])
+                                    for t in TOOLS + [SHIP]])
+    good = [{"name": "ship", "parameters": {"address": {"city": "Oslo"}, "inner": {
+        "address": {"city": "Rome"}, "inner": None}}},
+        {"name": "get_time", "parameters": {"city": "Oslo", "hours_ahead": 1}}]
+    jsonschema.validate(good, schema)
+    bad = [{"name": "ship", "parameters": {"address": {"city": "Oslo"}, "inner": {
+        "address": {}, "inner": None}}}]  # the nested reference's "city" is required
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+    # A property named like a data keyword is still a schema; data keywords are left alone.
+    odd = {"type": "object", "properties": {"enum": {"$ref": "#/$defs/A"}},
+           "$defs": {"A": {"const": {"$ref": "#/x"}}}}
+    rebased = required_tools_schema([("f", odd)])["items"]["anyOf"][0]["properties"]
+    assert rebased["parameters"]["properties"]["enum"]["$ref"] == \
+        "#/items/anyOf/0/properties/parameters/$defs/A"
+    assert rebased["parameters"]["$defs"]["A"]["const"] == {"$ref": "#/x"}
+
+
+def test_required_with_a_pydantic_tool(server, client):
+    question = [{"role": "user", "content": "Ship the parcel to Paris."}]
+    r = client.chat.completions.create(model=MODEL, messages=question, tools=TOOLS + [SHIP],
+                                       tool_choice="required", temperature=0, max_tokens=80)
+    (c,) = r.choices
+    parameters = {**PARAMETERS, "ship": SHIP["function"]["parameters"]}
+    if c.finish_reason == "tool_calls":
+        for call in _as_list(c.message):
+            jsonschema.validate(json.loads(call["arguments"]), parameters[call["name"]])
+    else:  # the tiny model can repeat calls past max_tokens; its whole calls still validate
+        assert c.finish_reason == "length"
+        for call in RequiredToolsParser().parse(c.message.content, final=False).calls:
+            if call.done:
+                jsonschema.validate(json.loads(call.arguments), parameters[call.name])
+    wait_until_idle(server.engine)
+    assert_all_blocks_free(server.engine)
 
 
 # ---- bad input: a 400 naming the field, and the server keeps serving ----

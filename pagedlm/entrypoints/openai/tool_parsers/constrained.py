@@ -20,13 +20,43 @@ def named_function_schema(parameters: dict | None) -> dict:
 
 def required_tools_schema(functions: list[tuple[str, dict | None]]) -> dict:
     """An array of one or more calls, each {"name": one tool's name, "parameters": that tool's
-    parameters}. Name comes first, so a streamed call's name is known before its arguments."""
+    parameters}. Name comes first, so a streamed call's name is known before its arguments.
+    A tool's local references ("#/$defs/Address", as openai.pydantic_function_tool writes
+    nested models, or "#" itself) are relative to its own parameters, which sit deeper here:
+    they are rewritten to point there."""
     return {"type": "array", "minItems": 1, "items": {"anyOf": [
         {"type": "object",
          "properties": {"name": {"type": "string", "enum": [name]},
-                        "parameters": named_function_schema(parameters)},
+                        "parameters": _rebase_refs(named_function_schema(parameters),
+                                                   f"#/items/anyOf/{i}/properties/parameters")},
          "required": ["name", "parameters"], "additionalProperties": False}
-        for name, parameters in functions]}}
+        for i, (name, parameters) in enumerate(functions)]}}
+
+
+# Keywords whose values are JSON data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names (which may be any word, "enum" too) to schemas.
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                            "dependentSchemas"})
+
+
+def _rebase_refs(schema, root: str):
+    """`schema` with every local "$ref" ("#" or "#/...") moved under the JSON pointer `root`."""
+    if isinstance(schema, list):
+        return [_rebase_refs(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(sub, root) for name, sub in value.items()}
+        else:
+            out[key] = _rebase_refs(value, root)
+    return out
 
 
 class NamedFunctionParser(ToolParser):
