@@ -287,8 +287,9 @@ class SamplingParams:
               "must be 1 with use_beam_search")
         check(self.early_stopping in (True, False, "never"), "early_stopping",
               "must be True, False or 'never'")
-        check(self.structured_outputs is None, "structured_outputs",
-              "is not supported with use_beam_search")
+        if self.structured_outputs is not None:  # named as the request set it
+            raise ValueError(f"{self.structured_outputs.field_name} is not supported with "
+                             f"use_beam_search: a beam search ranks the raw distribution.")
         # A search ranks each step's top candidates of the raw distribution: these would be
         # ignored (a 200 whose beams break them), not applied.
         for name in ("logit_bias", "allowed_token_ids", "bad_words"):

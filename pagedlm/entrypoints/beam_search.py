@@ -263,8 +263,10 @@ def new_beam_search(request_id: str, prompt: str | None, prompt_token_ids: list[
     mc = config.model_config
     limit = mc.vocab_size if mc.max_logprobs < 0 else mc.max_logprobs
     if 2 * params.best_of > limit:
-        raise ValueError(f"best_of ({params.best_of}) is too large for beam search: each step "
-                         f"ranks 2 * best_of candidates per beam, past max_logprobs "
+        # best_of is n unless the request set it higher: name the field it set.
+        name = "best_of" if params.best_of > params.n else "n"
+        raise ValueError(f"{name} ({params.best_of}) is too large for beam search: each step "
+                         f"ranks 2 * {name} candidates per beam, past max_logprobs "
                          f"({mc.max_logprobs}).")
     clamp_max_tokens(params, len(prompt_token_ids), mc.max_model_len)
     return BeamSearch(request_id, prompt, list(prompt_token_ids), params, eos_token_ids,

@@ -210,6 +210,11 @@ def test_every_numeric_field_at_its_extremes_is_200_or_400(servers):
                          "n": 2, "length_penalty": 1e300}, "length_penalty"),
     ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "temperature": 0,
                          "n": 2, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    # 2 * beams past max_logprobs: the field that set the beams' number
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "temperature": 0, "n": 3},
+     "n"),
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "temperature": 0, "n": 2,
+                         "best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"messages": MESSAGES, "use_beam_search": True, "temperature": 0,
                               "n": 2, "logit_bias": {"5": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": [49152]}, "prompt"),  # outside the vocabulary

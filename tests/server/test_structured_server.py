@@ -179,8 +179,11 @@ BAD = [
     ("completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
     ("completions", {"allowed_token_ids": [99999999]}, "allowed_token_ids"),
     ("chat", {"bad_words": [""]}, "bad_words"),
+    # beam search with a constraint: the field the request set, not structured_outputs
     ("completions", {"use_beam_search": True, "n": 2, "temperature": 0,
-                     "guided_choice": ["a", "b"]}, "structured_outputs"),
+                     "guided_choice": ["a", "b"]}, "guided_choice"),
+    ("chat", {"use_beam_search": True, "n": 2, "temperature": 0,
+              "response_format": {"type": "json_object"}}, "response_format"),
 ]
 
 

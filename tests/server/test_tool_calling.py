@@ -343,6 +343,7 @@ BAD_REQUESTS = [
         "a": {"type": "strang"}}}), tool_choice="required"), "tools"),
     # required / named constrain the output themselves: no second constraint.
     (_bad(tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+    (_bad(tool_choice="required", use_beam_search=True, temperature=0, n=2), "tool_choice"),
     (_bad(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools.0.type"),
     (_bad(messages=[{"role": "user", "content": "hi"},
                     {"role": "tool", "content": "18 degrees"}]), "messages.1.tool_call_id"),

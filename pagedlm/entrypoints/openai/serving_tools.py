@@ -148,6 +148,10 @@ def constrain_to_json_schema(params: SamplingParams, plan: ToolPlan) -> Sampling
         raise ToolRequestError("tool_choice 'required' or a named function constrains the "
                                "output itself: it cannot be combined with response_format or "
                                "structured outputs.", "tool_choice")
+    if params.use_beam_search:
+        raise ToolRequestError("tool_choice 'required' or a named function constrains the "
+                               "output: it is not supported with use_beam_search.",
+                               "tool_choice")
     # Without free whitespace: measured on SmolLM2-135M, greedy "required" output with any
     # whitespace allowed wrote the call array in indented form and kept repeating its calls
     # until max_tokens (120); without it, one call and "]" in 27 tokens.
