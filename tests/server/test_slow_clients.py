@@ -123,6 +123,27 @@ def test_an_answer_longer_than_the_timeout_is_not_cut(server):
     assert events[-1] == "data: [DONE]" and len(events) == 13, events[-3:]
 
 
+def _generated_tokens(server) -> int:
+    return server.engine.metrics.snapshot.generation_tokens  # published after every step
+
+
+def test_a_pipelined_client_that_leaves_aborts_its_request(server, caplog):
+    """A request with another pipelined behind it, then the connection closed: the request
+    being answered is aborted, as a lone one is, and nothing is logged as a server error."""
+    # 2 x 200 tokens: within the fixture's 32 blocks, so run to the end it is exactly 400
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200,
+                       "n": 2, "ignore_eos": True}).encode()
+    before = _generated_tokens(server)
+    with _connect(server) as sock:
+        sock.sendall(_post_head(len(body)) + body + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.3)
+    wait_until_idle(server.engine)
+    assert _generated_tokens(server) - before < 2 * 200  # not run to the end for nobody
+    assert_all_blocks_free(server.engine)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    _health_answers(server)
+
+
 def test_many_slow_connections_do_not_starve_others(server):
     """A hundred connections holding half-sent headers, then a normal request: it is served,
     and the slow ones are all closed soon after the timeout."""

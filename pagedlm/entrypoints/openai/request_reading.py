@@ -41,15 +41,35 @@ def http_protocol(timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            # Requests still being answered when a pipelined one arrived after them.
+            self._earlier: list = []
             self._arm_head_timer()
+
+        def on_headers_complete(self) -> None:
+            # httptools' protocol only (h11's leaves a pipelined request unparsed): a request
+            # pipelined behind one being answered becomes `self.cycle`, and connection_lost
+            # tells only that one of the disconnect. The one being answered then never heard
+            # of it: its generation ran to the end for nobody, and its response's write to
+            # the closed transport raised (two tracebacks logged per connection).
+            previous = self.cycle
+            super().on_headers_complete()
+            if previous is not None and previous is not self.cycle \
+                    and not previous.response_complete:
+                self._earlier.append(previous)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._earlier = [c for c in self._earlier if not c.response_complete]
             self._arm_head_timer()  # the next request's headers are due in their turn
 
         def connection_lost(self, exc) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
+            for cycle in self._earlier:  # as uvicorn tells its current cycle
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            self._earlier = []
             super().connection_lost(exc)
 
         def _arm_head_timer(self) -> None:
