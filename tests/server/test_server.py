@@ -7,6 +7,7 @@ KV block must be free again.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import importlib.util
 import json
 import re
@@ -420,6 +421,16 @@ def test_bodies_not_sent_as_json_are_415(server):
                        headers={**AUTH, "Content-Type": ctype})
         assert r.status_code == 415, (ctype, r.text)
         assert "UTF-8" in r.json()["error"]["message"], r.text
+    # A compressed body is refused as such, not parsed as it came ("not valid JSON").
+    for encoding in ("gzip", "br", "deflate, gzip"):
+        r = httpx.post(server.base_url + "/completions", content=gzip.compress(body.encode()),
+                       headers={**AUTH, "Content-Type": "application/json",
+                                "Content-Encoding": encoding})
+        assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"], \
+            (encoding, r.text)
+    r = httpx.post(server.base_url + "/completions", content=body,
+                   headers={**AUTH, "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
     for ctype in (None, "application/json", "application/json; charset=utf-8",
                   'application/json; charset="UTF-8"', "Application/JSON",
                   "application/merge-patch+json"):

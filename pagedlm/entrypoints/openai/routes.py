@@ -115,10 +115,11 @@ def _charset(content_type: str) -> str | None:
 
 
 async def _body(raw: Request) -> bytes | Response:
-    """The request's body, or a 415 for a body sent as something other than JSON, or a 413
-    where it holds more JSON values than the server parses (--max-request-body-values;
-    cli_args.py says why). Commas bound the values from above: one inside a string counts
-    too, which a body of text reaches only far past any prompt length the server takes.
+    """The request's body, or a 415 for a body sent as something other than uncompressed
+    JSON, or a 413 where it holds more JSON values than the server parses
+    (--max-request-body-values; cli_args.py says why). Commas bound the values from above: one
+    inside a string counts too, which a body of text reaches only far past any prompt length
+    the server takes.
 
     A browser sends text/plain and form bodies from any page without asking the server first
     (no CORS preflight): read as JSON, they let a page its user visits use a server without an
@@ -134,6 +135,11 @@ async def _body(raw: Request) -> bytes | Response:
         if charset not in (None, "utf-8", "utf8"):
             return error_response(f"The request body must be UTF-8 JSON; charset "
                                   f"{charset[:40]!r} is not supported.", 415)
+    # A compressed body would be parsed as it came and refused as "not valid JSON".
+    for encoding in raw.headers.getlist("content-encoding"):
+        if encoding.strip().lower() not in ("", "identity"):
+            return error_response(f"Content-Encoding {encoding[:40]!r} is not supported: send "
+                                  f"the request body uncompressed.", 415)
     body = await raw.body()
     limit = _serving(raw).max_body_values
     if len(body) > limit and (values := body.count(b",") + 1) > limit:
