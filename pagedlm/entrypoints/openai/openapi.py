@@ -25,7 +25,8 @@ ERROR_DESCRIPTIONS = {
     404: "Unknown model (or adapter).",
     408: "The request body paused for longer than the server waits (--request-read-timeout).",
     413: "The request body is larger than the server accepts (--max-request-body-bytes).",
-    415: "The request body is not sent as JSON (Content-Type: application/json).",
+    415: "The request body is not sent as uncompressed JSON (Content-Type: application/json, "
+         "no Content-Encoding).",
     500: "Internal error, or the engine is not running.",
     503: "The engine failed: the server is shutting down.",
 }
