@@ -455,10 +455,13 @@ def test_a_list_of_prompts_starts_in_one_step(server, http, engine):
 def test_chat_messages_are_checked_alike_by_chat_and_tokenize(http):
     bad_args = [*USER, {"role": "assistant", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "nope"}}]}]
-    no_text = [{"role": "user", "content": [{"type": "text"}]}]
+    no_text = [*USER, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                   {"type": "text"}]}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     for messages, param, words in ((bad_args, "messages.1.tool_calls.0.function.arguments",
                                     "JSON object"),
-                                   (no_text, "messages", "needs its 'text'")):
+                                   (no_text, "messages.1.content.1", "needs its 'text'"),
+                                   (image, "messages.0.content.0", "'image_url'")):
         for path, extra in (("/v1/chat/completions", {"model": MODEL, "max_tokens": 1}),
                             ("/tokenize", {})):
             err = _error(http.post(path, json={**extra, "messages": messages}), 400, param)

@@ -148,10 +148,12 @@ def template_dicts(messages: Sequence[ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         try:
-            out.append(m.to_template_dict())
+            out.append(m.to_template_dict(i))
         except RecursionError:
             raise PromptError(f"messages[{i}].tool_calls: the arguments are nested too deeply.",
                               f"messages.{i}.tool_calls") from None
+        except ValueError as e:  # a content part it cannot take, named first in the message
+            raise PromptError(str(e), str(e).split(":", 1)[0]) from None
     return out
 
 

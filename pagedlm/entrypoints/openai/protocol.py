@@ -98,17 +98,19 @@ class ChatMessage(StrictRequest):
     tool_calls: list[ChatMessageToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this is the result of
 
-    def to_template_dict(self) -> dict:
+    def to_template_dict(self, index: int) -> dict:
+        """The message as chat templates read it; `index`: its place in `messages`, which
+        errors name (messages.<index>.content.<part>)."""
         content = self.content
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if part.type != "text":
-                    raise ValueError(f"messages: content parts of type {part.type!r} are not "
-                                     f"supported; only 'text'.")
+                    raise ValueError(f"messages.{index}.content.{j}: content parts of type "
+                                     f"{part.type[:40]!r} are not supported; only 'text'.")
                 if part.text is None:
-                    raise ValueError("messages: a content part of type 'text' needs its "
-                                     "'text' string.")
+                    raise ValueError(f"messages.{index}.content.{j}: a content part of type "
+                                     f"'text' needs its 'text' string.")
                 texts.append(part.text)
             content = "\n".join(texts)
         msg = {"role": self.role, "content": content or ""}
