@@ -6,6 +6,13 @@ prompts: how many positions' top tokens change, how many prompts see a change in
 --window positions, and the chosen token's logprob error. Also x rounded to bfloat16 (the
 panels' many-row steps) and the 8 bits per 16-block.
 
+With --generated G the last G tokens of each prompt stand for generated ones: the rows then
+round the prompt's positions (a many-row prefill) and the generated ones (one-row decode steps)
+each at their own precision (8 bits, 16, or exact), and only the G positions whose top tokens
+pick the generated tokens (the last prompt position's and on) are compared. That says whether
+x held precise in one kind of step only (cheap at one row, costly in the compute-bound
+many-row steps) keeps the greedy tokens.
+
 A random-weight model's distributions are flat (its median top-2 margin is printed), so this
 says which x precision holds such a file to ">= 7/8 prompts identical", whatever the kernels:
 pagedlm's default takes x at 8 bits (as llama.cpp does), PAGEDLM_PRECISE_ACTIVATIONS=1 at
@@ -37,6 +44,19 @@ def round_blocks(x, bits: int, block: int):
     return ((xb * inv).round() * (amax / top)).reshape(shape).to(x.dtype)
 
 
+def split_steps(prompt_positions: int, prefill_bits: int | None, decode_bits: int | None):
+    """x rounded per 32-block to prefill_bits at the first prompt_positions positions and to
+    decode_bits at the rest (None: left exact)."""
+    def round_x(x):
+        out = x.clone()
+        for part, bits in ((slice(None, prompt_positions), prefill_bits),
+                           (slice(prompt_positions, None), decode_bits)):
+            if bits is not None:
+                out[:, part] = round_blocks(x[:, part], bits, 32)
+        return out
+    return round_x
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -49,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--bits", type=int, nargs="+", default=[8, 10, 12, 14, 16])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generated", type=int, default=0, metavar="G",
+                   help="split each prompt: its last G tokens are decode steps (see above)")
     p.add_argument("--output-json", default=None, metavar="PATH")
     args = p.parse_args(argv)
 
@@ -81,23 +103,31 @@ def main(argv=None) -> int:
     margin = float((top2[..., 0] - top2[..., 1]).median())
     print(f"{len(linears)} linear layers, {ids.numel()} positions; the reference's median "
           f"top-2 margin {margin:.4f}")
-    cases = [(f"{b} bits per 32", lambda x, b=b: round_blocks(x, b, 32)) for b in args.bits]
-    cases += [("8 bits per 16", lambda x: round_blocks(x, 8, 16)),
-              ("bfloat16", lambda x: x.bfloat16().to(x.dtype))]
+    if args.generated:
+        cases = [(f"prefill {a}, decode {b}", split_steps(args.prompt_len - args.generated, a, b))
+                 for a, b in ((8, 8), (8, None), (8, 16), (None, 8), (16, 8), (16, 16))]
+        window = slice(args.prompt_len - args.generated - 1, args.prompt_len - 1)
+    else:
+        cases = [(f"{b} bits per 32", lambda x, b=b: round_blocks(x, b, 32)) for b in args.bits]
+        cases += [("8 bits per 16", lambda x: round_blocks(x, 8, 16)),
+                  ("bfloat16", lambda x: x.bfloat16().to(x.dtype))]
+        window = slice(args.prompt_len - args.window, args.prompt_len)
     rows = []
     for label, fn in cases:
         got = logprobs(fn)
         changed = got.argmax(-1) != best
         error = (got - ref).abs().gather(-1, best[..., None]).squeeze(-1)
+        if args.generated:  # only the positions that pick generated tokens
+            changed, error = changed[:, window], error[:, window]
+        in_window = changed if args.generated else changed[:, window]
         row = {"x": label, "changed_positions": int(changed.sum()),
                "positions": changed.numel(),
-               "prompts_identical_in_window":
-                   int((~changed[:, -args.window:].any(-1)).sum()),
+               "prompts_identical_in_window": int((~in_window.any(-1)).sum()),
                "median_logprob_error": float(error.median()),
                "max_logprob_error": float(error.max())}
         rows.append(row)
-        print(f"{label:15s} positions changed {row['changed_positions']:3d}/{row['positions']}"
-              f", prompts identical over the last {args.window}: "
+        print(f"{label:24s} positions changed {row['changed_positions']:3d}/{row['positions']}"
+              f", prompts identical over the window: "
               f"{row['prompts_identical_in_window']}/{args.prompts}, logprob error median "
               f"{row['median_logprob_error']:.5f} max {row['max_logprob_error']:.4f}",
               flush=True)
