@@ -72,10 +72,14 @@ def test_beam_search_runs_above_the_engine(llm):
     assert [list(out.prompt_token_ids) + c.token_ids for c in out.outputs] == [
         b.tokens for b in beams.sequences]
     assert not engine.has_unfinished_requests() and not engine.requests
-    # A search wider than the step's logprobs allow is refused up front, naming best_of.
+    # A search wider than the step's logprobs allow is refused up front, naming the field
+    # that set its width.
     wide = SamplingParams(use_beam_search=True, n=11, temperature=0, max_tokens=3)
-    with pytest.raises(ValueError, match="^best_of"):
+    with pytest.raises(ValueError, match="^n "):
         llm.generate(["Hello"], wide, use_tqdm=False)
+    wider = SamplingParams(use_beam_search=True, n=2, best_of=11, temperature=0, max_tokens=3)
+    with pytest.raises(ValueError, match="^best_of "):
+        llm.generate(["Hello"], wider, use_tqdm=False)
     assert not engine.has_unfinished_requests()
 
 
