@@ -153,7 +153,9 @@ def template_dicts(messages: Sequence[ChatMessage]) -> list[dict]:
             raise PromptError(f"messages[{i}].tool_calls: the arguments are nested too deeply.",
                               f"messages.{i}.tool_calls") from None
         except ValueError as e:  # a content part it cannot take, named first in the message
-            raise PromptError(str(e), str(e).split(":", 1)[0]) from None
+            path = str(e).split(":", 1)[0]
+            raise PromptError(str(e), path if path.startswith(f"messages.{i}.")
+                              else f"messages.{i}") from None
     return out
 
 
