@@ -112,17 +112,16 @@ def main(argv=None) -> int:
         cases += [("8 bits per 16", lambda x: round_blocks(x, 8, 16)),
                   ("bfloat16", lambda x: x.bfloat16().to(x.dtype))]
         window = slice(args.prompt_len - args.window, args.prompt_len)
+    # The positions counted: with --generated only those that pick generated tokens.
+    scope = window if args.generated else slice(None)
     rows = []
     for label, fn in cases:
         got = logprobs(fn)
         changed = got.argmax(-1) != best
-        error = (got - ref).abs().gather(-1, best[..., None]).squeeze(-1)
-        if args.generated:  # only the positions that pick generated tokens
-            changed, error = changed[:, window], error[:, window]
-        in_window = changed if args.generated else changed[:, window]
-        row = {"x": label, "changed_positions": int(changed.sum()),
-               "positions": changed.numel(),
-               "prompts_identical_in_window": int((~in_window.any(-1)).sum()),
+        error = (got - ref).abs().gather(-1, best[..., None]).squeeze(-1)[:, scope]
+        row = {"x": label, "changed_positions": int(changed[:, scope].sum()),
+               "positions": changed[:, scope].numel(),
+               "prompts_identical_in_window": int((~changed[:, window].any(-1)).sum()),
                "median_logprob_error": float(error.median()),
                "max_logprob_error": float(error.max())}
         rows.append(row)
