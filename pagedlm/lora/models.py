@@ -41,8 +41,13 @@ class LoRAModel:
         try:
             with open(cfg_file) as f:
                 cfg = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
             raise ValueError(f"lora_path {path!r}: cannot read {_CONFIG}: {e}") from None
+        except RecursionError:
+            raise ValueError(f"lora_path {path!r}: {_CONFIG} is nested too deeply.") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"lora_path {path!r}: {_CONFIG} must hold a JSON object, got "
+                             f"{type(cfg).__name__}.")
         if cfg.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"lora_path {path!r}: peft_type {cfg.get('peft_type')!r} is not "
                              f"supported (only LORA).")
@@ -56,10 +61,16 @@ class LoRAModel:
         if cfg.get("alpha_pattern"):
             raise ValueError(f"lora_path {path!r}: alpha_pattern is not supported.")
         rank = cfg.get("r")
-        if not isinstance(rank, int) or rank < 1:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ValueError(f"lora_path {path!r}: rank r={rank!r} is not a positive integer.")
         alpha = cfg.get("lora_alpha", rank)
-        use_rslora = bool(cfg.get("use_rslora", False))
+        # A NaN or infinite scaling would reach every token of a step, as a bad weight would.
+        if (not isinstance(alpha, (int, float)) or isinstance(alpha, bool)
+                or not math.isfinite(alpha)):
+            raise ValueError(f"lora_path {path!r}: lora_alpha={alpha!r} is not a finite number.")
+        use_rslora = cfg.get("use_rslora", False)
+        if not isinstance(use_rslora, bool):
+            raise ValueError(f"lora_path {path!r}: use_rslora={use_rslora!r} is not a boolean.")
         tensors = cls._read_tensors(path)
 
         pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -91,7 +102,11 @@ class LoRAModel:
             r = a.shape[0]  # rank_pattern may give a module its own rank
             max_rank = max(max_rank, r)
             scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
-            weights[module] = (a.float(), b.float() * scaling)
+            scaled = b.float() * scaling
+            if not torch.isfinite(scaled).all():  # a huge alpha overflows float32
+                raise ValueError(f"lora_path {path!r}: module {module!r}: lora_B times the "
+                                 f"scaling ({scaling:g}) overflows float32.")
+            weights[module] = (a.float(), scaled)
         if max_rank > max_lora_rank:
             raise ValueError(f"lora_path {path!r}: rank {max_rank} is larger than max_lora_rank "
                              f"({max_lora_rank}).")

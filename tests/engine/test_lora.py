@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -250,6 +251,24 @@ def _bad_input_cases(tiny, tmp_path, default_model_dir):
                                                      ["q_proj"])), "shape"),
         "id reused": (LoRARequest("other", 1, loras[1].lora_path), "lora_int_id 1"),
     }
+    # A scaling that is not a finite float32 would reach every token batched with the adapter
+    # (the slots' deltas are computed together): these were loaded, and broke the base model's
+    # tokens in the same steps.
+    edits = {"config a list": (lambda c: [c], "JSON object"),
+             "alpha NaN": (lambda c: {**c, "lora_alpha": float("nan")}, "lora_alpha"),
+             "alpha infinite": (lambda c: {**c, "lora_alpha": float("inf")}, "lora_alpha"),
+             "alpha a string": (lambda c: {**c, "lora_alpha": "16"}, "lora_alpha"),
+             "alpha overflows": (lambda c: {**c, "lora_alpha": 1e300}, "overflows float32"),
+             "rank a bool": (lambda c: {**c, "r": True}, "rank r=True"),
+             "rslora a string": (lambda c: {**c, "use_rslora": "no"}, "use_rslora")}
+    for i, (case, (edit, field)) in enumerate(edits.items()):
+        path = str(tmp_path / f"edited{i}")
+        shutil.copytree(loras[0].lora_path, path)
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            cfg = json.load(f)
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(edit(cfg), f)
+        cases[case] = (LoRARequest("x", 7, path), field)
     return cases
 
 
