@@ -33,6 +33,9 @@ DEFAULT_MAX_REQUEST_BODY_VALUES = 2**19
 # nginx waits 60 s for headers and between a body's reads; a client of this API sends both at
 # once, so half that still leaves a slow link room.
 DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
+# Without a limit uvicorn waits for every running request, however long. Kubernetes sends its
+# SIGKILL 30 s after SIGTERM by default: 20 leaves the engine's own shutdown the rest.
+DEFAULT_GRACEFUL_SHUTDOWN_S = 20.0
 
 _HELP = {
     "model": "A GGUF file or a local HuggingFace model directory. Default: the embedded "
@@ -326,6 +329,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "request whose body pauses for longer than SECONDS is a 408: slow "
                             "clients cannot hold the server's sockets. (default: "
                             f"{DEFAULT_REQUEST_READ_TIMEOUT_S:g})")
+    group.add_argument("--timeout-graceful-shutdown", type=_positive_seconds,
+                       default=DEFAULT_GRACEFUL_SHUTDOWN_S, metavar="SECONDS",
+                       help="On SIGTERM or SIGINT, requests still running after SECONDS are "
+                            "cancelled (aborted in the engine) and the server exits: a long "
+                            "stream, or a client that stopped reading, cannot hold the "
+                            "shutdown. (default: "
+                            f"{DEFAULT_GRACEFUL_SHUTDOWN_S:g})")
     group.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None,
                        metavar="NAME=PATH",
                        help="LoRA adapters to serve (with --enable-lora), each as name=path "

@@ -51,10 +51,12 @@ class LoRAModel:
         if cfg.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"lora_path {path!r}: peft_type {cfg.get('peft_type')!r} is not "
                              f"supported (only LORA).")
-        for key, bad in (("use_dora", True), ("bias", ("all", "lora_only"))):
-            value = cfg.get(key)
-            if value == bad or (isinstance(bad, tuple) and value in bad):
-                raise ValueError(f"lora_path {path!r}: {key}={value!r} is not supported.")
+        if cfg.get("use_dora") not in (None, False):
+            raise ValueError(f"lora_path {path!r}: use_dora={cfg['use_dora']!r} is not "
+                             f"supported.")
+        if cfg.get("bias", "none") not in ("none", None):
+            raise ValueError(f"lora_path {path!r}: bias={cfg['bias']!r} is not supported "
+                             f"(only 'none').")
         if cfg.get("modules_to_save"):
             raise ValueError(f"lora_path {path!r}: modules_to_save {cfg['modules_to_save']} is "
                              f"not supported (target modules only).")
@@ -100,6 +102,8 @@ class LoRAModel:
                                  f"{({'lora_A', 'lora_B'} - set(pair)).pop()}.")
             a, b = pair["lora_A"], pair["lora_B"]
             r = a.shape[0]  # rank_pattern may give a module its own rank
+            if r < 1:
+                raise ValueError(f"lora_path {path!r}: module {module!r} has rank 0.")
             max_rank = max(max_rank, r)
             scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
             scaled = b.float() * scaling

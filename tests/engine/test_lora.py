@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from pagedlm import LLM, LoRARequest, SamplingParams
 from tests.compare_utils import assert_greedy_logprobs_match, assert_greedy_outputs_match
@@ -260,7 +261,8 @@ def _bad_input_cases(tiny, tmp_path, default_model_dir):
              "alpha a string": (lambda c: {**c, "lora_alpha": "16"}, "lora_alpha"),
              "alpha overflows": (lambda c: {**c, "lora_alpha": 1e300}, "overflows float32"),
              "rank a bool": (lambda c: {**c, "r": True}, "rank r=True"),
-             "rslora a string": (lambda c: {**c, "use_rslora": "no"}, "use_rslora")}
+             "rslora a string": (lambda c: {**c, "use_rslora": "no"}, "use_rslora"),
+             "bias in a list": (lambda c: {**c, "bias": ["all"]}, "bias")}
     for i, (case, (edit, field)) in enumerate(edits.items()):
         path = str(tmp_path / f"edited{i}")
         shutil.copytree(loras[0].lora_path, path)
@@ -269,6 +271,13 @@ def _bad_input_cases(tiny, tmp_path, default_model_dir):
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(edit(cfg), f)
         cases[case] = (LoRARequest("x", 7, path), field)
+    # Rank-0 tensors (a ZeroDivisionError in the scaling, a 500 over the server).
+    path = str(tmp_path / "rank0")
+    shutil.copytree(loras[0].lora_path, path)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    save_file({k: v[:0] if ".lora_A." in k else v[:, :0] for k, v in load_file(weights).items()},
+              weights)
+    cases["rank 0"] = (LoRARequest("x", 7, path), "rank 0")
     return cases
 
 

@@ -132,16 +132,12 @@ def test_help():
     assert all(cmd in top.stdout for cmd in ("serve", "generate", "chat"))
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """`pagedlm serve` as a real subprocess."""
+def _start_serve(log: Path, *flags: str) -> tuple[str, subprocess.Popen]:
+    """`pagedlm serve *flags` as a real subprocess, once /health answers."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen(
-            cli("serve", "--port", str(port), "--api-key", API_KEY, "--served-model-name",
-                "cli-model", "--log-stats-interval", "1", *ENGINE_FLAGS),
-            stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+        proc = subprocess.Popen(cli("serve", "--port", str(port), *flags),
+                                stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -156,6 +152,14 @@ def served(tmp_path_factory):
             proc.kill()
             raise AssertionError(f"pagedlm serve did not come up: {log.read_text()}")
         time.sleep(0.3)
+    return url, proc
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    url, proc = _start_serve(log, "--api-key", API_KEY, "--served-model-name", "cli-model",
+                             "--log-stats-interval", "1", *ENGINE_FLAGS)
     yield url, proc, log
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -273,6 +277,47 @@ def test_serve_stops_cleanly_on_sigint(served):
     proc = served[1]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
+
+
+def test_a_long_stream_cannot_hold_the_shutdown(tmp_path):
+    """A stream of 4000 tokens (tens of seconds on two cores) is cancelled and aborted
+    --timeout-graceful-shutdown seconds after SIGINT; uvicorn alone waited for its end."""
+    log = tmp_path / "serve.log"
+    url, proc = _start_serve(log, "--max-model-len", "4200", "--num-gpu-blocks-override", "300",
+                             "--timeout-graceful-shutdown", "1")
+    chunks, ended = [], threading.Event()
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True,
+                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    chunks.append(line)
+        except httpx.TransportError:
+            pass  # the connection closed under the read: the stream ended too
+        ended.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(chunks) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(chunks) >= 10, log.read_text()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert ended.wait(10)
+    assert took < 8, f"exit took {took:.1f} s"
+    assert len(chunks) < 3000  # the stream did not run to its end
+    text = log.read_text()
+    assert "timeout graceful shutdown exceeded" in text
+    assert "unhandled error" not in text
 
 
 def test_configs_check_their_own_fields_and_are_frozen(monkeypatch):

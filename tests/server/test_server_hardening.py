@@ -615,3 +615,27 @@ def test_still_serves_and_every_block_is_free(server, http, trusted, engine):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
     wait_until_idle(engine)
     assert_all_blocks_free(engine)
+
+
+def test_a_500_says_the_connection_closes(engine, monkeypatch):
+    """An unexpected error is a 500, after which uvicorn closes the connection: the answer
+    says so, so that a keep-alive client does not send its next request into a reset."""
+    from pagedlm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+    async def broken(self, request):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(OpenAIServingTokenization, "detokenize", broken)
+    with serve_in_thread(engine) as running:
+        port = int(running.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            body = b'{"tokens": [1, 2]}'
+            s.sendall(b"POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                      b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 500"), data[:300]
+    assert b"\r\nconnection: close" in head, head
+    assert b"a bug" in data

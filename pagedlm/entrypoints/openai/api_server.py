@@ -185,7 +185,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     @app.exception_handler(Exception)
     async def unhandled(_, exc: Exception):
         logger.exception("unhandled error: %r", exc)
-        return error_response(f"Internal server error: {exc!r}", 500)
+        response = error_response(f"Internal server error: {exc!r}", 500)
+        # Starlette re-raises after this answer and uvicorn then closes the connection: say
+        # so, or a keep-alive client sends its next request into a reset.
+        response.headers["Connection"] = "close"
+        return response
 
     app.include_router(server_router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -238,6 +242,7 @@ def run_server(args: argparse.Namespace, start: ServerStart | None = None) -> No
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=args.timeout_keep_alive,
+                                timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                                 http=http_protocol(args.request_read_timeout))
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(names),
