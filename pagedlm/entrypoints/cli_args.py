@@ -326,8 +326,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="SECONDS",
                        help="A connection is closed unless a request's headers arrive within "
                             "SECONDS of connecting (or of the previous response), and a "
-                            "request whose body pauses for longer than SECONDS is a 408: slow "
-                            "clients cannot hold the server's sockets. (default: "
+                            "request whose body pauses for longer than SECONDS is a 408, and a "
+                            "connection whose client reads nothing of its answer for SECONDS "
+                            "is cut (the request aborted): slow clients cannot hold the "
+                            "server's sockets. (default: "
                             f"{DEFAULT_REQUEST_READ_TIMEOUT_S:g})")
     group.add_argument("--timeout-graceful-shutdown", type=_positive_seconds,
                        default=DEFAULT_GRACEFUL_SHUTDOWN_S, metavar="SECONDS",

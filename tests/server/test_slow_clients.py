@@ -4,6 +4,7 @@ but steady body nor a long answer is cut. Over real sockets to a real uvicorn se
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -177,3 +178,45 @@ def test_the_flag():
     for bad in ("0", "-1", "nan", "inf", "soon"):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--request-read-timeout", bad])
+
+
+
+def test_a_client_that_stops_reading_is_cut(caplog):
+    """A stream whose client reads nothing: once the socket's buffers are full (about 3 MB
+    here: the loopback's send buffer grows to take what the client's small window leaves) the
+    server's writes wait, and after TIMEOUT_S of that the connection is cut as a disconnect:
+    the request aborted, its blocks freed. It was held until the client left."""
+    caplog.set_level(logging.INFO, logger="pagedlm.entrypoints.openai.request_reading")
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(max_model_len=2048, num_gpu_blocks_override=520), log_stats=False,
+        model_name=MODEL)
+    # 4 x 2000 tokens with 20 logprobs each: about 9 MB of events, 2000 steps if not cut.
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
+                       "n": 4, "logprobs": 20, "ignore_eos": True, "stream": True}).encode()
+    try:
+        with serve_in_thread(engine, served_model_names=[MODEL],
+                             request_read_timeout=TIMEOUT_S) as running:
+            host, port = running.url.removeprefix("http://").split(":")
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting
+            sock.settimeout(60)
+            with sock:
+                sock.connect((host, int(port)))
+                sock.sendall(_post_head(len(body)) + body)
+                deadline = time.monotonic() + 30
+                while engine.metrics.snapshot.generation_tokens == 0:  # it started
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                wait_until_idle(engine, timeout=120)
+                try:
+                    data = _read_all(sock)
+                except ConnectionResetError:
+                    data = b""
+            steps = engine.metrics.snapshot.generation_tokens / 4
+            assert b"data: [DONE]" not in data, "the stream was not cut"
+            assert steps < 1900, steps
+            assert "read nothing for" in caplog.text
+            assert_all_blocks_free(engine)
+            assert httpx.get(running.url + "/health", timeout=5).status_code == 200
+    finally:
+        engine.shutdown()

@@ -19,25 +19,33 @@ the server no sockets for anyone else (the "slowloris" attack). So:
   counts: a chunked upload that sends each chunk's size line apart from its data, the data
   after a pause as long as the timeout, is cut.
 A request being answered is not timed: generation takes as long as it takes, and a client's
-disconnect still aborts it.
+disconnect still aborts it. A client that stops reading its answer is: once the socket's buffers
+are full its writes wait, and a connection whose writes have waited for the timeout is cut, as
+a disconnect (its request aborted, its KV blocks freed). A client that never read a stream or the
+engine view held its connection and the buffered answer (0.8 MB for each engine view
+subscriber) for as long as it liked, and the server's shutdown with it.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 
 from pagedlm.entrypoints.openai.serving_engine import error_body
 
+logger = logging.getLogger(__name__)
+
 
 def http_protocol(timeout_s: float) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools where installed, else h11: its own choice) with the
-    header deadline above."""
+    header and write-stall deadlines above."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class HeadDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -62,9 +70,28 @@ def http_protocol(timeout_s: float) -> type[asyncio.Protocol]:
             self._earlier = [c for c in self._earlier if not c.response_complete]
             self._arm_head_timer()  # the next request's headers are due in their turn
 
+        def pause_writing(self) -> None:  # the transport's buffer is full: the client lags
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(timeout_s, self._write_deadline)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_deadline(self) -> None:
+            self._write_timer = None
+            if not self.transport.is_closing():
+                logger.info("closing a connection whose client read nothing for %g s", timeout_s)
+                # abort, not close: close would wait to send the buffer nobody reads.
+                self.transport.abort()
+
         def connection_lost(self, exc) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
+            for timer in (self._head_timer, self._write_timer):
+                if timer is not None:
+                    timer.cancel()
             for cycle in self._earlier:  # as uvicorn tells its current cycle
                 if not cycle.response_complete:
                     cycle.disconnected = True
