@@ -345,6 +345,10 @@ class BeamSearchDriver:
                 self._search_of.pop(step_id, None)
         self.engine.abort_request(ids)
 
+    def abort_all(self) -> None:
+        """Every search and request: those of an LLM call that was interrupted."""
+        self.abort_request(list(self.searches) + list(self.engine.requests))
+
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         outputs = []
         for out in self.engine.step():

@@ -359,7 +359,7 @@ def _main(argv: list[str]) -> None:
         else:
             args.func(args)
     except KeyboardInterrupt:
-        pass
+        raise SystemExit(130) from None  # the shell's code for SIGINT: a start cut short failed
     except ValueError as e:  # bad engine settings and the like: a message, not a traceback
         logger.debug("error", exc_info=True)
         raise SystemExit(f"error: {e}") from None

@@ -243,9 +243,21 @@ def _json_list(text: str) -> list[str]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
+        if text.lstrip().startswith("["):  # meant as JSON: a typo is not a comma list
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
         value = [s.strip() for s in text.split(",") if s.strip()]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:  # checked before the model loads, not at bind
+        raise argparse.ArgumentTypeError(f"expected a port in 0-65535, got {text!r}")
     return value
 
 
@@ -291,7 +303,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1",
                        help="Address to listen on; 0.0.0.0 for every interface. (default: "
                             "127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, metavar="N",
+    group.add_argument("--port", type=_port, default=8000, metavar="N",
                        help="Port to listen on; 0 picks a free one (logged). (default: 8000)")
     group.add_argument("--api-key", default=envs.PAGEDLM_API_KEY, metavar="KEY",
                        help="Require `Authorization: Bearer KEY` on every route but /health "

@@ -180,6 +180,20 @@ class LLM:
                    disable=not use_tqdm,
                    postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
         outputs: list[RequestOutput] = []
+        try:
+            self._step_until_done(engine, bar, outputs)
+        except BaseException:
+            # Ctrl-C (or a failed step): the requests this call added are dropped, or the next
+            # call would run them to the end and return their outputs with its own.
+            engine.abort_all()
+            raise
+        finally:
+            bar.close()
+        # Requests finish out of order; hand them back in the order they were given.
+        return sorted(outputs, key=lambda o: int(o.request_id))
+
+    @staticmethod
+    def _step_until_done(engine, bar, outputs: list) -> None:
         in_toks = out_toks = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -193,6 +207,3 @@ class LLM:
                 bar.postfix = (f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
                                f"output: {out_toks / elapsed:.2f} toks/s")
                 bar.update(1)
-        bar.close()
-        # Requests finish out of order; hand them back in the order they were given.
-        return sorted(outputs, key=lambda o: int(o.request_id))

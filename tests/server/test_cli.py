@@ -117,6 +117,15 @@ def test_vllm_style_flags_and_sizes():
     assert parse_size("1e9") == 10**9
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", "--kv-cache-memory", "lots"])
+    # Refused before the model loads (a port out of range was an OverflowError at bind).
+    assert make_parser().parse_args(["serve", "--port", "0"]).port == 0
+    for bad in ("99999", "-1", "http"):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(["serve", "--port", bad])
+    assert make_parser().parse_args(["serve", "--allowed-origins", "a.test, b.test"]
+                                    ).allowed_origins == ["a.test", "b.test"]
+    with pytest.raises(SystemExit):  # JSON with a typo, not a comma list named "[bad"
+        make_parser().parse_args(["serve", "--allowed-origins", "[bad"])
 
 
 def test_help():

@@ -460,6 +460,15 @@ def test_cors_preflight(server):
     assert r.headers["access-control-allow-origin"] in ("*", "http://example.test")
 
 
+def test_cors_with_no_allowed_origin_allows_none(server):
+    """--allowed-origins '[]' allows no origin (an empty list was read as the default, '*')."""
+    with serve_in_thread(server.engine, allowed_origins=[]) as closed:
+        r = httpx.options(closed.url + "/v1/chat/completions",
+                          headers={"Origin": "http://evil.example",
+                                   "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
 def test_server_keeps_serving_after_errors(client):
     for bad in ({"max_tokens": "abc"}, {"max_tokens": -3}):
         with pytest.raises(openai.BadRequestError):

@@ -205,10 +205,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     if api_key:  # outside the size limit: a request without the key is not read at all
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # Added last, so outermost: error responses (a 401 too) carry the CORS headers.
-    app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"],
+    # An empty list allows none (it allowed every origin); only None means the default.
+    app.add_middleware(CORSMiddleware,
+                       allow_origins=["*"] if allowed_origins is None else allowed_origins,
                        allow_credentials=allow_credentials,
-                       allow_methods=allowed_methods or ["*"],
-                       allow_headers=allowed_headers or ["*"])
+                       allow_methods=["*"] if allowed_methods is None else allowed_methods,
+                       allow_headers=["*"] if allowed_headers is None else allowed_headers)
     return app
 
 
