@@ -258,7 +258,12 @@ def run_server(args: argparse.Namespace, start: ServerStart | None = None) -> No
         # tensors: 1B Q4_K_M and bf16 starts); a collection would cost 0.17 s of the start.
         gc.freeze()
         gc.enable()
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            # uvicorn raises the SIGINT it caught again once its shutdown is done: a server
+            # stopped with Ctrl-C stopped cleanly (0), unlike a start cut short (130).
+            pass
     finally:
         engine.shutdown()
         sock.close()
