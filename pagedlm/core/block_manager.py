@@ -258,14 +258,19 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def swap_in_blocks(self, seqs: list[Sequence], scheduled: list[Sequence],
+                       num_new_tokens: list[int]) -> int:
+        """The device blocks swap_in would take: above max_admissible_blocks, it never can."""
+        return len(self._unique_blocks(seqs)) + sum(
+            self._new_blocks(s, n, self.cpu) for s, n in zip(scheduled, num_new_tokens))
+
     def swap_in(self, seqs: list[Sequence], scheduled: list[Sequence], num_new_tokens: list[int]
                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
         """Move seqs' blocks back to the device with room for the scheduled seqs' next tokens
         (an admission: the watermark holds), all or nothing. Returns the (host, device) pairs to
         copy and the copy-on-write pairs, or None if the device pool cannot take them."""
-        blocks = len(self._unique_blocks(seqs)) + sum(
-            self._new_blocks(s, n, self.cpu) for s, n in zip(scheduled, num_new_tokens))
-        if not self._room_for(blocks, admission=True):
+        if not self._room_for(self.swap_in_blocks(seqs, scheduled, num_new_tokens),
+                              admission=True):
             return None
         pairs = self._move(seqs, self.cpu, self.device)
         for s in seqs:

@@ -262,6 +262,17 @@ class Scheduler:
                 break
             swapped_in = bm.swap_in(all_seqs, seqs, tokens)
             if swapped_in is None:
+                if bm.swap_in_blocks(all_seqs, seqs, tokens) > bm.max_admissible_blocks:
+                    # Its sequences grew past the whole cache while it ran: waiting would be
+                    # forever (the engine stepped on empty, 78,000 steps a minute), so it
+                    # finishes with what it has, as a waiting group that cannot fit does.
+                    self.swapped.remove(group)
+                    for s in all_seqs:
+                        bm.free_host(s)
+                        s.status = SequenceStatus.FINISHED_LENGTH
+                    sched_out.ignored_groups.append(group)
+                    self.stats.num_ignored += 1
+                    continue
                 break
             pairs, copies = swapped_in
             self.swapped.remove(group)

@@ -4,6 +4,8 @@ show it happened, and every block comes back. Under deterministic=True (issue 31
 sampled outputs are bitwise those of the roomy cache."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from pagedlm import LLM, SamplingParams
@@ -106,4 +108,25 @@ def test_swap_falls_back_to_recompute_when_host_pool_is_too_small(reference):
     stats = llm.llm_engine.stats
     assert stats.num_preemptions > 0
     assert stats.num_swapped_out < stats.num_preemptions
+    assert_all_blocks_free(llm)
+
+
+def test_a_swapped_group_that_outgrew_the_cache_finishes():
+    """Six sequences swapped out at 33 tokens need 18 blocks to come back, in a cache of 12:
+    the group finishes with what it has, as a waiting group that cannot fit does. The engine
+    stepped on empty forever (an LLM.generate that never returned, a core kept busy)."""
+    llm = LLM(num_gpu_blocks_override=12, preemption_mode="swap", swap_space=0.25,
+              max_model_len=256)
+    done = []
+    params = SamplingParams(n=4, best_of=6, max_tokens=60, ignore_eos=True)
+    worker = threading.Thread(target=lambda: done.append(
+        llm.generate(["abc " * 20], params, use_tqdm=False)), daemon=True)
+    worker.start()
+    worker.join(120)
+    assert done, "generate never returned"
+    outs = done[0][0].outputs
+    assert len(outs) == 4
+    assert all(c.finish_reason == "length" and 0 < len(c.token_ids) < 60 for c in outs)
+    assert llm.llm_engine.stats.num_ignored == 1
+    assert llm.llm_engine.stats.num_swapped_out > 0
     assert_all_blocks_free(llm)
