@@ -28,6 +28,14 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16}
 
 
+# The attention kernels keep a tile of at least one block's rows on each thread's stack: a
+# block of 262144 tokens overflowed it (a segfault at the first decode step). vLLM's CUDA
+# kernels take at most 256 too.
+MAX_BLOCK_SIZE = 256
+# vLLM's largest max_lora_rank: a rank of 10^7 asked the allocator for 69 GB of slots.
+MAX_LORA_RANK = 512
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -94,8 +102,8 @@ class ModelConfig:
         if self.max_model_len > self.derived_max_model_len:
             raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
                              f"context length ({self.derived_max_model_len}).")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if not _is_int(self.seed) or not -2**63 <= self.seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}.")
         if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (the vocabulary), "
                              f"got {self.max_logprobs!r}.")
@@ -291,6 +299,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got "
+                             f"{self.block_size}.")
         _check_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         _check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override,
                             allow_none=True)
@@ -367,6 +378,9 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             _check_positive_int(name, getattr(self, name))
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK}, got "
+                             f"{self.max_lora_rank}.")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras}).")

@@ -335,6 +335,8 @@ def test_configs_check_their_own_fields_and_are_frozen(monkeypatch):
     from pagedlm.config import CacheConfig, LoRAConfig, ParallelConfig, SchedulerConfig
     from pagedlm.request_limits import RequestLimits
     cases = [(lambda: CacheConfig(block_size=0), "block_size must be a positive integer"),
+             (lambda: CacheConfig(block_size=10**6), "block_size must be at most 256"),
+             (lambda: LoRAConfig(max_lora_rank=10**7), "max_lora_rank must be at most 512"),
              (lambda: CacheConfig(prefix_caching_hash_algo="md5"), "prefix_caching_hash_algo"),
              (lambda: CacheConfig(cache_dtype=torch.int8), "cache_dtype"),
              (lambda: SchedulerConfig(8, 16, 8), r"max_num_batched_tokens \(8\) must be >= "),
@@ -344,7 +346,10 @@ def test_configs_check_their_own_fields_and_are_frozen(monkeypatch):
              (lambda: LoRAConfig(max_loras=2, max_cpu_loras=1), r"max_cpu_loras \(1\) must be"),
              (lambda: RequestLimits(max_bad_words=-1), "max_bad_words must be an integer >= 0"),
              (lambda: ParallelConfig(2, 1, "uni"), "distributed_executor_backend 'uni'"),
-             (lambda: ParallelConfig(0), "tensor_parallel_size must be a positive integer")]
+             (lambda: ParallelConfig(0), "tensor_parallel_size must be a positive integer"),
+             # before the load (it was torch's "Overflow when unpacking long long" after it)
+             (lambda: EngineArgs(seed=2**70).create_engine_config(),
+              "seed must be a 64-bit integer")]
     for make, message in cases:
         with pytest.raises(ValueError, match=message):
             make()
