@@ -373,7 +373,9 @@ class SchedulerConfig:
 class LoRAConfig:
     max_loras: int = 1  # adapters in one step (device slots)
     max_lora_rank: int = 16
-    max_cpu_loras: int = 1  # adapters kept loaded per worker (>= max_loras)
+    # Adapters kept loaded per worker (>= max_loras), besides those of unfinished requests,
+    # which stay loaded until their requests finish (llm_engine._load_lora).
+    max_cpu_loras: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):

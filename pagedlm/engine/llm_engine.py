@@ -112,13 +112,21 @@ class LLMEngine:
                 raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already used for "
                                  f"{known.lora_name!r} at {known.lora_path!r}.")
             return False
-        errors = [e for e in self.executor.collective_rpc("add_lora", args=(lora_request,))
-                  if e is not None]
+        errors = self._load_lora(lora_request)
         if errors:
             self.executor.collective_rpc("remove_lora", args=(lora_request.lora_int_id,))
             raise ValueError(errors[0])
         self.loras[lora_request.lora_int_id] = lora_request
         return True
+
+    def _load_lora(self, lora_request: LoRARequest) -> list[str]:
+        """Load the adapter on every worker unless it is there (each rank's error messages).
+        The adapters of unfinished requests are never evicted for it: a step would load them
+        again from their files, and files changed or deleted meanwhile made that step fail the
+        engine and every request in it. They are loaded here instead, before a request joins."""
+        in_use = frozenset(g.lora_int_id for g in self.requests.values() if g.lora_int_id)
+        return [e for e in self.executor.collective_rpc("add_lora", args=(lora_request, in_use))
+                if e is not None]
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unregister an adapter; requests still using it are aborted first."""
@@ -164,8 +172,11 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None) -> None:
         """params: SamplingParams on a generating engine, PoolingParams on a pooling one."""
         self._check_params_kind(params)
-        if lora_request is not None:
-            self.add_lora(lora_request)  # validates; no-op when registered
+        if lora_request is not None and not self.add_lora(lora_request):
+            # Registered, but perhaps evicted since: loaded again now, outside any step.
+            if errors := self._load_lora(lora_request):
+                raise ValueError(f"lora_request {lora_request.lora_name!r}: its adapter could "
+                                 f"not be loaded again: {errors[0]}")
         pooling = None
         if isinstance(params, PoolingParams):
             mc = self.config.model_config

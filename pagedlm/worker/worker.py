@@ -225,11 +225,13 @@ class Worker:
         return output if tp.is_first_rank else None
 
     # -- LoRA adapters --------------------------------------------------------------------------
-    def add_lora(self, req: LoRARequest) -> str | None:
-        """Load (and validate) an adapter now rather than in a step: its error message, or None.
-        Returned, not raised, as a raising worker stops the executor."""
+    def add_lora(self, req: LoRARequest, protected: frozenset[int] = frozenset()
+                 ) -> str | None:
+        """Load (and validate) an adapter now rather than in a step, evicting none of
+        `protected`: its error message, or None. Returned, not raised, as a raising worker stops
+        the executor."""
         try:
-            self.lora_manager.add_adapter(req)
+            self.lora_manager.add_adapter(req, protected)
         except ValueError as e:
             return str(e)
         return None

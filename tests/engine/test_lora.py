@@ -351,3 +351,36 @@ def test_tensor_parallel_2_equals_1(tmp_path, default_model_dir):
         llm.shutdown()
     assert_no_workers_left()
     assert_greedy_logprobs_match(firsts(results[1]), firsts(results[2]), atol=1e-4)
+
+
+def test_an_adapter_deleted_on_disk_fails_only_its_own_requests(tiny, tmp_path):
+    """Adapters whose files change after they were loaded: an adapter with unfinished requests
+    stays loaded however many others arrive (a step loaded an evicted one again from its files,
+    and a failure there failed the engine and every request in the step), and one evicted
+    while idle is loaded again when a request arrives, where a failure refuses that request."""
+    base, loras, _ = tiny
+    a, b = (LoRARequest(f"copy{i}", 20 + i,
+                        shutil.copytree(lora.lora_path, str(tmp_path / f"c{i}")))
+            for i, lora in enumerate(loras[:2]))
+    llm = LLM(base, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8,
+              num_gpu_blocks_override=128)
+    engine = llm.llm_engine
+    expected = {lora.lora_name: firsts(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False,
+                                                    lora_request=lora)) for lora in (a, b)}
+    # a in use; b's load (one CPU slot) must not evict it; then a's files go.
+    engine.add_request("ra", PROMPTS[0], GREEDY, lora_request=a)
+    engine.add_request("rb", PROMPTS[1], GREEDY, lora_request=b)
+    shutil.rmtree(a.lora_path)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert_greedy_outputs_match(expected["copy0"][:1], [outs["ra"].outputs[0]])
+    assert_greedy_outputs_match(expected["copy1"][1:], [outs["rb"].outputs[0]])
+    # Idle now, a is evicted by another adapter's load; asked for again, it is refused alone.
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=loras[2])
+    with pytest.raises(ValueError, match="could not be loaded again.*not a directory"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=a)
+    assert not engine.has_unfinished_requests()
+    assert_greedy_outputs_match(expected["copy1"], firsts(
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=b)))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
