@@ -11,7 +11,6 @@ import dataclasses
 import enum
 import inspect
 import json
-import os
 import re
 import types
 import typing
@@ -289,13 +288,13 @@ def _tool_call_parser(text: str) -> str:
 
 
 def _chat_template(text: str) -> str:
-    """A file's contents, or the argument itself if it is a Jinja template."""
-    if os.path.isfile(text):
-        with open(text, encoding="utf-8") as f:
-            return f.read()
-    if "{{" in text or "{%" in text:
-        return text
-    raise argparse.ArgumentTypeError(f"no such file, and not a Jinja template: {text!r}")
+    """A file's contents, or the argument itself if it is a Jinja template; compiled now, so
+    that a broken one stops the start instead of failing every chat request as a 400."""
+    from pagedlm.transformers_utils.chat_template import load_chat_template
+    try:
+        return load_chat_template(text, "--chat-template")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence as Seq
 
+import jinja2
 from tqdm.auto import tqdm
 
 from pagedlm.engine.arg_utils import EngineArgs
@@ -16,6 +17,7 @@ from pagedlm.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingRequ
                              RequestOutput)
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedlm.transformers_utils.chat_template import chat_conversations, load_chat_template
 
 ChatMessages = list[dict]
 
@@ -136,15 +138,25 @@ class LLM:
              add_generation_prompt: bool = True,
              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """One conversation (a list of {"role", "content"} dicts) or a list of them; content
+        is text or a list of text parts. chat_template: a Jinja template, or a file holding
+        one (as `pagedlm serve --chat-template`); None: the tokenizer's."""
+        conversations = chat_conversations(messages)
+        if chat_template is not None:
+            chat_template = load_chat_template(chat_template)
+        if not isinstance(add_generation_prompt, bool):
+            raise ValueError(f"add_generation_prompt must be a bool, got "
+                             f"{add_generation_prompt!r}.")
         tokenizer = self.get_tokenizer()
         prompts = []
         for conv in conversations:
-            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise ValueError("messages must be dicts with 'role' and 'content'.")
-            text = tokenizer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+            try:
+                text = tokenizer.apply_chat_template(
+                    conv, chat_template=chat_template, tokenize=False,
+                    add_generation_prompt=add_generation_prompt)
+            except (jinja2.TemplateError, TypeError) as e:
+                raise ValueError(f"chat_template: rendering the conversation failed: "
+                                 f"{type(e).__name__}: {e}") from None
             # The template already holds the special tokens (BOS etc.): do not add them twice.
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
