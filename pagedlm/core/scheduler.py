@@ -21,6 +21,7 @@ the slot it waits for (no starvation) and FCFS order among adapter requests hold
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -32,6 +33,8 @@ from pagedlm.core.spec_policy import SpecPolicy
 from pagedlm.model_io import is_decode
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdates
 from pagedlm.speculative_config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 
 _arrival_order = attrgetter("arrival_order")
@@ -269,9 +272,7 @@ class Scheduler:
                     self.swapped.remove(group)
                     for s in all_seqs:
                         bm.free_host(s)
-                        s.status = SequenceStatus.FINISHED_LENGTH
-                    sched_out.ignored_groups.append(group)
-                    self.stats.num_ignored += 1
+                    self._ignore(group, all_seqs, sched_out)
                     continue
                 break
             pairs, copies = swapped_in
@@ -306,10 +307,7 @@ class Scheduler:
                 # Waiting would be forever (a sequence grew past the whole cache, say):
                 # finish it with what it has, as the seeds' ignored_seq_groups.
                 self.waiting.pop(i)
-                for s in all_seqs:
-                    s.status = SequenceStatus.FINISHED_LENGTH
-                sched_out.ignored_groups.append(group)
-                self.stats.num_ignored += 1
+                self._ignore(group, all_seqs, sched_out)
                 continue
             if num_seqs + group.max_num_seqs > self.config.max_num_seqs:
                 break
@@ -384,6 +382,20 @@ class Scheduler:
         sched_out.scheduled_groups.append(ScheduledGroup(group, seqs, tokens,
                                                          num_lookahead=lookahead))
         self._budget -= sum(tokens) + (sum(lookahead) if lookahead and charge_lookahead else 0)
+
+    def _ignore(self, group: SequenceGroup, seqs: list[Sequence],
+                sched_out: SchedulerOutput) -> None:
+        """Finish a group that can never be scheduled again with what it has. Its outputs'
+        finish_reason is 'length', as at max_tokens: the log says which it was."""
+        logger.warning("request %s: its %d sequence(s) of up to %d tokens no longer fit in the "
+                       "KV cache (%d blocks of %d tokens at most for one request); finished "
+                       "with what they have", group.request_id, len(seqs),
+                       max(len(s.token_ids) for s in seqs),
+                       self.block_manager.max_admissible_blocks, self.block_manager.block_size)
+        for s in seqs:
+            s.status = SequenceStatus.FINISHED_LENGTH
+        sched_out.ignored_groups.append(group)
+        self.stats.num_ignored += 1
 
     def _can_ever_fit(self, seqs: list[Sequence]) -> bool:
         lens = [len(s.token_ids) for s in seqs]

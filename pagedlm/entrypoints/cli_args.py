@@ -250,6 +250,21 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _api_key(text: str) -> str:
+    # An empty key would turn the check off: an unset variable in `--api-key "$KEY"` must not.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the API key must not be empty (leave the flag out "
+                                         "for a server without one)")
+    return text
+
+
+def _model_name(text: str) -> str:
+    if not text.strip() or text != text.strip():  # a model "" or " x" no client can name
+        raise argparse.ArgumentTypeError(f"expected a model name without surrounding "
+                                         f"spaces, got {text!r}")
+    return text
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -304,7 +319,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "127.0.0.1)")
     group.add_argument("--port", type=_port, default=8000, metavar="N",
                        help="Port to listen on; 0 picks a free one (logged). (default: 8000)")
-    group.add_argument("--api-key", default=envs.PAGEDLM_API_KEY, metavar="KEY",
+    group.add_argument("--api-key", type=_api_key, default=envs.PAGEDLM_API_KEY, metavar="KEY",
                        help="Require `Authorization: Bearer KEY` on every route but /health "
                             "and the web page (default: $PAGEDLM_API_KEY, else no key).")
     group.add_argument("--max-request-body-bytes", type=parse_size,
@@ -316,7 +331,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="Most JSON values (token ids, strings, ...; counted by their commas) "
                             "a request body may hold; more is a 413 before it is parsed. "
                             f"(default: {DEFAULT_MAX_REQUEST_BODY_VALUES})")
-    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    group.add_argument("--served-model-name", nargs="+", type=_model_name, default=None,
+                       metavar="NAME",
                        help="Model name(s) the API answers to; the first one is reported. "
                             "Default: MODEL as given, or " + DEFAULT_MODEL_NAME + ".")
     group.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
@@ -330,7 +346,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (its access log is at info). (default: info)")
-    group.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
+    group.add_argument("--timeout-keep-alive", type=_positive_seconds, default=5,
+                       metavar="SECONDS",
                        help="Seconds an idle HTTP keep-alive connection stays open. "
                             "(default: 5)")
     group.add_argument("--request-read-timeout", type=_positive_seconds,
@@ -374,5 +391,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="How the model writes tool calls: " + _tool_parser_names() + ".")
     group.add_argument("--disable-log-stats", action="store_true",
                        help="Do not log the periodic engine stats line.")
-    group.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
+    group.add_argument("--log-stats-interval", type=_positive_seconds, default=5.0,
+                       metavar="SECONDS",
                        help="Seconds between engine stats lines. (default: 5)")

@@ -80,6 +80,9 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (SamplingParams, PoolingParams)):
             params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):  # a dict's keys, a string's letters
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}.")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -92,6 +95,9 @@ class LLM:
                              f"{len(prompts)} prompts; pass one per prompt.")
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompts)
+        elif not isinstance(lora_request, (list, tuple)):
+            raise ValueError(f"lora_request must be a LoRARequest, or a list of them (or None) "
+                             f"per prompt, got {type(lora_request).__name__}.")
         else:
             loras = list(lora_request)
             if len(loras) != len(prompts):

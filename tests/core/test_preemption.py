@@ -111,7 +111,7 @@ def test_swap_falls_back_to_recompute_when_host_pool_is_too_small(reference):
     assert_all_blocks_free(llm)
 
 
-def test_a_swapped_group_that_outgrew_the_cache_finishes():
+def test_a_swapped_group_that_outgrew_the_cache_finishes(caplog):
     """Six sequences swapped out at 33 tokens need 18 blocks to come back, in a cache of 12:
     the group finishes with what it has, as a waiting group that cannot fit does. The engine
     stepped on empty forever (an LLM.generate that never returned, a core kept busy)."""
@@ -128,5 +128,6 @@ def test_a_swapped_group_that_outgrew_the_cache_finishes():
     assert len(outs) == 4
     assert all(c.finish_reason == "length" and 0 < len(c.token_ids) < 60 for c in outs)
     assert llm.llm_engine.stats.num_ignored == 1
+    assert "no longer fit in the KV cache" in caplog.text  # 'length' as at max_tokens: said
     assert llm.llm_engine.stats.num_swapped_out > 0
     assert_all_blocks_free(llm)

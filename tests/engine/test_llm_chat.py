@@ -60,6 +60,13 @@ def test_bad_conversations_name_the_field(llm, messages, kwargs, match):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_generate_names_arguments_of_the_wrong_kind(llm):
+    # A dict of settings was iterated as its keys: "entries must be SamplingParams, got str".
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams.*got dict"):
+        llm.generate("Hi", {"max_tokens": 2}, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_serve_compiles_its_chat_template_before_the_start(tmp_path):
     parser = make_parser()
     path = tmp_path / "t.jinja"

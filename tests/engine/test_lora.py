@@ -310,6 +310,9 @@ def test_lora_disabled_or_bad_settings(tiny):
         LoRARequest("x", 0, "/tmp")
     with pytest.raises(ValueError, match="lora_request has 1 entries"):
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[None])
+    # A path given for the request: it was read as a list of 12 letters.
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest.*got str"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=loras[0].lora_path)
 
 
 def test_unsupported_peft_features_are_named(tiny, tmp_path):

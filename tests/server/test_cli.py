@@ -126,6 +126,11 @@ def test_vllm_style_flags_and_sizes():
                                     ).allowed_origins == ["a.test", "b.test"]
     with pytest.raises(SystemExit):  # JSON with a typo, not a comma list named "[bad"
         make_parser().parse_args(["serve", "--allowed-origins", "[bad"])
+    # An empty key turned authentication off; a model named "" no client could ask for.
+    for flags in (["--api-key", ""], ["--served-model-name", ""], ["--served-model-name", " m"],
+                  ["--timeout-keep-alive", "-1"], ["--log-stats-interval", "0"]):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(["serve", *flags])
 
 
 def test_help():

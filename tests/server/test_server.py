@@ -62,6 +62,9 @@ def test_models_health_version(server, client):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200
     assert httpx.get(server.url + "/version", headers=AUTH).json()["version"]
+    # The page answers HEAD as GET (uptime probes send it; it was a 405).
+    r = httpx.head(server.url + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
 
 
 def test_completion_usage_matches_tokenizer(client, tokenizer):

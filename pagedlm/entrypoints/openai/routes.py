@@ -203,7 +203,7 @@ async def metrics(raw: Request) -> Response:
                     media_type=CONTENT_TYPE_LATEST)
 
 
-@server_router.get("/", include_in_schema=False)
+@server_router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def index() -> Response:
     return FileResponse(os.path.join(STATIC_DIR, "index.html"),
                         headers={"Cache-Control": "no-cache"})
