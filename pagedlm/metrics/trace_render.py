@@ -230,16 +230,23 @@ def render(path: str, out_dir: str) -> list[str]:
     meta, steps = load_records(find_records(path))
     if not steps:
         raise ValueError(f"{path!r} has no step records (did the engine run any step?).")
-    os.makedirs(out_dir, exist_ok=True)
-    timeline_png, blocks_png = plot_timeline(steps), plot_blocks(steps)
-    files = {"timeline.png": timeline_png, "kv_blocks.png": blocks_png,
-             "trace.html": render_html(meta, steps, timeline_png, blocks_png).encode()}
+    try:
+        timeline_png, blocks_png = plot_timeline(steps), plot_blocks(steps)
+        html = render_html(meta, steps, timeline_png, blocks_png).encode()
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
+        raise ValueError(f"{path!r}: malformed step records ({type(e).__name__}: {e}); not "
+                         f"written by this version's tracer?") from None
+    files = {"timeline.png": timeline_png, "kv_blocks.png": blocks_png, "trace.html": html}
     written = []
-    for name, data in files.items():
-        target = os.path.join(out_dir, name)
-        tmp = f"{target}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-        written.append(target)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for name, data in files.items():
+            target = os.path.join(out_dir, name)
+            tmp = f"{target}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)
+            written.append(target)
+    except OSError as e:
+        raise ValueError(f"cannot write to the output directory {out_dir!r}: {e}") from None
     return written

@@ -301,10 +301,16 @@ def load_records(path: str) -> tuple[dict, list[dict]]:
     """(meta, step records) of a .steps.jsonl file, as plain dicts."""
     meta, steps = {}, []
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except (ValueError, RecursionError) as e:  # a line cut short by a crash, say
+                raise ValueError(f"{path}:{n}: not a JSON record: {e}") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n}: a record must be a JSON object, got "
+                                 f"{type(obj).__name__}.")
             if obj.get("type") == "meta":
                 meta = obj
             else:

@@ -162,6 +162,24 @@ def test_trace_file_errors(tmp_path, default_model_dir):
         main(["trace", str(tmp_path / "nope.json"), "-o", str(tmp_path / "o")])
 
 
+def test_pagedlm_trace_names_bad_records_and_outputs(traced_run, tmp_path):
+    """Each was a traceback (JSONDecodeError without the file, AttributeError, KeyError,
+    FileExistsError); now one error line naming the file, line or directory."""
+    records = records_path(traced_run["trace_file"])
+    lines = open(records).read().splitlines()
+    cases = {"cut.steps.jsonl": (lines[:2] + [lines[2][:40]], r"cut\.steps\.jsonl:3: not a JSON"),
+             "list.steps.jsonl": (lines[:1] + ["[1, 2]"], r"list\.steps\.jsonl:2: a record must"),
+             "keys.steps.jsonl": (lines[:1] + ['{"step": 0}'], "malformed step records")}
+    for name, (content, match) in cases.items():
+        (tmp_path / name).write_text("\n".join(content) + "\n")
+        with pytest.raises(SystemExit, match=match):
+            main(["trace", str(tmp_path / name), "-o", str(tmp_path / "o")])
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    with pytest.raises(SystemExit, match="cannot write to the output directory"):
+        main(["trace", records, "-o", str(taken)])
+
+
 def test_async_engine_writes_its_trace_on_shutdown(traced_run, tmp_path):
     """The server's engine (`pagedlm serve --trace-file`) writes the trace when it stops."""
     import asyncio
