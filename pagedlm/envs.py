@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     PAGEDLM_TRITON_FUSED_NORM_ACT: bool
     TRITON_INTERPRET: bool
     PAGEDLM_API_KEY: str | None
+    PAGEDLM_ENGINE_ITERATION_TIMEOUT_S: float
     RAY_ADDRESS: str | None
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
 
@@ -41,6 +42,21 @@ def _flag_on_unless(name: str, falsy: tuple[str, ...] = ("0", "false", "no", "of
 
 def _string(name: str) -> Callable[[], str | None]:
     return lambda: os.environ.get(name)
+
+
+def _seconds(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        text = os.environ.get(name, "")
+        if not text:
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a number of seconds > 0, got {text!r}.")
+        return value
+    return read
 
 
 _VARIABLES: dict[str, Callable[[], Any]] = {
@@ -103,6 +119,11 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TRITON_INTERPRET": _flag("TRITON_INTERPRET", ("1", "true", "yes", "on")),
     # The server's API key, the default of --api-key; unset: no key.
     "PAGEDLM_API_KEY": _string("PAGEDLM_API_KEY"),
+    # Seconds the worker processes (mp executor) have to answer one step before the engine
+    # fails as if one had died (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S): a worker stopped or
+    # stuck in a collective otherwise hung every request for good. Larger than vLLM's 60 s:
+    # a full 8192-token prefill of a 1B model takes tens of seconds on two cores.
+    "PAGEDLM_ENGINE_ITERATION_TIMEOUT_S": _seconds("PAGEDLM_ENGINE_ITERATION_TIMEOUT_S", 600.0),
     # A Ray cluster to join (ray.init's address); set, it also makes "ray" the default executor
     # backend for more than one worker.
     "RAY_ADDRESS": _string("RAY_ADDRESS"),

@@ -35,12 +35,14 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from pagedlm import envs
 from pagedlm.config import EngineConfig
 from pagedlm.executor.abstract import Executor, WorkerFailedError
 
@@ -200,6 +202,7 @@ class MultiprocExecutor(Executor):
 
     def _init_executor(self) -> None:
         pc = self.config.parallel_config
+        self.step_timeout_s = envs.PAGEDLM_ENGINE_ITERATION_TIMEOUT_S
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         self.procs: list[WorkerProcess] = []
         self.conns: list[Connection] = []
@@ -234,7 +237,16 @@ class MultiprocExecutor(Executor):
             self._fail(self._cause(f"could not send {method!r} to the workers", method))
         results: list[Any] = [None] * len(self.conns)
         pending = dict(enumerate(self.conns))
+        # Steps only: loading a model or an adapter may rightly take longer.
+        deadline = (time.monotonic() + self.step_timeout_s if method == "execute_model"
+                    else None)
         while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                self._fail(f"worker rank{'s' if len(pending) > 1 else ''} "
+                           f"{', '.join(map(str, sorted(pending)))} did not finish "
+                           f"{method!r} within {self.step_timeout_s:g} s "
+                           f"(PAGEDLM_ENGINE_ITERATION_TIMEOUT_S): stopped, or stuck in a "
+                           f"collective")
             sentinels = {self.procs[r].sentinel: r for r in pending}
             for ready in wait([*pending.values(), *sentinels], timeout=1.0):
                 rank = sentinels.get(ready)

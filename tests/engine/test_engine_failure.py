@@ -71,14 +71,14 @@ def _cmdline(p: psutil.Process) -> list[str]:
 
 
 @contextlib.contextmanager
-def serve(model: str, *flags: str):
+def serve(model: str, *flags: str, env: dict[str, str] | None = None):
     """`pagedlm serve` as a subprocess, its output read through a pipe (a file would be subject
     to the file-size limit that one test sets)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pagedlm.entrypoints.cli", "serve", model,
                              "--port", str(port), *SERVE_FLAGS, *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=REPO, env=_env())
+                            cwd=REPO, env=_env(**(env or {})))
     served = Served(f"http://127.0.0.1:{port}", proc)
     reader = threading.Thread(target=lambda: served.output.extend(proc.stdout), daemon=True)
     reader.start()
@@ -196,6 +196,35 @@ def test_a_worker_killed_mid_request_fails_it_and_stops_the_server(tiny_model):
         assert_exits_failed(served, killed_at)
     assert_gone(workers)
     assert_logged_once(served.log, "was killed by signal 9")
+
+
+def test_a_stopped_worker_fails_the_step_after_the_timeout(tiny_model):
+    """A worker that stops answering (SIGSTOP stands in for one stuck in a collective): the
+    step fails after PAGEDLM_ENGINE_ITERATION_TIMEOUT_S as if it had died. Every request hung
+    for good, /health answered 200, and SIGTERM waited for the hung stream."""
+    with serve(tiny_model, "-tp", "2", "--distributed-executor-backend", "mp",
+               env={"PAGEDLM_ENGINE_ITERATION_TIMEOUT_S": "2"}) as served:
+        workers = served.workers()
+        assert len(workers) == 2, workers
+        victim = next(w for w in workers if "pagedlm-worker-rank-1" in w.cmdline())
+        result: dict[str, httpx.Response] = {}
+        request = threading.Thread(target=lambda: result.update(r=httpx.post(
+            served.url + "/v1/completions", json=LONG_REQUEST, timeout=60)))
+        request.start()
+        deadline = time.monotonic() + 60
+        while _generation_tokens(served.url) < 2:  # it is generating
+            assert time.monotonic() < deadline and request.is_alive(), result
+            time.sleep(0.05)
+        victim.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        request.join(30)
+        r = result["r"]
+        assert r.status_code == 500, r.text
+        message = r.json()["error"]["message"]
+        assert "did not finish 'execute_model' within 2 s" in message, message
+        assert_exits_failed(served, stopped_at)
+    assert_gone(workers)
+    assert_logged_once(served.log, "PAGEDLM_ENGINE_ITERATION_TIMEOUT_S")
 
 
 @pytest.mark.slow
