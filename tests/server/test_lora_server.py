@@ -270,6 +270,9 @@ def test_an_overlong_adapter_name_is_refused(server, client, setup):
     ({"lora_name": "x", "lora_path": "head"}, "lora_path", "lm_head"),
     ({"lora_name": "x", "lora_path": "wide"}, "lora_path", "shape"),
     ({"lora_name": "a1", "lora_path": "a3"}, "lora_name", "already in use"),
+    # /metrics lists adapter names joined by commas; a newline breaks logs
+    ({"lora_name": "a,b", "lora_path": "a3"}, "lora_name", "comma or a control character"),
+    ({"lora_name": "a\nb", "lora_path": "a3"}, "lora_name", "comma or a control character"),
     ({"lora_name": "x", "lora_path": "a3", "base_model_name": "other"}, "base_model_name",
      "base_model_name"),
 ])
@@ -310,3 +313,11 @@ def test_cli_generate_with_lora(setup, offline):
                              "--lora", paths["head"], "--num-gpu-blocks-override", "32"),
                          capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
     assert bad.returncode != 0 and "lm_head" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_lora_modules_flag_names_are_checked():
+    import argparse
+    assert parse_lora_module("sql=/p").name == "sql"
+    for bad in ("a,b=/p", '{"name": "a\\u0000b", "path": "/p"}', "=/p", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_lora_module(bad)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import unicodedata
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -30,6 +31,15 @@ class LoRAModulePath:
     base_model_name: str | None = None
 
 
+def name_problem(name: str) -> str | None:
+    """Why an adapter name cannot be served, or None. /metrics' lora_requests_info lists names
+    joined by commas (vLLM's label), and a control character breaks logs and the page."""
+    if any(c == "," or unicodedata.category(c)[0] == "C" for c in name):
+        return (f"lora_name {name[:80]!r} holds a comma or a control character; /metrics "
+                f"lists adapter names separated by commas.")
+    return None
+
+
 def parse_lora_module(text: str) -> LoRAModulePath:
     """`name=path`, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}."""
     text = text.strip()
@@ -44,12 +54,16 @@ def parse_lora_module(text: str) -> LoRAModulePath:
             raise argparse.ArgumentTypeError(
                 f"--lora-modules: expected {{\"name\": ..., \"path\": ..., "
                 f"\"base_model_name\": ...}}, got {text!r}")
-        return LoRAModulePath(value["name"], value["path"], value.get("base_model_name"))
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules: expected name=path or JSON, got "
-                                         f"{text!r}")
-    return LoRAModulePath(name, path)
+        module = LoRAModulePath(value["name"], value["path"], value.get("base_model_name"))
+    else:
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules: expected name=path or JSON, got "
+                                             f"{text!r}")
+        module = LoRAModulePath(name, path)
+    if (problem := name_problem(module.name)) is not None:
+        raise argparse.ArgumentTypeError(f"--lora-modules: {problem}")
+    return module
 
 
 class OpenAIServingModels:
@@ -105,6 +119,8 @@ class OpenAIServingModels:
             # A name is echoed in every /v1/models listing and in every error naming it.
             return error_response(f"lora_name is {len(name)} characters long; at most "
                                   f"{MAX_LORA_NAME} are accepted.", 400, "lora_name")
+        if (problem := name_problem(name)) is not None:
+            return error_response(problem, 400, "lora_name")
         if base_model_name is not None and base_model_name not in self.base_model_names:
             return error_response(f"base_model_name {base_model_name!r} is not one of "
                                   f"{self.base_model_names}.", 400, "base_model_name")
