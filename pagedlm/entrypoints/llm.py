@@ -118,6 +118,10 @@ class LLM:
                              "LLM(model, runner='pooling'); this one generates text.")
         if pooling_params is None:
             pooling_params = PoolingParams()
+        if (isinstance(pooling_params, (list, tuple)) and not isinstance(prompts, (str, dict))
+                and len(pooling_params) != len(prompts)):
+            raise ValueError(f"pooling_params has {len(pooling_params)} entries but there are "
+                             f"{len(prompts)} prompts; pass one, or one per prompt.")
         return self.generate(prompts, pooling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 

@@ -630,6 +630,12 @@ def test_bad_model_argument_raises_value_error(tmp_path, monkeypatch, make_model
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_model_that_is_not_a_path_is_named():
+    # It was os.fspath's TypeError ("expected str, bytes or os.PathLike object, not int").
+    with pytest.raises(ValueError, match="model must be a path .* got int"):
+        resolve_model(5)
+
+
 def test_hub_id_error_says_models_are_not_downloaded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="never downloads"):

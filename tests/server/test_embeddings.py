@@ -98,6 +98,8 @@ def test_pooling_engine_refuses_generation_and_bad_params(pool_llm):
         pool_llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
     with pytest.raises(ValueError, match="^dimensions .*matryoshka"):
         pool_llm.embed(SHORT, PoolingParams(dimensions=64), use_tqdm=False)
+    with pytest.raises(ValueError, match="^pooling_params has 1 entries but there are 2"):
+        pool_llm.embed([SHORT, SHORT], [PoolingParams()], use_tqdm=False)
     for bad in (dict(dimensions=0), dict(dimensions="8"), dict(normalize="yes")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PoolingParams(**bad)

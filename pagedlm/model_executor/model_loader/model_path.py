@@ -62,6 +62,9 @@ def resolve_model(model: str | os.PathLike[str] | None) -> str:
     """
     if model is None:
         return _converted_gguf_dir(default_model_file())
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a path (a GGUF file or a model directory) or None, "
+                         f"got {type(model).__name__}.")
 
     path = os.path.expanduser(os.fspath(model))
     if os.path.isdir(path):
