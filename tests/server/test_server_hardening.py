@@ -291,6 +291,22 @@ def test_engine_events_needs_the_key(server):
         assert next(r.iter_lines()).startswith("data: ")
 
 
+def test_engine_events_streams_are_capped(server):
+    """At most 32 engine view streams at once (each may hold a large view's event in its
+    socket's buffers: 1000 unread subscribers took 815 MB); the next is a 503, and a closed
+    one frees its place."""
+    url = server.url + "/engine/events"
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(httpx.Client(headers=AUTH, timeout=30))
+        streams = [stack.enter_context(client.stream("GET", url)) for _ in range(32)]
+        assert all(s.status_code == 200 for s in streams)
+        r = client.get(url)
+        assert r.status_code == 503, r.text[:200]
+        assert "32 engine view streams are open" in r.json()["error"]["message"]
+    with httpx.stream("GET", url, headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200
+
+
 def test_engine_events_take_one_view_a_tick_for_all_pages(server, engine):
     """Each subscriber had its own view taken on the engine thread four times a second: 200
     open pages slowed 4 completions from 2.1 to 5.1 s. They now share one a tick."""

@@ -28,7 +28,8 @@ ERROR_DESCRIPTIONS = {
     415: "The request body is not sent as uncompressed JSON (Content-Type: application/json, "
          "no Content-Encoding).",
     500: "Internal error, or the engine is not running.",
-    503: "The engine failed: the server is shutting down.",
+    503: "The engine failed: the server is shutting down (/engine/events: or the most view "
+         "streams served at once are open).",
 }
 
 

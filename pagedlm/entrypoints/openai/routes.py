@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Awaitable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
@@ -36,8 +36,8 @@ from pagedlm.entrypoints.openai.protocol_tokenization import (DetokenizeRequest,
 from pagedlm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedlm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedlm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from pagedlm.entrypoints.openai.serving_engine import (error_response, loads_json,
-                                                       validation_error_response)
+from pagedlm.entrypoints.openai.serving_engine import (EngineStreamingResponse, error_response,
+                                                       loads_json, validation_error_response)
 from pagedlm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedlm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
@@ -210,7 +210,7 @@ async def index() -> Response:
 
 
 @server_router.get("/engine/events", responses=responses(
-    None, 401, 500, ok_content=sse_content(
+    None, 401, 500, 503, ok_content=sse_content(
         "One event per engine view: `data:` is the view as JSON (queues, KV block map, "
         "tokens per step)."),
     ok_description="The engine view as server-sent events, a few per second; the stream "
@@ -229,9 +229,13 @@ async def engine_events(raw: Request) -> Response:
 
     if not engine.is_running:
         return error_response(f"The engine is not running: {engine.dead_error!r}", 500)
+    source = _serving(raw).engine_events
+    if not source.subscribe():
+        return error_response(f"{source.max_subscribers} engine view streams are open, the "
+                              f"most served at once; try again later.", 503)
     loop = asyncio.get_running_loop()
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return EngineStreamingResponse(events(), on_close=source.unsubscribe,
+                                   headers={"Cache-Control": "no-cache"})
 
 
 @server_router.get("/v1/models", response_model=ModelList, responses=responses(None, 401, 500))
