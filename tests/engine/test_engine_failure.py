@@ -296,22 +296,31 @@ def test_a_script_without_a_main_guard_starts_its_workers(tiny_model, tmp_path):
 
 
 def test_an_interrupted_generate_leaves_nothing_for_the_next(tiny_model):
-    """Ctrl-C during LLM.generate (a real KeyboardInterrupt in the main thread): its requests
-    are aborted and their blocks freed. They stayed queued: the next call ran them to the end
-    and returned their outputs beside its own (5 for 1 prompt)."""
-    import _thread
+    """Ctrl-C during LLM.generate: its requests are aborted and their blocks freed. They stayed
+    queued: the next call ran them to the end and returned their outputs beside its own (5 for
+    1 prompt). The KeyboardInterrupt comes out of the engine's 5th step, as Ctrl-C's would
+    mid-step (a timer's interrupt_main raced the run's end, and pytest-xdist's workers)."""
     llm = LLM(tiny_model, num_gpu_blocks_override=256)
     engine = llm.llm_engine
     free = engine.block_manager.num_free_blocks
-    timer = threading.Timer(0.3, _thread.interrupt_main)
-    timer.start()
+    real_step, steps = engine.step, 0
+
+    def step():
+        nonlocal steps
+        steps += 1
+        outputs = real_step()
+        if steps == 5:
+            raise KeyboardInterrupt
+        return outputs
+
+    engine.step = step
     try:
         with pytest.raises(KeyboardInterrupt):
-            # 64 x 500 tokens, with preemptions: seconds, so the interrupt comes mid-run
             llm.generate([f"Tell me a long story {i}" for i in range(64)],
                          SamplingParams(max_tokens=500, ignore_eos=True), use_tqdm=False)
     finally:
-        timer.cancel()
+        del engine.step
+    assert steps == 5
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == free
     outs = llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
