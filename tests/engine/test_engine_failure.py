@@ -171,6 +171,25 @@ def _generation_tokens(url: str) -> float:
 
 
 @pytest.mark.slow
+def _signal_mid_request(served: Served, victim: psutil.Process, sig: int
+                        ) -> tuple[str, float]:
+    """Send `sig` to a worker while a request generates: (the request's 500 message, when)."""
+    result: dict[str, httpx.Response] = {}
+    request = threading.Thread(target=lambda: result.update(r=httpx.post(
+        served.url + "/v1/completions", json=LONG_REQUEST, timeout=60)))
+    request.start()
+    deadline = time.monotonic() + 60
+    while _generation_tokens(served.url) < 2:  # it is generating
+        assert time.monotonic() < deadline and request.is_alive(), result
+        time.sleep(0.05)
+    victim.send_signal(sig)
+    sent_at = time.monotonic()
+    request.join(30)
+    r = result["r"]
+    assert r.status_code == 500, r.text
+    return r.json()["error"]["message"], sent_at
+
+
 def test_a_worker_killed_mid_request_fails_it_and_stops_the_server(tiny_model):
     with serve(tiny_model, "-tp", "2", "--distributed-executor-backend", "mp") as served:
         workers = served.workers()
@@ -178,20 +197,7 @@ def test_a_worker_killed_mid_request_fails_it_and_stops_the_server(tiny_model):
         threads = str(max(1, (os.cpu_count() or 1) // 2))  # the node's cores, split
         assert all(w.environ().get("OMP_NUM_THREADS") == threads for w in workers)
         victim = next(w for w in workers if "pagedlm-worker-rank-1" in w.cmdline())
-        result: dict[str, httpx.Response] = {}
-        request = threading.Thread(target=lambda: result.update(r=httpx.post(
-            served.url + "/v1/completions", json=LONG_REQUEST, timeout=60)))
-        request.start()
-        deadline = time.monotonic() + 60
-        while _generation_tokens(served.url) < 2:  # it is generating
-            assert time.monotonic() < deadline and request.is_alive(), result
-            time.sleep(0.05)
-        victim.send_signal(signal.SIGKILL)
-        killed_at = time.monotonic()
-        request.join(30)
-        r = result["r"]
-        assert r.status_code == 500, r.text
-        message = r.json()["error"]["message"]
+        message, killed_at = _signal_mid_request(served, victim, signal.SIGKILL)
         assert f"worker rank 1 (pid {victim.pid}) was killed by signal 9" in message
         assert_exits_failed(served, killed_at)
     assert_gone(workers)
@@ -207,20 +213,7 @@ def test_a_stopped_worker_fails_the_step_after_the_timeout(tiny_model):
         workers = served.workers()
         assert len(workers) == 2, workers
         victim = next(w for w in workers if "pagedlm-worker-rank-1" in w.cmdline())
-        result: dict[str, httpx.Response] = {}
-        request = threading.Thread(target=lambda: result.update(r=httpx.post(
-            served.url + "/v1/completions", json=LONG_REQUEST, timeout=60)))
-        request.start()
-        deadline = time.monotonic() + 60
-        while _generation_tokens(served.url) < 2:  # it is generating
-            assert time.monotonic() < deadline and request.is_alive(), result
-            time.sleep(0.05)
-        victim.send_signal(signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        request.join(30)
-        r = result["r"]
-        assert r.status_code == 500, r.text
-        message = r.json()["error"]["message"]
+        message, stopped_at = _signal_mid_request(served, victim, signal.SIGSTOP)
         assert "did not finish 'execute_model' within 2 s" in message, message
         assert_exits_failed(served, stopped_at)
     assert_gone(workers)
