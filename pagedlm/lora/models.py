@@ -22,6 +22,13 @@ _SAFETENSORS = "adapter_model.safetensors"
 _BIN = "adapter_model.bin"
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past any float (JSON allows 10**400)
+        return False
+
+
 @dataclass
 class LoRAModel:
     """One adapter as read from disk: checkpoint module path -> (A [r, in], B [out, r]), with B
@@ -68,7 +75,7 @@ class LoRAModel:
         alpha = cfg.get("lora_alpha", rank)
         # A NaN or infinite scaling would reach every token of a step, as a bad weight would.
         if (not isinstance(alpha, (int, float)) or isinstance(alpha, bool)
-                or not math.isfinite(alpha)):
+                or not _finite(alpha)):
             raise ValueError(f"lora_path {path!r}: lora_alpha={alpha!r} is not a finite number.")
         use_rslora = cfg.get("use_rslora", False)
         if not isinstance(use_rslora, bool):

@@ -260,6 +260,7 @@ def _bad_input_cases(tiny, tmp_path, default_model_dir):
              "alpha infinite": (lambda c: {**c, "lora_alpha": float("inf")}, "lora_alpha"),
              "alpha a string": (lambda c: {**c, "lora_alpha": "16"}, "lora_alpha"),
              "alpha overflows": (lambda c: {**c, "lora_alpha": 1e300}, "overflows float32"),
+             "alpha past floats": (lambda c: {**c, "lora_alpha": 10**400}, "lora_alpha"),
              "rank a bool": (lambda c: {**c, "r": True}, "rank r=True"),
              "rslora a string": (lambda c: {**c, "use_rslora": "no"}, "use_rslora"),
              "bias in a list": (lambda c: {**c, "bias": ["all"]}, "bias")}
