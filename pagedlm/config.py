@@ -28,9 +28,8 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16}
 
 
-# The attention kernels keep a tile of at least one block's rows on each thread's stack: a
-# block of 262144 tokens overflowed it (a segfault at the first decode step). vLLM's CUDA
-# kernels take at most 256 too.
+# The attention kernels keep a block's rows on each thread's stack: 262144 overflowed it (a
+# segfault at the first decode step). vLLM's CUDA kernels take at most 256 too.
 MAX_BLOCK_SIZE = 256
 # vLLM's largest max_lora_rank: a rank of 10^7 asked the allocator for 69 GB of slots.
 MAX_LORA_RANK = 512
@@ -40,11 +39,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
+def _check_positive_int(name: str, value: object, allow_none: bool = False,
+                        maximum: int | None = None) -> None:
     if value is None and allow_none:
         return
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}.")
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -298,10 +300,7 @@ class CacheConfig:
     cache_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        _check_positive_int("block_size", self.block_size)
-        if self.block_size > MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE}, got "
-                             f"{self.block_size}.")
+        _check_positive_int("block_size", self.block_size, maximum=MAX_BLOCK_SIZE)
         _check_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         _check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override,
                             allow_none=True)
@@ -373,16 +372,12 @@ class SchedulerConfig:
 class LoRAConfig:
     max_loras: int = 1  # adapters in one step (device slots)
     max_lora_rank: int = 16
-    # Adapters kept loaded per worker (>= max_loras), besides those of unfinished requests,
-    # which stay loaded until their requests finish (llm_engine._load_lora).
-    max_cpu_loras: int = 1
+    max_cpu_loras: int = 1  # loaded per worker (>= max_loras), plus those of unfinished requests
 
     def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-            _check_positive_int(name, getattr(self, name))
-        if self.max_lora_rank > MAX_LORA_RANK:
-            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK}, got "
-                             f"{self.max_lora_rank}.")
+        _check_positive_int("max_loras", self.max_loras)
+        _check_positive_int("max_lora_rank", self.max_lora_rank, maximum=MAX_LORA_RANK)
+        _check_positive_int("max_cpu_loras", self.max_cpu_loras)
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras}).")
