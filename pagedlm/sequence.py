@@ -69,9 +69,9 @@ class Sequence:
     synced_num_tokens: int = 0
     synced_block_ids: list[int] | None = None
     # Speculative decoding's per-sequence back-off (core/spec_policy.py): its current k (None:
-    # not decoded yet) and, at k = 0, its plain steps left before it tries again.
+    # not decoded yet) and, at k = 0, its output length at which it tries again.
     spec_k: int | None = None
-    spec_wait: int = 0
+    spec_retry_at: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:

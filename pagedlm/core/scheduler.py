@@ -228,8 +228,6 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                if speculate and id(group) in decoding_ids:
-                    policy.scheduled(seqs)
                 self._add_scheduled(group, seqs, tokens, copies, sched_out, lookahead,
                                     charge_lookahead=not multi)
         if multi:

@@ -5,9 +5,11 @@ Per request, so it is visible and deterministic-safe:
   against the grammar, the request decodes plainly), nor for prompts still being prefilled;
 - k never reaches past max_tokens or max_model_len (those slots could never be used);
 - back-off: a verification that accepts nothing halves the sequence's k; at 0 it decodes
-  plainly for backoff_retry_steps of its own steps, then tries k = 1 again; a verification
-  that accepts every draft raises k by one (up to num_speculative_tokens). This depends only
-  on the sequence's own history.
+  plainly for its next backoff_retry_steps tokens, then tries k = 1 again; a
+  verification that accepts every draft raises k by one (up to num_speculative_tokens). This
+  depends only on the sequence's own tokens: counted by steps scheduled as decodes, a
+  recompute preemption's prefill (one plain token, not a decode) delayed the retry by a step,
+  and so the seeded generator's draws and the tokens (--deterministic, measured).
 And one rule by load, off under --deterministic (a seeded request's output must not depend on
 the others): with more than max_batch_for_spec decoding sequences in a step, none speculates,
 since a large batch is compute-bound on a CPU and k verification rows per sequence cost more
@@ -38,28 +40,20 @@ class SpecPolicy:
             return 0
         if seq.spec_k is None:
             seq.spec_k = self.max_k
-        k = seq.spec_k or (1 if seq.spec_wait <= 1 else 0)  # backed off: the periodic retry
+        k = seq.spec_k or (1 if seq.num_output_tokens >= seq.spec_retry_at else 0)
         # Tokens it may still emit after the first, and positions left in the model.
         left = group.sampling_params.max_tokens - seq.num_output_tokens - 1
         room = self.max_model_len - len(seq.token_ids)
         return max(0, min(k, left, room))
 
-    @staticmethod
-    def scheduled(seqs: list[Sequence]) -> None:
-        """A step of these decoding sequences was scheduled: backed-off ones count it."""
-        for seq in seqs:
-            if seq.spec_k == 0:
-                seq.spec_wait -= 1
-                if seq.spec_wait <= 0:
-                    seq.spec_k = 1
-
     def update(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After a verification of num_drafts >= 1 drafts."""
         if seq.spec_k is None:
             return
+        seq.spec_k = seq.spec_k or 1  # a backed-off sequence's retry verified k = 1
         if num_accepted == 0:
             seq.spec_k //= 2
             if seq.spec_k == 0:
-                seq.spec_wait = self.config.backoff_retry_steps
+                seq.spec_retry_at = seq.num_output_tokens + self.config.backoff_retry_steps
         elif num_accepted == num_drafts:
             seq.spec_k = min(self.max_k, seq.spec_k + 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pagedlm.config import CacheConfig, SchedulerConfig
-from pagedlm.core.scheduler import Scheduler
+from pagedlm.core.scheduler import Scheduler, SchedulerOutput
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceUpdates
 from pagedlm.speculative_config import SpeculativeConfig
@@ -123,17 +123,38 @@ def test_backoff_retries_after_its_own_steps():
     sched.add_seq_group(make_group("r", 6, 0))
     step(sched)
     ks = []
-    for _ in range(7):
+    for _ in range(9):
         out = step(sched, drafts=1)  # one draft verified, none accepted, each time
         ks.append(out.scheduled_groups[0].num_lookahead[0])
-    # 2 -> 1 -> 0: plain for its next steps, then k = 1 again (and backs off again).
-    assert ks == [2, 1, 0, 0, 1, 0, 0]
+    # 2 -> 1 -> 0: plain for its next 3 tokens, then k = 1 again (and backs off again).
+    assert ks == [2, 1, 0, 0, 0, 1, 0, 0, 0]
     # Full acceptance raises k back by one per step, up to num_speculative_tokens.
     seq = sched.running[0].seqs[0]
-    seq.spec_k, seq.spec_wait = 1, 0
+    seq.spec_k = 1
     assert step(sched, {0: [5, 6]}, drafts=1).scheduled_groups[0].num_lookahead == [1]
     assert step(sched, {0: [5, 6, 7]}, drafts=2).scheduled_groups[0].num_lookahead == [2]
     assert step(sched).scheduled_groups[0].num_lookahead == [2]
+
+
+def test_backoff_retry_comes_at_the_same_token_through_a_preemption():
+    """The back-off counts the sequence's tokens, not its decode steps: a recompute
+    preemption's prefill emits one plainly, so counting steps put the retry (and the seeded
+    generator's draws after it) a token later than in a run without the preemption."""
+    def retry_at(preempt: bool) -> int:
+        sched = make_scheduler(k=1, backoff_retry_steps=4)
+        sched.add_seq_group(make_group("r", 6, 0))
+        step(sched)
+        assert step(sched, drafts=1).scheduled_groups[0].num_lookahead == [1]  # backs off
+        step(sched)
+        seq = sched.running[0].seqs[0]
+        if preempt:
+            sched._preempt(sched.running.pop(), SchedulerOutput())
+            assert seq.num_computed_tokens == 0
+        while not step(sched).scheduled_groups[0].num_lookahead[0]:
+            assert seq.num_output_tokens < 20
+        return seq.num_output_tokens - 1  # its tokens before that step
+
+    assert retry_at(False) == retry_at(True) == 2 + 4
 
 
 def test_batch_rule_is_off_under_deterministic():
