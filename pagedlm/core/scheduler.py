@@ -312,7 +312,12 @@ class Scheduler:
             # Prompt logprobs need every prompt position's logits, so nothing can be skipped.
             use_cache = group.sampling_params.prompt_logprobs is None
             prefixes = {s: bm.find_cached_prefix(s) if use_cache else [] for s in all_seqs}
-            remaining = [len(s.token_ids) - len(prefixes[s]) * bm.block_size for s in all_seqs]
+            held = {s: self._held_back(s) for s in all_seqs}
+            for s in all_seqs:
+                if held[s] and len(s.token_ids) - len(prefixes[s]) * bm.block_size < 2:
+                    prefixes[s] = prefixes[s][:-1]  # leave it a token to compute and one held
+            remaining = [len(s.token_ids) - len(prefixes[s]) * bm.block_size - held[s]
+                         for s in all_seqs]
             seqs, tokens = self._plan(group, all_seqs, remaining)
             if not seqs or (len(seqs) < len(all_seqs) and not self.config.enable_chunked_prefill):
                 break
@@ -356,7 +361,8 @@ class Scheduler:
         """The sequences that run this step and their token counts, within the token budget.
         With chunked prefill a prompt takes what budget is left; without, all or nothing."""
         if remaining is None:
-            remaining = [len(s.token_ids) - s.num_computed_tokens for s in seqs]
+            remaining = [len(s.token_ids) - s.num_computed_tokens - self._held_back(s)
+                         for s in seqs]
         if sum(remaining) <= self._budget:
             return seqs, remaining
         if not self.config.enable_chunked_prefill:
@@ -369,6 +375,17 @@ class Scheduler:
                 tokens.append(n)
                 left -= n
         return chosen, tokens
+
+    def _held_back(self, seq: Sequence) -> int:
+        """1 where a sequence comes back from a recompute preemption while speculating under
+        --deterministic: its prefill computes all but its last token, which its next step
+        decodes with its drafts, as that step would have run without the preemption. A prefill
+        that sampled the last token drew the request's seeded generator once where that step
+        draws 1 + k times, so the tokens after it changed with the load (measured: a seeded
+        request with penalties, alone and among fillers that preempted it). Else 0."""
+        policy = self.spec_policy
+        return int(policy is not None and policy.deterministic and seq.num_output_tokens > 0
+                   and len(seq.token_ids) - seq.num_computed_tokens > 1)
 
     def _add_scheduled(self, group: SequenceGroup, seqs: list[Sequence], tokens: list[int],
                        copies: list[tuple[int, int]], sched_out: SchedulerOutput,

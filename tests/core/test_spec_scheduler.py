@@ -157,6 +157,36 @@ def test_backoff_retry_comes_at_the_same_token_through_a_preemption():
     assert retry_at(False) == retry_at(True) == 2 + 4
 
 
+def test_deterministic_resume_holds_the_last_token_for_the_decode():
+    """Under --deterministic a speculating sequence back from a recompute preemption prefills
+    all but its last token and samples nothing; its next step decodes the last one with its
+    k, as the step the preemption replaced would have. With prefix caching, a cached prefix
+    covering every token but the last gives back a block so that a token is left to compute.
+    Without --deterministic the prefill samples as before."""
+    for deterministic, caching in ((True, False), (True, True), (False, False)):
+        sched = make_scheduler(k=2, block_size=4, caching=caching,
+                               deterministic=deterministic)
+        sched.add_seq_group(make_group("r", 4, 0))
+        step(sched)
+        step(sched, {0: [5, 6, 7]}, drafts=2)
+        step(sched)
+        seq = sched.running[0].seqs[0]
+        assert (len(seq.token_ids), seq.num_computed_tokens) == (9, 8)
+        sched._preempt(sched.running.pop(), SchedulerOutput())
+        cached = sched.block_manager.find_cached_prefix(seq)
+        assert len(cached) == 2 * caching  # its first 8 tokens, all but the last
+        sg = step(sched).scheduled_groups[0]
+        if not deterministic:
+            assert (sg.num_new_tokens, sg.num_samples) == ([9], [1])
+            continue
+        # Positions 0-7 (4-7 with caching: block 1 given back), none sampled.
+        assert (sg.num_new_tokens, sg.num_samples) == ([8 - 4 * caching], [0])
+        assert (len(seq.token_ids), seq.num_computed_tokens) == (9, 8)
+        sg = step(sched, {0: [8, 9, 10]}, drafts=2).scheduled_groups[0]
+        assert (sg.num_new_tokens, sg.num_lookahead, sg.num_samples) == ([1], [2], [1])
+        assert len(seq.token_ids) == 12
+
+
 def test_batch_rule_is_off_under_deterministic():
     for deterministic, want in ((False, [0, 0, 0]), (True, [2, 2, 2])):
         sched = make_scheduler(k=2, max_batch_for_spec=2, deterministic=deterministic)

@@ -299,3 +299,51 @@ def test_seeded_output_does_not_depend_on_load(draft_dir):
         finally:
             llm.shutdown()
     assert outputs[False] == outputs[True]
+
+
+def test_seeded_requests_through_recompute_preemptions(draft_dir):
+    """Under --deterministic two seeded requests emit the same tokens and logprobs alone and as
+    the youngest of a batch that preempts them by recompute, with prefix caching on: one at a
+    low temperature, whose drafts are mostly accepted (k stays up), and one with penalties
+    (which the greedy draft does not see: its drafts are rejected, its k backs off and
+    retries). Two things had moved them: a re-prefill sampled the next token plainly, one draw
+    of the generator where the step it replaced drew 1 + k, and the back-off counted decode
+    steps, so a re-prefill's token delayed the retry."""
+    from pagedlm import LLM, SamplingParams
+    plain = SamplingParams(temperature=0.2, seed=5, max_tokens=40, ignore_eos=True, logprobs=1)
+    penalised = SamplingParams(temperature=0.7, seed=5, max_tokens=40, ignore_eos=True,
+                               logprobs=1, presence_penalty=1.0, frequency_penalty=0.5,
+                               repetition_penalty=1.2)
+    fillers = [SamplingParams(temperature=0.8, seed=i, n=1 + i % 3, max_tokens=30 + 5 * i,
+                              ignore_eos=True) for i in range(6)]
+    llm = LLM(model=draft_dir, speculative_config={"model": draft_dir,
+                                                   "num_speculative_tokens": 3},
+              deterministic=True, block_size=4, num_gpu_blocks_override=48,
+              enable_prefix_caching=True)
+    try:
+        engine = llm.llm_engine
+        preempted, preempt = [], engine.scheduler._preempt
+
+        def recorded(group, sched_out, preempt=preempt):
+            preempted.append(group.request_id)
+            return preempt(group, sched_out)
+        engine.scheduler._preempt = recorded
+
+        def result(out):
+            c = out.outputs[0]
+            return list(c.token_ids), [{t: lp.logprob for t, lp in pos.items()}
+                                       for pos in c.logprobs]
+        prompts = ["1, 2, 3, 4, 5, 6, 7,", "Once upon a time there was"]
+        probes = [penalised, plain]
+        alone = [result(llm.generate(p, sp, use_tqdm=False)[0]) for p, sp in zip(prompts, probes)]
+        assert not preempted
+        outs = llm.generate(PROMPTS[:6] + prompts, fillers + probes, use_tqdm=False)
+        for out in outs[-2:]:
+            assert preempted.count(out.request_id) >= 2
+        stats = engine.scheduler.stats
+        assert 0 < stats.spec_num_accepted < stats.spec_num_drafts
+        assert [result(o) for o in outs[-2:]] == alone
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.shutdown()
