@@ -7,9 +7,10 @@ Per request, so it is visible and deterministic-safe:
 - back-off: a verification that accepts nothing halves the sequence's k; at 0 it decodes
   plainly for its next backoff_retry_steps tokens, then tries k = 1 again; a
   verification that accepts every draft raises k by one (up to num_speculative_tokens). This
-  depends only on the sequence's own tokens: counted by steps scheduled as decodes, a
-  recompute preemption's prefill (one plain token, not a decode) delayed the retry by a step,
-  and so the seeded generator's draws and the tokens (--deterministic, measured).
+  depends only on the sequence's own tokens: counted in decode steps, a recompute
+  preemption's prefill (one plain token, not a decode step) delayed the retry by a step, and
+  with it the seeded generator's draws and the tokens after it (measured under
+  --deterministic).
 And one rule by load, off under --deterministic (a seeded request's output must not depend on
 the others): with more than max_batch_for_spec decoding sequences in a step, none speculates,
 since a large batch is compute-bound on a CPU and k verification rows per sequence cost more
