@@ -168,8 +168,10 @@ class BlockManager:
         return self.device.num_free_blocks - num_blocks >= reserve
 
     def can_allocate_slots(self, seqs: list[Sequence], num_new_tokens: list[int],
-                           admission: bool = False) -> bool:
-        return self._room_for(self._num_blocks_needed(seqs, num_new_tokens, {}), admission)
+                           admission: bool = False,
+                           prefixes: dict[Sequence, list[int]] | None = None) -> bool:
+        return self._room_for(self._num_blocks_needed(seqs, num_new_tokens, prefixes or {}),
+                              admission)
 
     def allocate_slots(self, seqs: list[Sequence], num_new_tokens: list[int],
                        admission: bool = False,

@@ -187,6 +187,29 @@ def test_deterministic_resume_holds_the_last_token_for_the_decode():
         assert len(seq.token_ids) == 12
 
 
+def test_deterministic_resume_waits_for_room_for_its_decode():
+    """The held-back group is admitted only with room for its prefill and the decode after it
+    (1 + k slots): admitted with room for the prefill alone, that decode preempted it again."""
+    sched = make_scheduler(k=2, block_size=4, num_blocks=8, deterministic=True)
+    bm = sched.block_manager
+    sched.add_seq_group(make_group("r", 4, 0))
+    step(sched)
+    step(sched, {0: [5, 6, 7]}, drafts=2)
+    step(sched)
+    seq = sched.running[0].seqs[0]
+    sched._preempt(sched.running.pop(), SchedulerOutput())
+    other = Sequence(99, list(range(24)), 24)
+    assert bm.allocate_slots([other], [24]) is not None  # 6 of the 8 blocks
+    # Its 8 tokens fit the 2 free blocks, but the decode of the 9th with k = 2 needs a third.
+    assert not sched.schedule().scheduled_groups and sched.waiting
+    bm.free(other)
+    sg = step(sched).scheduled_groups[0]
+    assert (sg.num_new_tokens, sg.num_samples) == ([8], [0])
+    sg = step(sched, {0: [8, 9, 10]}, drafts=2).scheduled_groups[0]
+    assert (sg.num_new_tokens, sg.num_lookahead) == ([1], [2])
+    assert sched.stats.num_preemptions == 1 and len(seq.token_ids) == 12
+
+
 def test_batch_rule_is_off_under_deterministic():
     for deterministic, want in ((False, [0, 0, 0]), (True, [2, 2, 2])):
         sched = make_scheduler(k=2, max_batch_for_spec=2, deterministic=deterministic)
