@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 import signal
 import subprocess
@@ -291,6 +292,26 @@ def test_serve_stops_cleanly_on_sigint(served):
     proc = served[1]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
+
+
+def test_serve_shuts_the_engine_down_on_sigterm(tmp_path):
+    """A supervisor's SIGTERM stops the server as Ctrl-C does: the engine's shutdown runs (the
+    trace file is written, no temporary file left) and the exit status is 0. uvicorn raised
+    the signal again under its default action, which killed the process (-15) first."""
+    log, trace = tmp_path / "serve.log", tmp_path / "run.json"
+    url, proc = _start_serve(log, "--trace-file", str(trace))
+    try:
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"prompt": PROMPT, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert json.loads(trace.read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["serve.log", "run.json", "run.steps.jsonl"])
 
 
 def test_a_long_stream_cannot_hold_the_shutdown(tmp_path):

@@ -20,6 +20,8 @@ import contextlib
 import gc
 import hmac
 import logging
+import signal
+import threading
 
 import uvicorn
 from fastapi import FastAPI
@@ -214,6 +216,14 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     return app
 
 
+class _Terminated(Exception):
+    """SIGTERM, raised by uvicorn again after its graceful shutdown."""
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise _Terminated
+
+
 def run_server(args: argparse.Namespace, start: ServerStart | None = None) -> None:
     """`pagedlm serve`: build the engine from the flags (or take the one `start` is building),
     serve until interrupted. If the engine fails (a step raised, a worker died), the server
@@ -258,12 +268,20 @@ def run_server(args: argparse.Namespace, start: ServerStart | None = None) -> No
         # tensors: 1B Q4_K_M and bf16 starts); a collection would cost 0.17 s of the start.
         gc.freeze()
         gc.enable()
+        # uvicorn raises the signal it caught again once its shutdown is done, under the
+        # handler it found. SIGINT's raises KeyboardInterrupt; SIGTERM's default killed the
+        # process there (-15), before the engine's shutdown below: no trace file written (its
+        # temporary file left), Ray's processes left to outlive us by 30-40 s.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
         try:
             server.run(sockets=[sock])
-        except KeyboardInterrupt:
-            # uvicorn raises the SIGINT it caught again once its shutdown is done: a server
-            # stopped with Ctrl-C stopped cleanly (0), unlike a start cut short (130).
-            pass
+        except (KeyboardInterrupt, _Terminated):
+            pass  # a server stopped with Ctrl-C or SIGTERM stopped cleanly (0), unlike a start
+            # cut short (130)
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
     finally:
         engine.shutdown()
         sock.close()
