@@ -31,8 +31,10 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -179,6 +181,31 @@ def _start_worker(spec: WorkerSpec, env: dict[str, str]) -> tuple[WorkerProcess,
     return proc, ours
 
 
+def _send_within(conn: Connection, data: bytes, deadline: float | None) -> bool:
+    """conn.send_bytes(data) (the same framing: a 4-byte length, or -1 and an 8-byte one),
+    written without blocking past the deadline; False if it passed first. A stopped worker
+    stops reading its pipe, and a step past the socket's buffer (about 200 KB: a request's
+    40,000 allowed_token_ids) blocked send_bytes for good, before the step's deadline was
+    ever checked."""
+    n = len(data)
+    header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    fd = conn.fileno()
+    os.set_blocking(fd, False)
+    try:
+        for buf in (memoryview(header), memoryview(data)):
+            while buf:
+                try:
+                    buf = buf[os.write(fd, buf):]
+                except BlockingIOError:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    select.select([], [fd], [], left)
+    finally:
+        os.set_blocking(fd, True)
+    return True
+
+
 def _stop_workers(procs: list[WorkerProcess], conns: list[Connection]) -> None:
     """Ask every worker to leave, then kill the ones that do not. Used at shutdown and by the
     finalizer (it must not refer to the executor)."""
@@ -203,6 +230,9 @@ class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         pc = self.config.parallel_config
         self.step_timeout_s = envs.PAGEDLM_ENGINE_ITERATION_TIMEOUT_S
+        # A call sent whose answers were not all read (interrupted): its method, whether it
+        # has a deadline, and the ranks still to answer.
+        self._unanswered: tuple[str, bool, dict[int, Connection]] | None = None
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         self.procs: list[WorkerProcess] = []
         self.conns: list[Connection] = []
@@ -226,20 +256,46 @@ class MultiprocExecutor(Executor):
                        ) -> list[Any]:
         if self.is_shutdown:
             raise WorkerFailedError("the executor's workers have been shut down.")
+        if self._unanswered:
+            # A call interrupted while the workers ran it (Ctrl-C in a notebook): its answers
+            # come first, or every later call would read the one before's (KeyError in the
+            # output processor, for good).
+            old, timed, pending = self._unanswered
+            self._gather(old, time.monotonic() + self.step_timeout_s if timed else None,
+                         pending)
+            self._unanswered = None
         payload = pickle.dumps((method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self.conns:
-                conn.send_bytes(payload)
-            sent = True
-        except OSError:  # (failed outside the except: the cause is not this OSError)
-            sent = False
-        if not sent:
-            self._fail(self._cause(f"could not send {method!r} to the workers", method))
-        results: list[Any] = [None] * len(self.conns)
-        pending = dict(enumerate(self.conns))
         # Steps only: loading a model or an adapter may rightly take longer.
         deadline = (time.monotonic() + self.step_timeout_s if method == "execute_model"
                     else None)
+        sent, error = 0, None
+        try:
+            for conn in self.conns:
+                if not _send_within(conn, payload, deadline):
+                    error = (f"worker rank {sent} did not read {method!r} within "
+                             f"{self.step_timeout_s:g} s (PAGEDLM_ENGINE_ITERATION_TIMEOUT_S): "
+                             f"stopped, or stuck in a collective")
+                    break
+                sent += 1
+        except OSError:  # (failed outside the except: the cause is not this OSError)
+            error = self._cause(f"could not send {method!r} to the workers", method)
+        except BaseException:
+            # Interrupted inside a write: that pipe holds part of a message, which no later
+            # call can follow.
+            self._fail_quietly(f"interrupted while sending {method!r} to the workers")
+            raise
+        if error is not None:
+            self._fail(error)
+        pending = dict(enumerate(self.conns))
+        self._unanswered = (method, deadline is not None, pending)
+        results = self._gather(method, deadline, pending)
+        self._unanswered = None
+        return results
+
+    def _gather(self, method: str, deadline: float | None, pending: dict[int, Connection]
+                ) -> list[Any]:
+        """The answers of the ranks in `pending` (taken out as they come) to the call sent."""
+        results: list[Any] = [None] * len(self.conns)
         while pending:
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"worker rank{'s' if len(pending) > 1 else ''} "
@@ -291,13 +347,16 @@ class MultiprocExecutor(Executor):
         return None
 
     def _fail(self, message: str) -> None:
+        self._fail_quietly(message)
+        raise WorkerFailedError(message)
+
+    def _fail_quietly(self, message: str) -> None:
         # Not logged here: the caller gets the error (the engine loop logs it, once).
         logger.debug("%s; stopping all workers", message)
         # The others may be blocked in a collective with the failed one: no polite shutdown.
         for proc in self.procs:
             proc.kill()
         self.shutdown()
-        raise WorkerFailedError(message)
 
     def shutdown(self) -> None:
         if not self.is_shutdown and hasattr(self, "_finalizer"):

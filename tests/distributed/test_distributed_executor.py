@@ -4,6 +4,7 @@ pipeline parallelism, against one in-process worker; the per-step message; failu
 Marked slow (they start processes): `pytest -m "not slow"` skips them; CI runs them."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -193,6 +194,74 @@ def test_a_killed_worker_fails_generate_naming_the_rank(tiny_models):
                                                  ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - start < 11
     timer.join()
+    del llm
+    assert_no_workers_left()
+
+
+INTERRUPTED = """\
+import json, os, signal, sys, threading
+from pagedlm import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512,
+          kv_cache_memory_bytes=16 * 2**20)
+prompts = json.loads(sys.argv[2])
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    llm.generate(prompts * 8, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+                 use_tqdm=False)
+    interrupted = False
+except KeyboardInterrupt:
+    interrupted = True
+again = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+         for _ in range(2)]
+bm = llm.llm_engine.block_manager
+print(json.dumps({"interrupted": interrupted, "same": again == [ref, ref],
+                  "free": bm.num_free_blocks == bm.num_blocks}))
+"""
+
+
+def test_ctrl_c_mid_generate_leaves_the_llm_usable(tiny_models):
+    """Ctrl-C (a notebook's interrupt) while the workers run a step: the next generate reads
+    that step's answers first. It read each step's answer one step late instead, for good
+    (KeyError in the output processor at every later call)."""
+    out = subprocess.run([sys.executable, "-c", INTERRUPTED, tiny_models["llama"],
+                          json.dumps(PROMPTS)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {
+        "interrupted": True, "same": True, "free": True}
+
+
+def test_a_stopped_worker_cannot_block_the_send_past_the_deadline(tiny_models, monkeypatch):
+    """A stopped worker stops reading its pipe: a step larger than the socket's buffer (here a
+    request's 40,000 allowed_token_ids) blocked the send for good, before the step's deadline
+    was ever checked. Now the step fails at the deadline, naming the rank."""
+    monkeypatch.setenv("PAGEDLM_ENGINE_ITERATION_TIMEOUT_S", "2")
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, max_model_len=512,
+              kv_cache_memory_bytes=16 * 2**20)
+    victim = llm.llm_engine.executor.procs[1]
+    os.kill(victim.pid, signal.SIGSTOP)
+    errors = []
+
+    def generate(llm: LLM) -> None:
+        try:
+            llm.generate("Hello", SamplingParams(max_tokens=4, allowed_token_ids=list(
+                range(40_000))), use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+    thread = threading.Thread(target=generate, args=(llm,), daemon=True)
+    try:
+        start = time.monotonic()
+        thread.start()
+        thread.join(30)  # without the deadline: blocked until the victim is killed below
+        assert not thread.is_alive(), "the send blocked past the deadline"
+        assert time.monotonic() - start < 8
+        assert len(errors) == 1 and isinstance(errors[0], WorkerFailedError), errors
+        assert "worker rank 1 did not read" in str(errors[0])
+    finally:
+        if victim.is_alive():
+            os.kill(victim.pid, signal.SIGKILL)
+        thread.join(30)
     del llm
     assert_no_workers_left()
 
