@@ -72,6 +72,7 @@ class RayWorkerWrapper:
 class RayDistributedExecutor(Executor):
 
     def _init_executor(self) -> None:
+        self.step_timeout_s = envs.PAGEDLM_ENGINE_ITERATION_TIMEOUT_S
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -104,8 +105,19 @@ class RayDistributedExecutor(Executor):
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
+        # Steps only, as the mp executor's: an actor stopped or stuck in a collective otherwise
+        # hung every request for good, with nothing in the log.
+        timeout = self.step_timeout_s if name == "execute_model" else None
+        deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                ranks = sorted(rank_of[ref] for ref in pending)
+                self._fail(f"worker rank{'s' if len(ranks) > 1 else ''} "
+                           f"{', '.join(map(str, ranks))} did not finish {name!r} within "
+                           f"{timeout:g} s (PAGEDLM_ENGINE_ITERATION_TIMEOUT_S): stopped, or "
+                           f"stuck in a collective")
             rank = rank_of[ready[0]]
             try:
                 results[rank] = ray.get(ready[0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -69,3 +70,36 @@ def test_a_killed_actor_fails_generate_naming_the_rank(tiny_models, ray_cluster)
         psutil.Process(pids[0]).wait(15)
     except psutil.NoSuchProcess:
         pass
+
+
+def test_a_stopped_actor_fails_the_step_after_the_timeout(tiny_models, ray_cluster,
+                                                          monkeypatch):
+    """An actor that stops answering (SIGSTOP stands in for one stuck in a collective): the
+    step fails after PAGEDLM_ENGINE_ITERATION_TIMEOUT_S, as with the mp executor. ray.wait had
+    no timeout: every request hung for good, with nothing in the log."""
+    monkeypatch.setenv("PAGEDLM_ENGINE_ITERATION_TIMEOUT_S", "2")
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, distributed_executor_backend="ray",
+              max_model_len=256, kv_cache_memory_bytes=8 * 2**20)
+    pids = llm.llm_engine.executor.worker_pids()
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    os.kill(pids[1], signal.SIGSTOP)
+    # Without the timeout the step waits for good: the actor resumes after 20 s, so the test
+    # fails (no error raised) instead of hanging the suite.
+    resume = threading.Timer(20, os.kill, (pids[1], signal.SIGCONT))
+    resume.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerFailedError, match="within 2 s"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=8), use_tqdm=False)
+        assert time.monotonic() - start < 8
+    finally:
+        resume.cancel()
+        try:
+            os.kill(pids[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    for pid in pids:  # the executor killed both actors
+        try:
+            psutil.Process(pid).wait(15)
+        except psutil.NoSuchProcess:
+            pass
