@@ -283,6 +283,9 @@ class AsyncLLMEngine:
             self._preparer.shutdown()
         if self.engine is None:  # its build failed (or outlasted the timeout)
             return
+        self._shutdown_engine()  # done already by the engine thread, unless it was stuck
+
+    def _shutdown_engine(self) -> None:
         try:
             self.engine.shutdown()  # stop worker processes, if any
         except Exception:
@@ -309,6 +312,15 @@ class AsyncLLMEngine:
             while True:
                 if not self._process_commands(block=not self.engine.has_unfinished_requests()):
                     self._stop(AsyncEngineDeadError("the engine was shut down"))
+                    # On this thread, which built it: Ray's head processes die with the thread
+                    # that started them, and the executor's shutdown after this thread's exit
+                    # waited 60 s for Ray's GCS to answer (Ctrl-C on a Ray server: 61 s, exit 1).
+                    # An error here (a trace file on a full disk) is the caller's: shutdown()
+                    # runs it again on its thread, where it is raised.
+                    try:
+                        self._shutdown_engine()
+                    except Exception:  # noqa: BLE001
+                        logger.debug("the engine did not shut down on its thread", exc_info=True)
                     return
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -103,3 +104,19 @@ def test_a_stopped_actor_fails_the_step_after_the_timeout(tiny_models, ray_clust
             psutil.Process(pid).wait(15)
         except psutil.NoSuchProcess:
             pass
+
+
+def test_ctrl_c_stops_a_ray_server_at_once(tiny_models):
+    """The engine shuts its executor down on its own thread: Ray's head processes die with the
+    thread that started them, and the executor's shutdown after that thread's exit waited 60 s
+    for Ray's GCS (then exit status 1)."""
+    from tests.engine.test_engine_failure import serve
+    with serve(tiny_models["llama"], "-tp", "2", "--distributed-executor-backend",
+               "ray") as served:
+        r = httpx.post(served.url + "/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        start = time.monotonic()
+        served.proc.send_signal(signal.SIGINT)
+        assert served.proc.wait(60) == 0, served.log
+        assert time.monotonic() - start < 15, served.log
