@@ -37,7 +37,10 @@ class SpecPolicy:
 
     def lookahead(self, group: SequenceGroup, seq: Sequence) -> int:
         """The sequence's k this step, if it is scheduled (`scheduled` then counts it)."""
-        if group.structured_output is not None:
+        if group.structured_output is not None or seq.num_output_tokens == 0:
+            # A prompt's last token is a decode by shape when chunks leave it alone in a step;
+            # speculating there drew the first token by rejection sampling where a whole
+            # prefill samples it plainly (a seeded request's first token followed the chunking).
             return 0
         if seq.spec_k is None:
             seq.spec_k = self.max_k

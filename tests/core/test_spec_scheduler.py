@@ -210,6 +210,20 @@ def test_deterministic_resume_waits_for_room_for_its_decode():
     assert sched.stats.num_preemptions == 1 and len(seq.token_ids) == 12
 
 
+def test_a_prompts_last_token_alone_in_a_step_does_not_speculate():
+    """Chunks of 8 leave a 9-token prompt's last token alone in the second step: a decode by
+    shape, but its token is the first sampled, drawn plainly as a whole prefill draws it (with
+    k lookahead slots it was drawn by rejection sampling: a seeded request's first token
+    followed the chunking)."""
+    sched = make_scheduler(k=2, budget=8, max_model_len=64)
+    sched.add_seq_group(make_group("r", 9, 0))
+    sg = step(sched).scheduled_groups[0]
+    assert (sg.num_new_tokens, sg.num_samples) == ([8], [0])
+    sg = step(sched).scheduled_groups[0]
+    assert (sg.num_new_tokens, sg.num_samples, sg.num_lookahead) == ([1], [1], [0])
+    assert step(sched).scheduled_groups[0].num_lookahead == [2]
+
+
 def test_batch_rule_is_off_under_deterministic():
     for deterministic, want in ((False, [0, 0, 0]), (True, [2, 2, 2])):
         sched = make_scheduler(k=2, max_batch_for_spec=2, deterministic=deterministic)
