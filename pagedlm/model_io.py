@@ -115,6 +115,9 @@ class PromptLogprobs:
     ranks: list[int]
     top_token_ids: list[list[int]]
     top_logprobs: list[list[float]]
+    # The prompt position of token_ids[0]: a prompt prefilled again after a recompute
+    # preemption scores its positions again, from the start.
+    first_position: int = 1
 
 
 @dataclass

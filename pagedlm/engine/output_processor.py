@@ -177,6 +177,10 @@ class OutputProcessor:
         acc = group.partial_prompt_logprobs
         if not acc:
             acc.append(None)
+        # A prompt prefilled again (recompute preemption mid-prompt) scores positions it had
+        # scored: they replace those, or the list outgrew the prompt and never completed (the
+        # request's prompt_logprobs came back None).
+        del acc[p.first_position:]
         for i, tid in enumerate(p.token_ids):
             top_ids = p.top_token_ids[i] if p.top_token_ids else []
             top_vals = p.top_logprobs[i] if p.top_logprobs else []

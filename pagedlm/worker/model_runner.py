@@ -52,6 +52,7 @@ class PromptLogprobsRequest:
     req_id: str
     rows: slice  # rows of the flat batch whose logits score the next prompt token
     target_ids: list[int]
+    first_position: int  # the prompt position of target_ids[0]
 
 
 @dataclass
@@ -296,7 +297,7 @@ class ModelRunner:
             if stop > start:
                 row0 = batch.last_row[seq_id] - n + 1
                 out.append(PromptLogprobsRequest(seq.req_id, slice(row0, row0 + stop - start),
-                                                 seq.token_ids[start + 1:stop + 1]))
+                                                 seq.token_ids[start + 1:stop + 1], start + 1))
         return out
 
     # -- the step -----------------------------------------------------------------------------
@@ -373,4 +374,4 @@ class ModelRunner:
         top = logprobs.topk(k, dim=-1) if k else None
         return PromptLogprobs(req.target_ids, chosen.squeeze(1).tolist(), ranks.tolist(),
                               top.indices.tolist() if top else [],
-                              top.values.tolist() if top else [])
+                              top.values.tolist() if top else [], req.first_position)

@@ -131,3 +131,36 @@ def test_a_swapped_group_that_outgrew_the_cache_finishes(caplog):
     assert "no longer fit in the KV cache" in caplog.text  # 'length' as at max_tokens: said
     assert llm.llm_engine.stats.num_swapped_out > 0
     assert_all_blocks_free(llm)
+
+
+def test_prompt_logprobs_survive_a_recompute_preemption_mid_prompt(tmp_path, default_model_dir):
+    """A prompt preempted by recompute while it is prefilled in chunks scores its positions
+    again from the start: those replace the ones it had. The list outgrew the prompt instead
+    and never completed: the request's prompt_logprobs came back None."""
+    from tests.conftest import make_tiny_model
+    path = make_tiny_model(tmp_path, "llama", default_model_dir)
+    probe = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, ignore_eos=True)
+    filler = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 220))}
+    llm = LLM(path, deterministic=True, block_size=8, max_num_batched_tokens=12,
+              num_gpu_blocks_override=20, max_num_seqs=8)
+    try:
+        alone = llm.generate(prompt, probe, use_tqdm=False)[0]
+        sched = llm.llm_engine.scheduler
+        preempted, preempt = [], sched._preempt
+
+        def recorded(group, sched_out, preempt=preempt):
+            seq = group.seqs[0]
+            preempted.append((group.request_id, seq.num_computed_tokens, seq.num_output_tokens))
+            return preempt(group, sched_out)
+        sched._preempt = recorded
+        outs = llm.generate([{"prompt_token_ids": list(range(5, 45))}] * 2 + [prompt],
+                            [filler, filler, probe], use_tqdm=False)
+        mid_prompt = [p for p in preempted if p[0] == outs[-1].request_id and p[2] == 0]
+        assert mid_prompt and all(0 < p[1] < 120 for p in mid_prompt), preempted
+        assert len(alone.prompt_logprobs) == 120
+        assert outs[-1].prompt_logprobs == alone.prompt_logprobs
+        assert_outputs_bitwise_equal([alone.outputs[0]], [outs[-1].outputs[0]])
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
