@@ -475,6 +475,15 @@ class EngineConfig:
                              f"pipeline_parallel_size={pc.pipeline_parallel_size}: the draft "
                              f"runs in one worker.")
         sc = self.scheduler_config
+        if (spec is not None and model.deterministic
+                and spec.num_speculative_tokens + 1 > sc.max_num_batched_tokens):
+            # Outside the mode k is capped to the budget; within it that made a seeded
+            # request's tokens depend on max_num_batched_tokens.
+            raise ValueError(f"speculative_config.num_speculative_tokens "
+                             f"({spec.num_speculative_tokens}) + 1 must be <= "
+                             f"max_num_batched_tokens ({sc.max_num_batched_tokens}) under "
+                             f"deterministic=True: a step verifies a sequence's k drafts "
+                             f"together.")
         if sc.num_scheduler_steps > 1:
             # Each iteration's tokens stay on the one worker that samples them.
             other = ("speculative_config" if spec is not None

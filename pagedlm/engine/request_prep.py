@@ -93,7 +93,17 @@ def check_sampling_limits(params: SamplingParams, config: EngineConfig) -> None:
         name = "n" if params.best_of == params.n else "best_of"
         raise ValueError(f"{name} ({params.best_of}) is larger than max_num_seqs "
                          f"({max_num_seqs}).")
-    mc = config.model_config
+    mc, spec = config.model_config, config.speculative_config
+    budget = config.scheduler_config.max_num_batched_tokens
+    if (spec is not None and mc.deterministic and params.best_of > 1
+            and params.best_of * (spec.num_speculative_tokens + 1) > budget):
+        # Its sequences speculate in one step or decode plainly; whether they fit depended
+        # on the budget, and so did a seeded request's tokens, which the mode rules out.
+        name = "n" if params.best_of == params.n else "best_of"
+        raise ValueError(f"{name} ({params.best_of}) x (num_speculative_tokens "
+                         f"{spec.num_speculative_tokens} + 1) must be <= "
+                         f"max_num_batched_tokens ({budget}) under --deterministic with "
+                         f"speculative decoding: a group's drafts are verified in one step.")
     limit, what = mc.max_logprobs, f"max_logprobs ({mc.max_logprobs})"
     if limit < 0 or limit > mc.vocab_size:
         limit, what = mc.vocab_size, f"the vocabulary size ({mc.vocab_size})"

@@ -257,6 +257,23 @@ def test_engine_combinations_and_command_line(default_model_dir):
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         EngineArgs(pipeline_parallel_size=2, speculative_config={
             "model": default_model_dir, "num_speculative_tokens": 2}).create_engine_config()
+    # Under the deterministic mode k is the request's own, never capped to the step's budget;
+    # nor may a group's drafts miss the budget (its sequences then decoded plainly): refused.
+    with pytest.raises(ValueError, match=r"num_speculative_tokens \(4\) \+ 1 must be <= "
+                                         r"max_num_batched_tokens \(4\)"):
+        EngineArgs(deterministic=True, speculative_config=NGRAM,
+                   max_num_batched_tokens=4, max_num_seqs=4).create_engine_config()
+    EngineArgs(speculative_config=NGRAM, max_num_batched_tokens=4,
+               max_num_seqs=4).create_engine_config()  # outside the mode k is capped
+    with LLM(deterministic=True, speculative_config=NGRAM, max_num_batched_tokens=10,
+             max_num_seqs=4, **_kv(8)) as llm:
+        with pytest.raises(ValueError, match=r"^n \(3\) x \(num_speculative_tokens 4 \+ 1\)"):
+            llm.generate("Hi", SamplingParams(n=3, max_tokens=2), use_tqdm=False)
+        with pytest.raises(ValueError, match=r"^best_of \(3\) x"):
+            llm.generate("Hi", SamplingParams(n=1, best_of=3, max_tokens=2), use_tqdm=False)
+        out = llm.generate("Hi", SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=2),
+                           use_tqdm=False)[0]
+        assert [len(c.token_ids) for c in out.outputs] == [2, 2]
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     ns = parser.parse_args(["--speculative-config",
