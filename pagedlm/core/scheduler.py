@@ -261,7 +261,13 @@ class Scheduler:
             if self.config.max_loras and not self._lora_fits(group, self._curr_loras()):
                 self.stats.num_lora_waits += 1
                 break
-            swapped_in = bm.swap_in(all_seqs, seqs, tokens)
+            lookahead = self._swap_in_lookahead(group, seqs, tokens)
+            if lookahead is not None and sum(tokens) + sum(lookahead) > self._budget:
+                break  # its k is its own: it waits for a step with the budget
+            swapped_in = bm.swap_in(all_seqs, seqs, tokens if lookahead is None else
+                                    [n + k for n, k in zip(tokens, lookahead)])
+            if swapped_in is None and lookahead is not None:
+                break  # short of blocks for its k: it waits, as its decode would (preempted)
             if swapped_in is None:
                 if bm.swap_in_blocks(all_seqs, seqs, tokens) > bm.max_admissible_blocks:
                     # Its sequences grew past the whole cache while it ran: waiting would be
@@ -279,10 +285,27 @@ class Scheduler:
             self.stats.num_swapped_in += 1
             for s in all_seqs:
                 s.status = SequenceStatus.RUNNING
-            self._add_scheduled(group, seqs, tokens, copies, sched_out)
+            self._add_scheduled(group, seqs, tokens, copies, sched_out, lookahead)
             self.running.append(group)
             num_seqs += len(all_seqs)
         return num_seqs
+
+    def _swap_in_lookahead(self, group: SequenceGroup, seqs: list[Sequence], tokens: list[int]
+                           ) -> list[int] | None:
+        """Under --deterministic, a decoding group swapped in speculates in that step as it
+        would have without the swap: decoding plainly there drew the seeded generator once
+        where the step draws 1 + k times (its tokens then followed the load). None: plainly
+        (outside the mode; a group still prefilling; nothing to speculate)."""
+        policy = self.spec_policy
+        if (policy is None or not policy.deterministic
+                or not all(is_decode(s.num_computed_tokens, n) for s, n in zip(seqs, tokens))):
+            return None
+        lookahead = [policy.lookahead(group, s) for s in seqs]
+        bm = self.block_manager
+        if not any(lookahead) or not bm.can_ever_fit(
+                [len(s.token_ids) + k for s, k in zip(seqs, lookahead)]):
+            return None
+        return lookahead
 
     def _schedule_waiting(self, sched_out: SchedulerOutput, num_seqs: int) -> None:
         bm = self.block_manager

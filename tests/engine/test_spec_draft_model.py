@@ -301,14 +301,17 @@ def test_seeded_output_does_not_depend_on_load(draft_dir):
     assert outputs[False] == outputs[True]
 
 
-def test_seeded_requests_through_recompute_preemptions(draft_dir):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_seeded_requests_through_preemptions(draft_dir, mode):
     """Under --deterministic two seeded requests emit the same tokens and logprobs alone and as
-    the youngest of a batch that preempts them by recompute, with prefix caching on: one at a
+    the youngest of a batch that preempts them (recompute; swap, which the draft's K/V
+    does not follow: computed again), with prefix caching on: one at a
     low temperature, whose drafts are mostly accepted (k stays up), and one with penalties
     (which the greedy draft does not see: its drafts are rejected, its k backs off and
-    retries). Two things had moved them: a re-prefill sampled the next token plainly, one draw
-    of the generator where the step it replaced drew 1 + k, and the back-off counted decode
-    steps, so a re-prefill's token delayed the retry."""
+    retries). Three things had moved them: a re-prefill sampled the next token plainly, one
+    draw of the generator where the step it replaced drew 1 + k; so did the step that swapped
+    a group in; and the back-off counted decode steps, so a re-prefill's token delayed the
+    retry."""
     from pagedlm import LLM, SamplingParams
     plain = SamplingParams(temperature=0.2, seed=5, max_tokens=40, ignore_eos=True, logprobs=1)
     penalised = SamplingParams(temperature=0.7, seed=5, max_tokens=40, ignore_eos=True,
@@ -319,7 +322,7 @@ def test_seeded_requests_through_recompute_preemptions(draft_dir):
     llm = LLM(model=draft_dir, speculative_config={"model": draft_dir,
                                                    "num_speculative_tokens": 3},
               deterministic=True, block_size=4, num_gpu_blocks_override=48,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, preemption_mode=mode, swap_space=0.05)
     try:
         engine = llm.llm_engine
         preempted, preempt = [], engine.scheduler._preempt
@@ -342,6 +345,7 @@ def test_seeded_requests_through_recompute_preemptions(draft_dir):
             assert preempted.count(out.request_id) >= 2
         stats = engine.scheduler.stats
         assert 0 < stats.spec_num_accepted < stats.spec_num_drafts
+        assert (stats.num_swapped_out > 0) == (mode == "swap")
         assert [result(o) for o in outs[-2:]] == alone
         bm = engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
