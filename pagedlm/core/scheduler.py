@@ -113,6 +113,7 @@ class Scheduler:
                  deterministic: bool = False) -> None:
         """The Scheduler owns its BlockManager, sized by what the executor allocated."""
         self.config = config
+        self.deterministic = deterministic
         self.spec_policy = (SpecPolicy(speculative_config, deterministic, config.max_model_len,
                                        config.max_num_batched_tokens)
                             if speculative_config is not None else None)
@@ -387,8 +388,15 @@ class Scheduler:
         """The sequences that run this step and their token counts, within the token budget.
         With chunked prefill a prompt takes what budget is left; without, all or nothing."""
         if remaining is None:
-            remaining = [len(s.token_ids) - s.num_computed_tokens - self._held_back(s)
-                         for s in seqs]
+            held = [self._held_back(s) for s in seqs]
+            remaining = [len(s.token_ids) - s.num_computed_tokens - h for s, h in zip(seqs, held)]
+            if any(held) and len(seqs) > 1:
+                # Its sequences draw from one generator, in a step's row order: one whose
+                # prefill is done waits for the others, so that all decode from the same step,
+                # as they did before the preemption.
+                remaining = [n if h else 0 for n, h in zip(remaining, held)]
+                seqs, remaining = ([s for s, n in zip(seqs, remaining) if n],
+                                   [n for n in remaining if n])
         if sum(remaining) <= self._budget:
             return seqs, remaining
         if not self.config.enable_chunked_prefill:
@@ -403,14 +411,14 @@ class Scheduler:
         return chosen, tokens
 
     def _held_back(self, seq: Sequence) -> int:
-        """1 where a sequence comes back from a recompute preemption while speculating under
-        --deterministic: its prefill computes all but its last token, which its next step
-        decodes with its drafts, as that step would have run without the preemption. A prefill
-        that sampled the last token drew the request's seeded generator once where that step
-        draws 1 + k times, so the tokens after it changed with the load (measured: a seeded
-        request with penalties, alone and among fillers that preempted it). Else 0."""
-        policy = self.spec_policy
-        return int(policy is not None and policy.deterministic and seq.num_output_tokens > 0
+        """1 where a sequence comes back from a recompute preemption under --deterministic:
+        its prefill computes all but its last token, which its next step decodes (with its
+        drafts, speculating), as that step would have run without the preemption. A prefill
+        that sampled the last token drew the request's seeded generator once where a
+        speculating step draws 1 + k times, and the sequences of an n > 1 group, prefilled in
+        chunks over several steps, drew in another order; either way the tokens after it
+        changed with the load (measured). Else 0."""
+        return int(self.deterministic and seq.num_output_tokens > 0
                    and len(seq.token_ids) - seq.num_computed_tokens > 1)
 
     def _room_to_resume(self, group: SequenceGroup, seqs: list[Sequence], remaining: list[int],
@@ -422,7 +430,7 @@ class Scheduler:
         policy, bm = self.spec_policy, self.block_manager
         ahead = []
         for s, n in zip(seqs, remaining):
-            k = policy.lookahead(group, s)
+            k = policy.lookahead(group, s) if policy is not None else 0
             if not bm.can_ever_fit([len(s.token_ids) + k]):
                 k = 0
             ahead.append(n + 1 + k)

@@ -164,3 +164,34 @@ def test_prompt_logprobs_survive_a_recompute_preemption_mid_prompt(tmp_path, def
         assert_all_blocks_free(llm)
     finally:
         llm.shutdown()
+
+
+def test_a_seeded_group_resumes_its_draws_in_order(tmp_path, default_model_dir):
+    """Under deterministic=True a seeded n=3 group preempted by recompute, whose prefill
+    then takes several steps (a budget of 40 tokens for 3 x 50), emits what it emits alone:
+    its sequences draw from one generator, and those prefilled first sampled a step before
+    the others, so the draws went to other sequences (tokens differed from there)."""
+    from tests.conftest import make_tiny_model
+    path = make_tiny_model(tmp_path, "llama", default_model_dir)
+    probe = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=24, ignore_eos=True,
+                           logprobs=1)
+    filler = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 130))}
+    llm = LLM(path, deterministic=True, block_size=8, max_num_batched_tokens=40,
+              num_gpu_blocks_override=24, max_num_seqs=8)
+    try:
+        alone = llm.generate(prompt, probe, use_tqdm=False)[0]
+        sched = llm.llm_engine.scheduler
+        preempted, preempt = [], sched._preempt
+
+        def recorded(group, sched_out, preempt=preempt):
+            preempted.append((group.request_id, group.seqs[0].num_output_tokens))
+            return preempt(group, sched_out)
+        sched._preempt = recorded
+        outs = llm.generate([{"prompt_token_ids": list(range(5, 25))}] * 2 + [prompt],
+                            [filler, filler, probe], use_tqdm=False)
+        assert any(rid == outs[-1].request_id and n > 0 for rid, n in preempted), preempted
+        assert_outputs_bitwise_equal(alone.outputs, outs[-1].outputs)
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
