@@ -133,65 +133,61 @@ def test_a_swapped_group_that_outgrew_the_cache_finishes(caplog):
     assert_all_blocks_free(llm)
 
 
-def test_prompt_logprobs_survive_a_recompute_preemption_mid_prompt(tmp_path, default_model_dir):
-    """A prompt preempted by recompute while it is prefilled in chunks scores its positions
-    again from the start: those replace the ones it had. The list outgrew the prompt instead
-    and never completed: the request's prompt_logprobs came back None."""
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, default_model_dir):
     from tests.conftest import make_tiny_model
-    path = make_tiny_model(tmp_path, "llama", default_model_dir)
-    probe = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, ignore_eos=True)
-    filler = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(100, 220))}
-    llm = LLM(path, deterministic=True, block_size=8, max_num_batched_tokens=12,
-              num_gpu_blocks_override=20, max_num_seqs=8)
+    return make_tiny_model(tmp_path_factory.mktemp("preempt"), "llama", default_model_dir)
+
+
+def alone_and_youngest(path, probe, prompt_len, filler_len, filler_tokens, **engine):
+    """Under deterministic=True the probe (a prompt_len-token prompt) alone, then as the
+    youngest of a batch with two fillers that preempt it: (alone, in the batch, (computed
+    tokens, output tokens) at each of its preemptions); every block free afterwards."""
+    llm = LLM(path, deterministic=True, block_size=8, max_num_seqs=8, **engine)
     try:
+        prompt = {"prompt_token_ids": list(range(100, 100 + prompt_len))}
         alone = llm.generate(prompt, probe, use_tqdm=False)[0]
         sched = llm.llm_engine.scheduler
         preempted, preempt = [], sched._preempt
 
-        def recorded(group, sched_out, preempt=preempt):
+        def recorded(group, sched_out):
             seq = group.seqs[0]
             preempted.append((group.request_id, seq.num_computed_tokens, seq.num_output_tokens))
             return preempt(group, sched_out)
         sched._preempt = recorded
-        outs = llm.generate([{"prompt_token_ids": list(range(5, 45))}] * 2 + [prompt],
+        filler = SamplingParams(temperature=0, max_tokens=filler_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": list(range(5, 5 + filler_len))}] * 2 + [prompt],
                             [filler, filler, probe], use_tqdm=False)
-        mid_prompt = [p for p in preempted if p[0] == outs[-1].request_id and p[2] == 0]
-        assert mid_prompt and all(0 < p[1] < 120 for p in mid_prompt), preempted
-        assert len(alone.prompt_logprobs) == 120
-        assert outs[-1].prompt_logprobs == alone.prompt_logprobs
-        assert_outputs_bitwise_equal([alone.outputs[0]], [outs[-1].outputs[0]])
         assert_all_blocks_free(llm)
     finally:
         llm.shutdown()
+    return alone, outs[-1], [p[1:] for p in preempted if p[0] == outs[-1].request_id]
 
 
-def test_a_seeded_group_resumes_its_draws_in_order(tmp_path, default_model_dir):
+def test_prompt_logprobs_survive_a_recompute_preemption_mid_prompt(tiny_llama):
+    """A prompt preempted by recompute while it is prefilled in chunks scores its positions
+    again from the start: those replace the ones it had. The list outgrew the prompt instead
+    and never completed: the request's prompt_logprobs came back None."""
+    probe = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, ignore_eos=True)
+    alone, busy, preempted = alone_and_youngest(tiny_llama, probe, 120, 40, 40,
+                                                max_num_batched_tokens=12,
+                                                num_gpu_blocks_override=20)
+    mid_prompt = [p for p in preempted if p[1] == 0]
+    assert mid_prompt and all(0 < p[0] < 120 for p in mid_prompt), preempted
+    assert len(alone.prompt_logprobs) == 120
+    assert busy.prompt_logprobs == alone.prompt_logprobs
+    assert_outputs_bitwise_equal([alone.outputs[0]], [busy.outputs[0]])
+
+
+def test_a_seeded_group_resumes_its_draws_in_order(tiny_llama):
     """Under deterministic=True a seeded n=3 group preempted by recompute, whose prefill
     then takes several steps (a budget of 40 tokens for 3 x 50), emits what it emits alone:
     its sequences draw from one generator, and those prefilled first sampled a step before
     the others, so the draws went to other sequences (tokens differed from there)."""
-    from tests.conftest import make_tiny_model
-    path = make_tiny_model(tmp_path, "llama", default_model_dir)
     probe = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=24, ignore_eos=True,
                            logprobs=1)
-    filler = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(100, 130))}
-    llm = LLM(path, deterministic=True, block_size=8, max_num_batched_tokens=40,
-              num_gpu_blocks_override=24, max_num_seqs=8)
-    try:
-        alone = llm.generate(prompt, probe, use_tqdm=False)[0]
-        sched = llm.llm_engine.scheduler
-        preempted, preempt = [], sched._preempt
-
-        def recorded(group, sched_out, preempt=preempt):
-            preempted.append((group.request_id, group.seqs[0].num_output_tokens))
-            return preempt(group, sched_out)
-        sched._preempt = recorded
-        outs = llm.generate([{"prompt_token_ids": list(range(5, 25))}] * 2 + [prompt],
-                            [filler, filler, probe], use_tqdm=False)
-        assert any(rid == outs[-1].request_id and n > 0 for rid, n in preempted), preempted
-        assert_outputs_bitwise_equal(alone.outputs, outs[-1].outputs)
-        assert_all_blocks_free(llm)
-    finally:
-        llm.shutdown()
+    alone, busy, preempted = alone_and_youngest(tiny_llama, probe, 30, 20, 60,
+                                                max_num_batched_tokens=40,
+                                                num_gpu_blocks_override=24)
+    assert any(p[1] > 0 for p in preempted), preempted
+    assert_outputs_bitwise_equal(alone.outputs, busy.outputs)
