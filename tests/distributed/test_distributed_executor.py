@@ -200,6 +200,8 @@ def test_a_killed_worker_fails_generate_naming_the_rank(tiny_models):
 
 INTERRUPTED = """\
 import json, os, signal, sys, threading
+# An ignored SIGINT is inherited (pytest-xdist's workers ignore it), and Python then leaves it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from pagedlm import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512,
           kv_cache_memory_bytes=16 * 2**20)
