@@ -424,17 +424,16 @@ class Scheduler:
     def _room_to_resume(self, group: SequenceGroup, seqs: list[Sequence], remaining: list[int],
                         prefixes: dict[Sequence, list[int]]) -> bool:
         """Whether a group holding its last tokens back has room for the prefill and the
-        decode after it (1 + k slots each, k capped where the whole cache could never hold
-        it): admitted without, that decode preempted it again and the prefill was in vain,
-        each time the cache was short (measured: 2-3x the preemptions of the same batch)."""
+        decode after it (1 + k slots each; k = 0 where the whole cache could never hold the
+        group's, as its decode then gives them up, so that it never waits for good): admitted
+        without, that decode preempted it again and the prefill was in vain, each time the
+        cache was short (measured: 2-3x the preemptions of the same batch)."""
         policy, bm = self.spec_policy, self.block_manager
-        ahead = []
-        for s, n in zip(seqs, remaining):
-            k = policy.lookahead(group, s) if policy is not None else 0
-            if not bm.can_ever_fit([len(s.token_ids) + k]):
-                k = 0
-            ahead.append(n + 1 + k)
-        return bm.can_allocate_slots(seqs, ahead, admission=True, prefixes=prefixes)
+        ks = [policy.lookahead(group, s) if policy is not None else 0 for s in seqs]
+        if not bm.can_ever_fit([len(s.token_ids) + k for s, k in zip(seqs, ks)]):
+            ks = [0] * len(seqs)
+        return bm.can_allocate_slots(seqs, [n + 1 + k for n, k in zip(remaining, ks)],
+                                     admission=True, prefixes=prefixes)
 
     def _add_scheduled(self, group: SequenceGroup, seqs: list[Sequence], tokens: list[int],
                        copies: list[tuple[int, int]], sched_out: SchedulerOutput,
