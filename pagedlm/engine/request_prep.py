@@ -89,8 +89,8 @@ def check_sampling_limits(params: SamplingParams, config: EngineConfig) -> None:
     inside the step for a larger k), lists past their caps (check_request_lists). Reads only
     the config: any thread may call it (beam search does, for the request it splits up)."""
     max_num_seqs = config.scheduler_config.max_num_seqs
+    name = "n" if params.best_of == params.n else "best_of"  # the field that asked for them
     if params.best_of > max_num_seqs:
-        name = "n" if params.best_of == params.n else "best_of"
         raise ValueError(f"{name} ({params.best_of}) is larger than max_num_seqs "
                          f"({max_num_seqs}).")
     mc, spec = config.model_config, config.speculative_config
@@ -99,7 +99,6 @@ def check_sampling_limits(params: SamplingParams, config: EngineConfig) -> None:
             and params.best_of * (spec.num_speculative_tokens + 1) > budget):
         # Its sequences speculate in one step or decode plainly; whether they fit depended
         # on the budget, and so did a seeded request's tokens, which the mode rules out.
-        name = "n" if params.best_of == params.n else "best_of"
         raise ValueError(f"{name} ({params.best_of}) x (num_speculative_tokens "
                          f"{spec.num_speculative_tokens} + 1) must be <= "
                          f"max_num_batched_tokens ({budget}) under --deterministic with "
