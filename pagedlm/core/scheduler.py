@@ -301,12 +301,8 @@ class Scheduler:
         if (policy is None or not policy.deterministic
                 or not all(is_decode(s.num_computed_tokens, n) for s, n in zip(seqs, tokens))):
             return None
-        lookahead = [policy.lookahead(group, s) for s in seqs]
-        bm = self.block_manager
-        if not any(lookahead) or not bm.can_ever_fit(
-                [len(s.token_ids) + k for s, k in zip(seqs, lookahead)]):
-            return None
-        return lookahead
+        lookahead = policy.fitting_lookahead(group, seqs, self.block_manager.can_ever_fit)
+        return lookahead if any(lookahead) else None
 
     def _schedule_waiting(self, sched_out: SchedulerOutput, num_seqs: int) -> None:
         bm = self.block_manager
@@ -388,15 +384,9 @@ class Scheduler:
         """The sequences that run this step and their token counts, within the token budget.
         With chunked prefill a prompt takes what budget is left; without, all or nothing."""
         if remaining is None:
-            held = [self._held_back(s) for s in seqs]
-            remaining = [len(s.token_ids) - s.num_computed_tokens - h for s, h in zip(seqs, held)]
-            if any(held) and len(seqs) > 1:
-                # Its sequences draw from one generator, in a step's row order: one whose
-                # prefill is done waits for the others, so that all decode from the same step,
-                # as they did before the preemption.
-                remaining = [n if h else 0 for n, h in zip(remaining, held)]
-                seqs, remaining = ([s for s, n in zip(seqs, remaining) if n],
-                                   [n for n in remaining if n])
+            remaining = [len(s.token_ids) - s.num_computed_tokens for s in seqs]
+            if self.deterministic:  # (the per-step path of every other mode skips this)
+                seqs, remaining = self._hold_back(seqs, remaining)
         if sum(remaining) <= self._budget:
             return seqs, remaining
         if not self.config.enable_chunked_prefill:
@@ -409,6 +399,19 @@ class Scheduler:
                 tokens.append(n)
                 left -= n
         return chosen, tokens
+
+    def _hold_back(self, seqs: list[Sequence], remaining: list[int]
+                   ) -> tuple[list[Sequence], list[int]]:
+        """A running group's sequences and tokens less what _held_back holds. An n > 1
+        group's sequences draw from one generator, in a step's row order: one whose prefill
+        is done waits for the others, so that all decode from the same step again."""
+        held = [self._held_back(s) for s in seqs]
+        if not any(held):
+            return seqs, remaining
+        if len(seqs) == 1:
+            return seqs, [remaining[0] - 1]
+        return ([s for s, h in zip(seqs, held) if h],
+                [n - 1 for n, h in zip(remaining, held) if h])
 
     def _held_back(self, seq: Sequence) -> int:
         """1 where a sequence comes back from a recompute preemption under --deterministic:
@@ -428,10 +431,9 @@ class Scheduler:
         group's, as its decode then gives them up, so that it never waits for good): admitted
         without, that decode preempted it again and the prefill was in vain, each time the
         cache was short (measured: 2-3x the preemptions of the same batch)."""
-        policy, bm = self.spec_policy, self.block_manager
-        ks = [policy.lookahead(group, s) if policy is not None else 0 for s in seqs]
-        if not bm.can_ever_fit([len(s.token_ids) + k for s, k in zip(seqs, ks)]):
-            ks = [0] * len(seqs)
+        bm = self.block_manager
+        ks = (self.spec_policy.fitting_lookahead(group, seqs, bm.can_ever_fit)
+              if self.spec_policy is not None else [0] * len(seqs))
         return bm.can_allocate_slots(seqs, [n + 1 + k for n, k in zip(remaining, ks)],
                                      admission=True, prefixes=prefixes)
 

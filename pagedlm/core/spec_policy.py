@@ -18,6 +18,8 @@ than they save.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pagedlm.sequence import Sequence, SequenceGroup
 from pagedlm.speculative_config import SpeculativeConfig
 
@@ -49,6 +51,15 @@ class SpecPolicy:
         left = group.sampling_params.max_tokens - seq.num_output_tokens - 1
         room = self.max_model_len - len(seq.token_ids)
         return max(0, min(k, left, room))
+
+    def fitting_lookahead(self, group: SequenceGroup, seqs: list[Sequence],
+                          can_ever_fit: Callable[[list[int]], bool]) -> list[int]:
+        """The sequences' k, all 0 where the whole cache could never hold their tokens and
+        lookahead slots together (those slots are given up rather than waited for)."""
+        ks = [self.lookahead(group, s) for s in seqs]
+        if any(ks) and not can_ever_fit([len(s.token_ids) + k for s, k in zip(seqs, ks)]):
+            return [0] * len(seqs)
+        return ks
 
     def update(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After a verification of num_drafts >= 1 drafts."""
