@@ -6,7 +6,7 @@ again after its table was rewritten), and afterwards only what changed.
 """
 from __future__ import annotations
 
-from pagedlm.core.scheduler import SchedulerOutput
+from pagedlm.core.scheduler_output import SchedulerOutput
 from pagedlm.model_io import ExecuteModelRequest, NewRequestData, NewSequenceData
 from pagedlm.sequence import Sequence, SequenceGroup
 

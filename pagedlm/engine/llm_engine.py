@@ -15,7 +15,8 @@ from typing import Iterable
 from pagedlm.config import EngineConfig
 from pagedlm.core.block_manager import BlockManager, plain_pool
 from pagedlm.core.sched_output import ExecuteModelRequestBuilder
-from pagedlm.core.scheduler import Scheduler, SchedulerOutput
+from pagedlm.core.scheduler import Scheduler
+from pagedlm.core.scheduler_output import SchedulerOutput
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.output_processor import (OutputProcessor, make_embedding_output,
                                              make_request_output)

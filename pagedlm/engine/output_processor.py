@@ -10,7 +10,7 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedlm.core.scheduler import SchedulerOutput
+from pagedlm.core.scheduler_output import SchedulerOutput
 from pagedlm.engine.detokenizer import IncrementalDetokenizer
 from pagedlm.engine.stop_checker import StopDecision, check_stop
 from pagedlm.model_executor.layers.pooler import finalize_embedding

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedlm.core.scheduler import SchedulerStats
+from pagedlm.core.scheduler_output import SchedulerStats
 
 if TYPE_CHECKING:
-    from pagedlm.core.scheduler import Scheduler, SchedulerOutput
+    from pagedlm.core.scheduler import Scheduler
+    from pagedlm.core.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from pagedlm.metrics.stats import (
 
 if TYPE_CHECKING:
     from pagedlm.core.block_manager import BlockManager
-    from pagedlm.core.scheduler import Scheduler, SchedulerOutput
+    from pagedlm.core.scheduler import Scheduler
+    from pagedlm.core.scheduler_output import SchedulerOutput
 
 # One character per KV block in StepRecord.block_map.
 FREE, USED, SHARED, CACHED = ".", "u", "s", "c"

@@ -6,7 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pagedlm.config import CacheConfig, SchedulerConfig
-from pagedlm.core.scheduler import Scheduler, SchedulerOutput
+from pagedlm.core.scheduler import Scheduler
+from pagedlm.core.scheduler_output import SchedulerOutput
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup, SequenceUpdates
 from pagedlm.speculative_config import SpeculativeConfig

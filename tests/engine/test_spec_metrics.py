@@ -8,7 +8,7 @@ import re
 
 from prometheus_client import generate_latest
 
-from pagedlm.core.scheduler import SchedulerStats
+from pagedlm.core.scheduler_output import SchedulerStats
 from pagedlm.metrics.prometheus import EngineMetrics, EngineSnapshot
 from pagedlm.metrics.stats import SpecDecodeCounts
 from pagedlm.metrics.tracer import chrome_trace
