@@ -72,10 +72,21 @@ class BlockManager:
         """The most blocks a request may need at admission: the cache less the watermark."""
         return self.num_blocks - self.watermark_blocks
 
-    def can_ever_fit(self, seq_lens: list[int]) -> bool:
+    def _shared_prompt_blocks(self, seq_lens: list[int], shared_tokens: int) -> int:
+        shared = shared_tokens // self.block_size
+        return sum(map(self.num_blocks_for, seq_lens)) - shared * (len(seq_lens) - 1)
+
+    def can_ever_fit(self, seq_lens: list[int], shared_tokens: int = 0) -> bool:
         """Whether sequences of these lengths, from scratch, could ever be admitted: the rule
-        add_request checks prompts against, so a prompt it accepts is never dropped unrun."""
-        return sum(map(self.num_blocks_for, seq_lens)) <= self.max_admissible_blocks
+        add_request checks prompts against, so a prompt it accepts is never dropped unrun.
+        `shared_tokens`: a multiple of the block size the sequences share (their prompt)."""
+        return self._shared_prompt_blocks(seq_lens, shared_tokens) <= self.max_admissible_blocks
+
+    def can_share_prompt(self, seq_lens: list[int], shared_tokens: int) -> bool:
+        """Whether sequences without blocks sharing their first `shared_tokens` tokens' blocks
+        (a multiple of the block size) fit in the pool now, less the watermark (an admission).
+        Cached blocks they might start from count as new: it errs towards waiting."""
+        return self._room_for(self._shared_prompt_blocks(seq_lens, shared_tokens), True)
 
     # -- prefix caching -----------------------------------------------------------------------
     @staticmethod
@@ -226,6 +237,20 @@ class BlockManager:
         keep = self.num_blocks_for(len(seq.token_ids))
         while len(seq.block_table) > keep:
             self.device.release(seq.block_table.pop())
+
+    def share_prompt(self, leader: Sequence, seq: Sequence, num_blocks: int) -> None:
+        """seq, a sequence of leader's group without blocks of its own, takes leader's first
+        num_blocks blocks: full blocks of the prompt they share, computed already."""
+        assert not seq.block_table and not seq.num_computed_tokens
+        assert leader.num_computed_tokens >= num_blocks * self.block_size
+        seq.block_table = leader.block_table[:num_blocks]
+        for block_id in seq.block_table:
+            self.device.share(block_id)
+        seq.num_computed_tokens = num_blocks * self.block_size
+        # The same tokens hash alike: the leader's registered blocks are seq's too.
+        n = min(num_blocks, leader.num_cached_blocks)
+        seq.block_hashes[:n] = leader.block_hashes[:n]
+        seq.num_cached_blocks = n
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_table = list(parent.block_table)

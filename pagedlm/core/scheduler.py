@@ -268,17 +268,27 @@ class Scheduler:
             # Prompt logprobs need every prompt position's logits, so nothing can be skipped.
             use_cache = group.sampling_params.prompt_logprobs is None
             prefixes = {s: bm.find_cached_prefix(s) if use_cache else [] for s in all_seqs}
-            held = {s: self._held_back(s) for s in all_seqs}
-            for s in all_seqs:
-                if held[s] and len(s.token_ids) - len(prefixes[s]) * bm.block_size < 2:
-                    prefixes[s] = prefixes[s][:-1]  # leave it a token to compute and one held
-            remaining = [len(s.token_ids) - len(prefixes[s]) * bm.block_size - held[s]
-                         for s in all_seqs]
-            seqs, tokens = self._plan(group, all_seqs, remaining)
-            if not seqs or (len(seqs) < len(all_seqs) and not self.config.enable_chunked_prefill):
+            lead = self._prompt_leader(all_seqs)
+            if lead is not None and len(prefixes[lead[0]]) * bm.block_size < lead[1]:
+                # Its first sequence computes the shared prompt alone; room for all of them.
+                leader, shared = lead
+                run, prefixes = [leader], {leader: prefixes[leader]}
+                remaining = [shared - len(prefixes[leader]) * bm.block_size]
+                room = self._room_to_share(group, all_seqs, shared)
+            else:
+                held = {s: self._held_back(s) for s in all_seqs}
+                for s in all_seqs:
+                    if held[s] and len(s.token_ids) - len(prefixes[s]) * bm.block_size < 2:
+                        prefixes[s] = prefixes[s][:-1]  # leave it a token to compute, one held
+                run, remaining = all_seqs, [
+                    len(s.token_ids) - len(prefixes[s]) * bm.block_size - held[s]
+                    for s in all_seqs]
+                room = not any(held.values()) or self._room_to_resume(group, all_seqs,
+                                                                     remaining, prefixes)
+            seqs, tokens = self._plan(group, run, remaining)
+            if not seqs or (len(seqs) < len(run) and not self.config.enable_chunked_prefill):
                 break
-            if any(held.values()) and not self._room_to_resume(group, all_seqs, remaining,
-                                                               prefixes):
+            if not room:
                 break
             copies = bm.allocate_slots(seqs, tokens, admission=True, prefixes=prefixes)
             if copies is None:
@@ -320,9 +330,13 @@ class Scheduler:
         """The sequences that run this step and their token counts, within the token budget.
         With chunked prefill a prompt takes what budget is left; without, all or nothing."""
         if remaining is None:
-            remaining = [len(s.token_ids) - s.num_computed_tokens for s in seqs]
-            if self.deterministic:  # (the per-step path of every other mode skips this)
-                seqs, remaining = self._hold_back(seqs, remaining)
+            lead = self._prompt_leader(seqs) if len(seqs) > 1 else None
+            if lead is not None:
+                seqs, remaining = [lead[0]], [lead[1] - lead[0].num_computed_tokens]
+            else:
+                remaining = [len(s.token_ids) - s.num_computed_tokens for s in seqs]
+                if self.deterministic:  # (the per-step path of every other mode skips this)
+                    seqs, remaining = self._hold_back(seqs, remaining)
         if sum(remaining) <= self._budget:
             return seqs, remaining
         if not self.config.enable_chunked_prefill:
@@ -335,6 +349,45 @@ class Scheduler:
                 tokens.append(n)
                 left -= n
         return chosen, tokens
+
+    def _prompt_leader(self, seqs: list[Sequence]) -> tuple[Sequence, int] | None:
+        """An n > 1 group that recompute preempted computes its prompt's full blocks once
+        again: its first sequence alone, then the others share them (`_join_leader`), as they
+        shared them when they forked from it. Prefilled each on its own, the group needed n
+        copies of its prompt, and a long prompt's copies could exceed the cache: the group
+        then ended 'length' although it had run (measured: 24 blocks, n = 4, a 143-token
+        prompt: 2 of 9 tokens). (its first sequence, the tokens of the prompt's full blocks)
+        while the others wait for them; None otherwise."""
+        leader = seqs[0]
+        shared = leader.num_prompt_tokens - leader.num_prompt_tokens % self.block_manager.block_size
+        if (len(seqs) < 2 or not shared or leader.num_computed_tokens >= shared
+                or seqs[1].block_table or seqs[1].num_computed_tokens):
+            return None
+        return leader, shared
+
+    def _room_to_share(self, group: SequenceGroup, seqs: list[Sequence], shared: int) -> bool:
+        """Whether the cache has room now for the whole group once its sequences share the
+        prompt's first `shared` tokens, and for each one's next decode (1 + k slots): its
+        first sequence alone is admitted to compute them, and the others join it later."""
+        ks = (self.spec_policy.fitting_lookahead(group, seqs, self.block_manager.can_ever_fit)
+              if self.spec_policy is not None else [0] * len(seqs))
+        return self.block_manager.can_share_prompt(
+            [len(s.token_ids) + 1 + k for s, k in zip(seqs, ks)], shared)
+
+    def _join_leader(self, group: SequenceGroup) -> None:
+        """After a step: where a group's first sequence has computed the prompt's full blocks
+        again (`_prompt_leader`), the others take them."""
+        seqs = group.unfinished_seqs()
+        if len(seqs) < 2:
+            return
+        leader = seqs[0]
+        bs = self.block_manager.block_size
+        shared = leader.num_prompt_tokens - leader.num_prompt_tokens % bs
+        if leader.num_computed_tokens < shared:
+            return
+        for s in seqs[1:]:
+            if not s.block_table and not s.num_computed_tokens:
+                self.block_manager.share_prompt(leader, s, shared // bs)
 
     def _hold_back(self, seqs: list[Sequence], remaining: list[int]
                    ) -> tuple[list[Sequence], list[int]]:
@@ -400,9 +453,13 @@ class Scheduler:
 
     def _can_ever_fit(self, seqs: list[Sequence]) -> bool:
         lens = [len(s.token_ids) for s in seqs]
-        return (self.block_manager.can_ever_fit(lens)
+        lead = self._prompt_leader(seqs) if len(seqs) > 1 else None
+        shared = lead[1] if lead is not None else 0
+        # A step computes the shared prompt, and a later one the rest of every sequence.
+        step = max(shared, sum(lens) - len(lens) * shared)
+        return (self.block_manager.can_ever_fit(lens, shared)
                 and (self.config.enable_chunked_prefill
-                     or sum(lens) <= self.config.max_num_batched_tokens))
+                     or step <= self.config.max_num_batched_tokens))
 
     def _preempt(self, group: SequenceGroup, sched_out: SchedulerOutput) -> None:
         """Swap the group's blocks out to the host pool if that is the mode and there is room;
@@ -432,6 +489,8 @@ class Scheduler:
         for sg in sched_out.scheduled_groups:
             for seq, n in zip(sg.seqs, sg.num_new_tokens):
                 seq.num_computed_tokens += n
+            if len(sg.seqs) < len(sg.group.seqs):  # (a prompt's first sequence, among others)
+                self._join_leader(sg.group)
         if updates is not None:
             for group, parent, child in updates.forks:
                 self.block_manager.fork(parent, child)

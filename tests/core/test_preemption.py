@@ -140,10 +140,10 @@ def tiny_llama(tmp_path_factory, default_model_dir):
 
 
 def alone_and_youngest(path, probe, prompt_len, filler_len, filler_tokens, **engine):
-    """Under deterministic=True the probe (a prompt_len-token prompt) alone, then as the
+    """Under deterministic=True (unless engine says otherwise) the probe (a prompt_len-token prompt) alone, then as the
     youngest of a batch with two fillers that preempt it: (alone, in the batch, (computed
     tokens, output tokens) at each of its preemptions); every block free afterwards."""
-    llm = LLM(path, deterministic=True, block_size=8, max_num_seqs=8, **engine)
+    llm = LLM(path, **{"deterministic": True, "block_size": 8, "max_num_seqs": 8, **engine})
     try:
         prompt = {"prompt_token_ids": list(range(100, 100 + prompt_len))}
         alone = llm.generate(prompt, probe, use_tqdm=False)[0]
@@ -191,3 +191,27 @@ def test_a_seeded_group_resumes_its_draws_in_order(tiny_llama):
                                                 num_gpu_blocks_override=24)
     assert any(p[1] > 0 for p in preempted), preempted
     assert_outputs_bitwise_equal(alone.outputs, busy.outputs)
+
+
+@pytest.mark.parametrize("engine", [{"enable_prefix_caching": False},
+                                    {"enable_prefix_caching": True},
+                                    {"enable_prefix_caching": False,
+                                     "enable_chunked_prefill": False,
+                                     "max_num_batched_tokens": 512}], ids=str)
+@pytest.mark.parametrize("deterministic", MODES)
+def test_a_group_recomputed_shares_its_prompt_again(tiny_llama, deterministic, engine):
+    """A seeded n=4 group with a 100-token prompt, preempted by recompute: it comes back
+    computing its prompt's full blocks once, which its sequences share again (12 blocks of 8
+    tokens and 2-3 of their own each, about 24 of the cache's 40). Prefilled as four copies
+    (about 56 blocks) it could never fit again and ended 'length' with what it had. With
+    prefix caching its prompt's blocks are still cached when it comes back: its sequences
+    start from them."""
+    probe = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=16, ignore_eos=True,
+                           logprobs=1)
+    alone, busy, preempted = alone_and_youngest(tiny_llama, probe, 100, 100, 30,
+                                                deterministic=deterministic,
+                                                num_gpu_blocks_override=40, **engine)
+    assert any(p[1] > 0 for p in preempted), preempted  # preempted with tokens out
+    assert [len(c.token_ids) for c in busy.outputs] == [16] * 4
+    if deterministic:
+        assert_outputs_bitwise_equal(alone.outputs, busy.outputs)
