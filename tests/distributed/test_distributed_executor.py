@@ -179,6 +179,7 @@ def test_deleting_an_llm_stops_its_worker_processes(tiny_models):
     del llm  # no explicit shutdown: the LLM's last reference goes
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, alive
+    assert [w.returncode for w in gone] == [0, 0]  # each left on its own, not killed
     assert_no_workers_left()
 
 
