@@ -173,13 +173,14 @@ def test_decode_steps_send_only_new_ids(tiny_models):
 def test_deleting_an_llm_stops_its_worker_processes(tiny_models):
     llm = LLM(tiny_models["llama"], pipeline_parallel_size=2, max_model_len=256,
               kv_cache_memory_bytes=8 * 2**20)
-    workers = [psutil.Process(p.pid) for p in llm.llm_engine.executor.procs]
+    procs = llm.llm_engine.executor.procs
+    workers = [psutil.Process(p.pid) for p in procs]
     assert all(w.is_running() for w in workers)
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     del llm  # no explicit shutdown: the LLM's last reference goes
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, alive
-    assert [w.returncode for w in gone] == [0, 0]  # each left on its own, not killed
+    assert [p.exitcode for p in procs] == [0, 0]  # each left on its own, not killed
     assert_no_workers_left()
 
 
