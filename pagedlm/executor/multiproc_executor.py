@@ -151,6 +151,15 @@ class WorkerProcess:
     def is_alive(self) -> bool:
         return self.popen.poll() is None
 
+    def is_stopped(self) -> bool:
+        """Stopped by a signal (SIGSTOP, Ctrl-Z) or held by a debugger: /proc's state T or t
+        (Linux; elsewhere False)."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            return False
+
     def kill(self) -> None:
         if self.is_alive():
             self.popen.kill()
@@ -222,6 +231,10 @@ def _send_within(conn: Connection, data: bytes, deadline: float | None) -> bool:
     return True
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def _stop_workers(procs: list[WorkerProcess], conns: list[Connection]) -> None:
     """Ask every worker to leave, then kill the ones that do not. Used at shutdown and by the
     finalizer (it must not refer to the executor)."""
@@ -290,7 +303,7 @@ class MultiprocExecutor(Executor):
                 if not _send_within(conn, payload, deadline):
                     error = (f"worker rank {sent} did not read {method!r} within "
                              f"{self.step_timeout_s:g} s (PAGEDLM_ENGINE_ITERATION_TIMEOUT_S): "
-                             f"stopped, or stuck in a collective")
+                             f"{self._why_late([sent])}")
                     break
                 sent += 1
         except OSError:  # (failed outside the except: the cause is not this OSError)
@@ -314,11 +327,9 @@ class MultiprocExecutor(Executor):
         results: list[Any] = [None] * len(self.conns)
         while pending:
             if deadline is not None and time.monotonic() > deadline:
-                self._fail(f"worker rank{'s' if len(pending) > 1 else ''} "
-                           f"{', '.join(map(str, sorted(pending)))} did not finish "
-                           f"{method!r} within {self.step_timeout_s:g} s "
-                           f"(PAGEDLM_ENGINE_ITERATION_TIMEOUT_S): stopped, or stuck in a "
-                           f"collective")
+                self._fail(f"{_ranks(sorted(pending))} did not finish {method!r} within "
+                           f"{self.step_timeout_s:g} s (PAGEDLM_ENGINE_ITERATION_TIMEOUT_S): "
+                           f"{self._why_late(sorted(pending))}")
             sentinels = {self.procs[r].sentinel: r for r in pending}
             for ready in wait([*pending.values(), *sentinels], timeout=1.0):
                 rank = sentinels.get(ready)
@@ -340,6 +351,16 @@ class MultiprocExecutor(Executor):
                     self.procs[rank].join(1.0)  # its exit status comes a moment after
                     self._fail(f"{self.procs[rank].describe_exit()} during {method!r}")
         return results
+
+    def _why_late(self, ranks: list[int]) -> str:
+        """The stopped ones among ranks that missed the deadline, where /proc tells: the
+        others, in a collective, wait for them."""
+        stopped = [r for r in ranks if self.procs[r].is_stopped()]
+        if not stopped:
+            return "stopped, or stuck in a collective"
+        return (f"{_ranks(stopped)} {'is' if len(stopped) == 1 else 'are'} stopped (a signal "
+                f"or a debugger)" + (", the others wait for it" if len(stopped) < len(ranks)
+                                     else ""))
 
     def check_health(self) -> None:
         if self.is_shutdown:

@@ -262,6 +262,7 @@ def test_a_stopped_worker_cannot_block_the_send_past_the_deadline(tiny_models, m
         assert time.monotonic() - start < 8
         assert len(errors) == 1 and isinstance(errors[0], WorkerFailedError), errors
         assert "worker rank 1 did not read" in str(errors[0])
+        assert "worker rank 1 is stopped" in str(errors[0])
     finally:
         if victim.is_alive():
             os.kill(victim.pid, signal.SIGKILL)

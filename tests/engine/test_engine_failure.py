@@ -215,6 +215,7 @@ def test_a_stopped_worker_fails_the_step_after_the_timeout(tiny_model):
         victim = next(w for w in workers if "pagedlm-worker-rank-1" in w.cmdline())
         message, stopped_at = _signal_mid_request(served, victim, signal.SIGSTOP)
         assert "did not finish 'execute_model' within 2 s" in message, message
+        assert "worker rank 1 is stopped" in message, message  # of the ranks that missed it
         assert_exits_failed(served, stopped_at)
     assert_gone(workers)
     assert_logged_once(served.log, "PAGEDLM_ENGINE_ITERATION_TIMEOUT_S")
