@@ -12,7 +12,8 @@ Three queues, as in the seeds: waiting (new, or preempted by recompute), running
    scheduled this step (the youngest, or the lowest priority), which may be itself.
 3. If nothing had to be preempted: swapped groups come back first (blocks_to_swap_in).
 4. If nothing is still swapped out: waiting groups are admitted in order, each starting from its
-   longest cached prefix, while the budgets and the free blocks (less a watermark) allow.
+   longest cached prefix, while the budgets and the free blocks (less a watermark) allow. A
+   group that recompute preempted comes back by the ResumePolicy's rules (resume_policy.py).
 
 LoRA (the seeds' curr_loras): the running groups use at most max_loras distinct adapters, so
 every step fits the workers' adapter slots. A waiting group whose adapter finds no slot stays
@@ -28,6 +29,7 @@ from operator import attrgetter
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.block_manager import BlockManager, PoolFactory, plain_pool
 from pagedlm.core.multi_step import multi_step_lookahead
+from pagedlm.core.resume_policy import ResumePolicy
 from pagedlm.core.scheduler_output import ScheduledGroup, SchedulerOutput, SchedulerStats
 from pagedlm.core.spec_policy import SpecPolicy
 from pagedlm.model_io import is_decode
@@ -57,6 +59,7 @@ class Scheduler:
             num_device_blocks, cache_config.block_size, watermark, num_cpu_blocks,
             enable_prefix_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.prefix_caching_hash_algo, pool_factory=pool_factory)
+        self.resume = ResumePolicy(self.block_manager, self.spec_policy, deterministic)
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -268,23 +271,23 @@ class Scheduler:
             # Prompt logprobs need every prompt position's logits, so nothing can be skipped.
             use_cache = group.sampling_params.prompt_logprobs is None
             prefixes = {s: bm.find_cached_prefix(s) if use_cache else [] for s in all_seqs}
-            lead = self._prompt_leader(all_seqs)
+            lead = self.resume.prompt_leader(all_seqs)
             if lead is not None and len(prefixes[lead[0]]) * bm.block_size < lead[1]:
                 # Its first sequence computes the shared prompt alone; room for all of them.
                 leader, shared = lead
                 run, prefixes = [leader], {leader: prefixes[leader]}
                 remaining = [shared - len(prefixes[leader]) * bm.block_size]
-                room = self._room_to_share(group, all_seqs, shared)
+                room = self.resume.room_to_share(group, all_seqs, shared)
             else:
-                held = {s: self._held_back(s) for s in all_seqs}
+                held = {s: self.resume.held_back(s) for s in all_seqs}
                 for s in all_seqs:
                     if held[s] and len(s.token_ids) - len(prefixes[s]) * bm.block_size < 2:
                         prefixes[s] = prefixes[s][:-1]  # leave it a token to compute, one held
                 run, remaining = all_seqs, [
                     len(s.token_ids) - len(prefixes[s]) * bm.block_size - held[s]
                     for s in all_seqs]
-                room = not any(held.values()) or self._room_to_resume(group, all_seqs,
-                                                                     remaining, prefixes)
+                room = not any(held.values()) or self.resume.room_to_resume(group, all_seqs,
+                                                                          remaining, prefixes)
             seqs, tokens = self._plan(group, run, remaining)
             if not seqs or (len(seqs) < len(run) and not self.config.enable_chunked_prefill):
                 break
@@ -330,13 +333,13 @@ class Scheduler:
         """The sequences that run this step and their token counts, within the token budget.
         With chunked prefill a prompt takes what budget is left; without, all or nothing."""
         if remaining is None:
-            lead = self._prompt_leader(seqs) if len(seqs) > 1 else None
+            lead = self.resume.prompt_leader(seqs) if len(seqs) > 1 else None
             if lead is not None:
                 seqs, remaining = [lead[0]], [lead[1] - lead[0].num_computed_tokens]
             else:
                 remaining = [len(s.token_ids) - s.num_computed_tokens for s in seqs]
                 if self.deterministic:  # (the per-step path of every other mode skips this)
-                    seqs, remaining = self._hold_back(seqs, remaining)
+                    seqs, remaining = self.resume.hold_back(seqs, remaining)
         if sum(remaining) <= self._budget:
             return seqs, remaining
         if not self.config.enable_chunked_prefill:
@@ -349,82 +352,6 @@ class Scheduler:
                 tokens.append(n)
                 left -= n
         return chosen, tokens
-
-    def _prompt_leader(self, seqs: list[Sequence]) -> tuple[Sequence, int] | None:
-        """An n > 1 group that recompute preempted computes its prompt's full blocks once
-        again: its first sequence alone, then the others share them (`_join_leader`), as they
-        shared them when they forked from it. Prefilled each on its own, the group needed n
-        copies of its prompt, and a long prompt's copies could exceed the cache: the group
-        then ended 'length' although it had run (measured: 24 blocks, n = 4, a 143-token
-        prompt: 2 of 9 tokens). (its first sequence, the tokens of the prompt's full blocks)
-        while the others wait for them; None otherwise."""
-        leader = seqs[0]
-        shared = leader.num_prompt_tokens - leader.num_prompt_tokens % self.block_manager.block_size
-        if (len(seqs) < 2 or not shared or leader.num_computed_tokens >= shared
-                or seqs[1].block_table or seqs[1].num_computed_tokens):
-            return None
-        return leader, shared
-
-    def _room_to_share(self, group: SequenceGroup, seqs: list[Sequence], shared: int) -> bool:
-        """Whether the cache has room now for the whole group once its sequences share the
-        prompt's first `shared` tokens, and for each one's next decode (1 + k slots): its
-        first sequence alone is admitted to compute them, and the others join it later."""
-        ks = (self.spec_policy.fitting_lookahead(group, seqs, self.block_manager.can_ever_fit)
-              if self.spec_policy is not None else [0] * len(seqs))
-        return self.block_manager.can_share_prompt(
-            [len(s.token_ids) + 1 + k for s, k in zip(seqs, ks)], shared)
-
-    def _join_leader(self, group: SequenceGroup) -> None:
-        """After a step: where a group's first sequence has computed the prompt's full blocks
-        again (`_prompt_leader`), the others take them."""
-        seqs = group.unfinished_seqs()
-        if len(seqs) < 2:
-            return
-        leader = seqs[0]
-        bs = self.block_manager.block_size
-        shared = leader.num_prompt_tokens - leader.num_prompt_tokens % bs
-        if leader.num_computed_tokens < shared:
-            return
-        for s in seqs[1:]:
-            if not s.block_table and not s.num_computed_tokens:
-                self.block_manager.share_prompt(leader, s, shared // bs)
-
-    def _hold_back(self, seqs: list[Sequence], remaining: list[int]
-                   ) -> tuple[list[Sequence], list[int]]:
-        """A running group's sequences and tokens less what _held_back holds. An n > 1
-        group's sequences draw from one generator, in a step's row order: one whose prefill
-        is done waits for the others, so that all decode from the same step again."""
-        held = [self._held_back(s) for s in seqs]
-        if not any(held):
-            return seqs, remaining
-        if len(seqs) == 1:
-            return seqs, [remaining[0] - 1]
-        return ([s for s, h in zip(seqs, held) if h],
-                [n - 1 for n, h in zip(remaining, held) if h])
-
-    def _held_back(self, seq: Sequence) -> int:
-        """1 where a sequence comes back from a recompute preemption under --deterministic:
-        its prefill computes all but its last token, which its next step decodes (with its
-        drafts, speculating), as that step would have run without the preemption. A prefill
-        that sampled the last token drew the request's seeded generator once where a
-        speculating step draws 1 + k times, and the sequences of an n > 1 group, prefilled in
-        chunks over several steps, drew in another order; either way the tokens after it
-        changed with the load (measured). Else 0."""
-        return int(self.deterministic and seq.num_output_tokens > 0
-                   and len(seq.token_ids) - seq.num_computed_tokens > 1)
-
-    def _room_to_resume(self, group: SequenceGroup, seqs: list[Sequence], remaining: list[int],
-                        prefixes: dict[Sequence, list[int]]) -> bool:
-        """Whether a group holding its last tokens back has room for the prefill and the
-        decode after it (1 + k slots each; k = 0 where the whole cache could never hold the
-        group's, as its decode then gives them up, so that it never waits for good): admitted
-        without, that decode preempted it again and the prefill was in vain, each time the
-        cache was short (measured: 2-3x the preemptions of the same batch)."""
-        bm = self.block_manager
-        ks = (self.spec_policy.fitting_lookahead(group, seqs, bm.can_ever_fit)
-              if self.spec_policy is not None else [0] * len(seqs))
-        return bm.can_allocate_slots(seqs, [n + 1 + k for n, k in zip(remaining, ks)],
-                                     admission=True, prefixes=prefixes)
 
     def _add_scheduled(self, group: SequenceGroup, seqs: list[Sequence], tokens: list[int],
                        copies: list[tuple[int, int]], sched_out: SchedulerOutput,
@@ -453,7 +380,7 @@ class Scheduler:
 
     def _can_ever_fit(self, seqs: list[Sequence]) -> bool:
         lens = [len(s.token_ids) for s in seqs]
-        lead = self._prompt_leader(seqs) if len(seqs) > 1 else None
+        lead = self.resume.prompt_leader(seqs) if len(seqs) > 1 else None
         shared = lead[1] if lead is not None else 0
         # A step computes the shared prompt, and a later one the rest of every sequence.
         step = max(shared, sum(lens) - len(lens) * shared)
@@ -490,7 +417,7 @@ class Scheduler:
             for seq, n in zip(sg.seqs, sg.num_new_tokens):
                 seq.num_computed_tokens += n
             if len(sg.seqs) < len(sg.group.seqs):  # (a prompt's first sequence, among others)
-                self._join_leader(sg.group)
+                self.resume.join_leader(sg.group)
         if updates is not None:
             for group, parent, child in updates.forks:
                 self.block_manager.fork(parent, child)
