@@ -29,6 +29,14 @@ MAX_LOGPROBS = 20
 
 # A token id as a request carries it: the engine checks it against its vocabulary.
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)]
+# A request's lists (and logit_bias) stop validating at their first bad item. pydantic
+# reports every one by default, each list in a union too: a 2 MB prompt of 500,000 ids of -1
+# made 1.5 million errors, held the event loop 15 s and answered a 67 MB 400 (measured).
+FIRST_ERROR = Field(fail_fast=True)
+TokenIds = Annotated[list[TokenId], FIRST_ERROR]
+Strings = Annotated[list[str], FIRST_ERROR]
+# A prompt (or embedding input): text, texts, token ids, or lists of token ids.
+PromptInput = str | Strings | TokenIds | Annotated[list[TokenIds], FIRST_ERROR]
 LOGPROBS_LIMIT = "At most the server's --max-logprobs (default 20)."
 
 
@@ -93,9 +101,9 @@ class ChatMessageToolCall(StrictRequest):
 
 class ChatMessage(StrictRequest):
     role: str
-    content: str | list[ChatContentPart] | None = None
+    content: str | Annotated[list[ChatContentPart], FIRST_ERROR] | None = None
     name: str | None = None
-    tool_calls: list[ChatMessageToolCall] | None = None  # assistant turns
+    tool_calls: Annotated[list[ChatMessageToolCall], FIRST_ERROR] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this is the result of
 
     def to_template_dict(self, index: int) -> dict:
@@ -158,12 +166,14 @@ class SamplingRequest(StrictRequest):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
+    stop: str | Strings | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None \
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS,
+                                                           le=MAX_LOGIT_BIAS)]],
+                          FIRST_ERROR] | None \
         = Field(None, description="Token id (as a string) -> a bias added to its logit.")
     user: str | None = None
     # vLLM's extra sampling fields
@@ -172,7 +182,7 @@ class SamplingRequest(StrictRequest):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -192,11 +202,11 @@ class SamplingRequest(StrictRequest):
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Strings | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
-    allowed_token_ids: list[TokenId] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: Strings | None = None
 
     def _unsupported(self) -> str | None:
         if self.stream and self.prompt_logprobs:

@@ -4,13 +4,13 @@ streamed chunks (see protocol.py for the shared pieces, the messages among them)
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from pagedlm.entrypoints.openai.protocol import (LOGPROBS_LIMIT, MAX_LOGPROBS, ChatMessage,
-                                                 OpenAIBaseModel, PromptLogprobs, SamplingRequest,
-                                                 StrictRequest, UsageInfo)
+from pagedlm.entrypoints.openai.protocol import (FIRST_ERROR, LOGPROBS_LIMIT, MAX_LOGPROBS,
+                                                 ChatMessage, OpenAIBaseModel, PromptLogprobs,
+                                                 SamplingRequest, StrictRequest, UsageInfo)
 from pagedlm.sampling_params import MAX_TOKEN_COUNT, SamplingParams
 
 
@@ -38,14 +38,14 @@ class ChatCompletionNamedToolChoiceParam(StrictRequest):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], FIRST_ERROR] = Field(min_length=1)
     # deprecated by OpenAI in favour of max_completion_tokens
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_COUNT,
                                      description=LOGPROBS_LIMIT)
-    tools: list[ChatCompletionToolsParam] | None = None
+    tools: Annotated[list[ChatCompletionToolsParam], FIRST_ERROR] | None = None
     # None: "auto" when tools are given (as vLLM), else "none"
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None \
         = None

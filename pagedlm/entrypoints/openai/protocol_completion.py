@@ -7,7 +7,8 @@ from typing import Literal
 from pydantic import Field
 
 from pagedlm.entrypoints.openai.protocol import (LOGPROBS_LIMIT, MAX_LOGPROBS, OpenAIBaseModel,
-                                                 PromptLogprobs, SamplingRequest, TokenId,
+                                                 PromptInput, PromptLogprobs,
+                                                 SamplingRequest,
                                                  UsageInfo)
 from pagedlm.sampling_params import MAX_TOKEN_COUNT, SamplingParams
 
@@ -15,7 +16,7 @@ from pagedlm.sampling_params import MAX_TOKEN_COUNT, SamplingParams
 # ---- /v1/completions ----
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: PromptInput
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKEN_COUNT)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_COUNT, description=LOGPROBS_LIMIT)

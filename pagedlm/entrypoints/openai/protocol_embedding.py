@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pagedlm.entrypoints.openai.protocol import OpenAIBaseModel, StrictRequest, TokenId
+from pagedlm.entrypoints.openai.protocol import OpenAIBaseModel, PromptInput, StrictRequest
 from pagedlm.sampling_params import INT64_MAX, INT64_MIN, MAX_TOKEN_COUNT
 
 
@@ -14,7 +14,7 @@ from pagedlm.sampling_params import INT64_MAX, INT64_MIN, MAX_TOKEN_COUNT
 
 class EmbeddingRequest(StrictRequest):
     model: str | None = None
-    input: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+    input: PromptInput = Field(
         description="A text, a list of texts, a token array, or a list of token arrays.")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(

@@ -1,12 +1,12 @@
 """The bodies of /tokenize and /detokenize (see protocol.py for the shared pieces)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
-from pagedlm.entrypoints.openai.protocol import (ChatMessage, OpenAIBaseModel, StrictRequest,
-                                                 TokenId)
+from pagedlm.entrypoints.openai.protocol import (FIRST_ERROR, ChatMessage, OpenAIBaseModel,
+                                                 StrictRequest, TokenIds)
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----
@@ -20,7 +20,7 @@ class TokenizeCompletionRequest(StrictRequest):
 
 class TokenizeChatRequest(StrictRequest):
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], FIRST_ERROR] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template already holds them
@@ -41,7 +41,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(StrictRequest):
     model: str | None = None
-    tokens: list[TokenId] = Field(description="Token ids of the server's vocabulary.")
+    tokens: TokenIds = Field(description="Token ids of the server's vocabulary.")
 
 
 class DetokenizeResponse(OpenAIBaseModel):

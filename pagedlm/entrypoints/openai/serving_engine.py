@@ -93,13 +93,26 @@ def validation_error_response(e: ValidationError) -> JSONResponse:
         if err.get("msg") not in msgs:
             msgs.append(err.get("msg", "invalid"))
     parts = []
-    for loc, (msgs, value) in by_loc.items():
+    for loc, (msgs, value) in list(by_loc.items())[:_SHOWN_ERRORS]:
         msg = " or ".join(msgs)
         if loc and not isinstance(value, (dict, list)) and value is not None:
-            msg += f", got {value!r}"
+            msg += f", got {_shown(value)}"
         parts.append(f"{loc}: {msg}" if loc else msg)
+    if len(by_loc) > _SHOWN_ERRORS:
+        parts.append(f"and {len(by_loc) - _SHOWN_ERRORS} more field(s)")
     param = next((loc for loc in by_loc if loc), None)
     return error_response("; ".join(parts) or "Invalid request body.", 400, param)
+
+
+# The fields a 400 names at most, each value shown up to _SHOWN_CHARS characters: an answer
+# listing every bad field and value in full was as large as the request, or larger.
+_SHOWN_ERRORS = 5
+_SHOWN_CHARS = 80
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} chars)"
 
 
 def param_from_message(message: str, known: set[str]) -> str | None:
