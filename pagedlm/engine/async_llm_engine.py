@@ -51,6 +51,10 @@ class AsyncEngineDeadError(RuntimeError):
     """The engine loop has stopped (it failed, or was shut down): no request can run."""
 
 
+class LoRANotServedError(LookupError):
+    """A request's adapter stopped being served (unloaded) while the request was prepared."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -205,15 +209,22 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None,
-                          priority: int = 0, lora_request=None) -> RequestStream:
+                          priority: int = 0, lora_request=None,
+                          lora_served: Callable[[], bool] | None = None) -> RequestStream:
         """Queue a request; returns its output stream once the engine accepted it.
 
         Raises the engine's ValueError for an invalid request (too long, bad params, ...).
+        lora_served: whether lora_request is still served (the server's runtime unloading),
+        asked last before the request is queued: unloaded while it was prepared, the engine
+        loaded the adapter again from its path and kept it for good (LoRANotServedError
+        instead). An unload after it queues the removal behind the request, which aborts it.
         """
         if self._preparer is None:
             self._preparer = RequestPreparer(self.engine)
         # Lists capped and tokenized, grammar compiled: off the engine thread and event loop.
         params, compilation = await self._preparer.prepare(params)
+        if lora_served is not None and not lora_served():
+            raise LoRANotServedError(lora_request.lora_name)
         loop = asyncio.get_running_loop()
         self._channels.register(loop)
         stream = RequestStream(request_id, loop)

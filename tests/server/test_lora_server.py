@@ -2,9 +2,11 @@
 tiny random Llama, against the offline LLM's outputs with the same adapters."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import subprocess
+import threading
 import time
 
 import httpx
@@ -245,6 +247,59 @@ def test_unloading_an_adapter_ends_its_beam_searches(server, setup, route, body)
         answer = pending.result()
     assert answer.status_code == 404, answer.text[:300]
     assert_unloaded_error(server, answer.json()["error"])
+
+
+@pytest.mark.parametrize("unload_at", ["check", "prepare"])
+def test_an_adapter_unloaded_before_its_request_reaches_the_engine(server, setup, monkeypatch,
+                                                                   unload_at):
+    """Unloaded after the request's model was checked ("check": before the adapter was
+    looked up) the request ran on the base model under the adapter's name; unloaded while
+    the request was prepared ("prepare": bad_words tokenized), the engine loaded the adapter
+    again from its path, answered with it, and kept it for good (no name left to unload it
+    by). Both are the 404 naming the model now, and the engine holds no such adapter."""
+    from pagedlm.entrypoints.openai.serving_engine import OpenAIServing
+    from pagedlm.engine.request_prep import RequestPreparer
+    _, paths = setup
+    name = f"brief-{unload_at}"
+    r = httpx.post(server.url + "/v1/load_lora_adapter",
+                   json={"lora_name": name, "lora_path": paths["a3"]})
+    assert r.status_code == 200, r.text
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        assert release.wait(60)
+
+    if unload_at == "check":
+        submit = OpenAIServing.submit
+
+        async def hold_then_submit(self, *args, **kwargs):
+            if name in (*args, kwargs.get("model")):
+                await asyncio.to_thread(hold)
+            return await submit(self, *args, **kwargs)
+        monkeypatch.setattr(OpenAIServing, "submit", hold_then_submit)
+    else:
+        prepare = RequestPreparer.prepare
+
+        async def prepare_then_hold(self, params):
+            if getattr(params, "bad_words", None) == ["hold"]:
+                await asyncio.to_thread(hold)
+            return await prepare(self, params)
+        monkeypatch.setattr(RequestPreparer, "prepare", prepare_then_hold)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.base_url + "/completions", timeout=120, json={
+            "model": name, "prompt": PROMPTS[0], "max_tokens": 4, "bad_words": ["hold"]})
+        assert held.wait(60)
+        r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name})
+        assert r.status_code == 200, r.text
+        release.set()
+        answer = pending.result()
+    assert answer.status_code == 404, answer.text
+    err = answer.json()["error"]
+    assert err["param"] == "model" and name in err["message"], err
+    assert name not in {lora.lora_name for lora in server.engine.engine.list_loras()}
+    wait_until_idle(server.engine)
+    assert_all_blocks_free(server.engine)
 
 
 def test_an_overlong_adapter_name_is_refused(server, client, setup):

@@ -6,7 +6,7 @@ import base64
 import numpy as np
 from fastapi.responses import JSONResponse, Response
 
-from pagedlm.engine.async_llm_engine import AsyncEngineDeadError
+from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, LoRANotServedError
 from pagedlm.engine.request_stream import RequestStream
 from pagedlm.entrypoints.openai.protocol import random_uuid
 from pagedlm.entrypoints.openai.protocol_embedding import (EmbeddingData, EmbeddingRequest,
@@ -14,7 +14,7 @@ from pagedlm.entrypoints.openai.protocol_embedding import (EmbeddingData, Embedd
 from pagedlm.entrypoints.openai.prompt_worker import PromptError
 from pagedlm.entrypoints.openai.serving_engine import (MAX_PROMPTS, AddFailed, OpenAIServing,
                                                        RequestAborted, error_response,
-                                                       json_in_pieces)
+                                                       json_in_pieces, not_served)
 from pagedlm.inputs.preprocess import PromptType
 from pagedlm.outputs import EmbeddingRequestOutput
 from pagedlm.pooling_params import PoolingParams
@@ -67,11 +67,15 @@ class OpenAIServingEmbedding(OpenAIServing):
                       request: EmbeddingRequest) -> list[RequestStream] | JSONResponse:
         """One engine request per input, all or nothing; the engine's errors name `input`
         (the prompt) or `dimensions`."""
-        lora = self.models.lora_for(request.model) if self.models is not None else None
+        if isinstance(adapter := self.adapter(request.model), JSONResponse):
+            return adapter
+        lora, served = adapter
         try:
             return await self.add_all(request_id, prompts, lambda rid, prompt: (
                 self.engine.add_request(rid, prompt, params, priority=request.priority,
-                                        lora_request=lora)))
+                                        lora_request=lora, lora_served=served)))
+        except LoRANotServedError:
+            return not_served(request.model)
         except AddFailed as failed:
             msg = str(failed.cause)
             param = next((f for f in ("dimensions", "priority") if msg.startswith(f)), "input")

@@ -13,12 +13,14 @@ from typing import AsyncIterator, Awaitable, Callable, Iterable
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from pagedlm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from pagedlm.engine.async_llm_engine import (AsyncEngineDeadError, AsyncLLMEngine,
+                                             LoRANotServedError)
 from pagedlm.engine.request_stream import RequestStream
 from pagedlm.entrypoints.openai.prompt_worker import PromptWorker
 from pagedlm.entrypoints.openai.protocol import PromptLogprobs
 from pagedlm.entrypoints.openai.serving_beam_search import BeamSearchStream
 from pagedlm.inputs.preprocess import PromptType
+from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import PositionLogprobs
 from pagedlm.sampling_params import SamplingParams
 
@@ -113,6 +115,10 @@ _SHOWN_CHARS = 80
 def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} chars)"
+
+
+def not_served(model: str | None) -> JSONResponse:
+    return error_response(f"The model `{model}` does not exist.", 404, "model")
 
 
 def param_from_message(message: str, known: set[str]) -> str | None:
@@ -260,7 +266,20 @@ class OpenAIServing:
             return self.models.check(model)
         if model is None or model in self.served_model_names:
             return None
-        return error_response(f"The model `{model}` does not exist.", 404, "model")
+        return not_served(model)
+
+    def adapter(self, model: str | None
+                ) -> tuple[LoRARequest | None, Callable[[], bool] | None] | JSONResponse:
+        """The request's adapter (None: a base model) and the check that it is still served
+        (AsyncLLMEngine.add_request's lora_served), or the 404 of a model unloaded since
+        check_model passed: lora_for's None for it ran the request on the base model, under
+        the adapter's name."""
+        if self.models is None or self.models.is_base_model(model):
+            return None, None
+        lora = self.models.lora_for(model)
+        if lora is None:
+            return not_served(model)
+        return lora, lambda: self.models.lora_for(model) is lora
 
     def model_name(self, model: str | None) -> str:
         return model if model is not None else self.served_model_names[0]
@@ -285,7 +304,9 @@ class OpenAIServing:
                 f"{MAX_PROMPTS}.", 400, field)
         if cache_salt is not None:
             prompts = [{**p, "cache_salt": cache_salt} for p in prompts]
-        lora = self.models.lora_for(model) if self.models is not None else None
+        if isinstance(adapter := self.adapter(model), JSONResponse):
+            return adapter
+        lora, served = adapter
         streams: list[RequestStream | BeamSearchStream] = []
         try:
             if params.use_beam_search:
@@ -293,11 +314,14 @@ class OpenAIServing:
                     rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                     streams.append(await BeamSearchStream.start(
                         self.engine, rid, prompt, params, self.tokenizer, priority, lora,
-                        None if lora is None else lambda: self.models.lora_for(model) is lora))
+                        served))
             else:
                 streams = await self.add_all(request_id, prompts, lambda rid, prompt: (
                     self.engine.add_request(rid, prompt, params, priority=priority,
-                                            lora_request=lora)))
+                                            lora_request=lora, lora_served=served)))
+        except LoRANotServedError:
+            self.abort(streams)
+            return not_served(model)
         except AddFailed as failed:
             e = failed.cause
             return error_response(str(e), 400, param_from_message(str(e), _PARAMS))
