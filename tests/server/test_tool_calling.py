@@ -478,3 +478,17 @@ def test_parser_registry():
     assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "pythonic"]
     with pytest.raises(ValueError, match="hermes, llama3_json, pythonic"):
         get_tool_parser("nope")
+
+
+def test_tokenize_renders_the_tools_as_chat_completions_do(server, tokenizer):
+    """/tokenize took `tools` as an unknown field and rendered the messages without them: a
+    count 60+ tokens short of the chat completion's prompt (vLLM's /tokenize takes them)."""
+    prompt = _render(tokenizer, FEW_SHOT)
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": FEW_SHOT,
+                                                   "tools": TOOLS}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
+    bad = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "name": "no spaces allowed"}}]
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": FEW_SHOT,
+                                                   "tools": bad}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.function.name", r.text

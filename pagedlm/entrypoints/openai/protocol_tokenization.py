@@ -7,6 +7,7 @@ from pydantic import Field
 
 from pagedlm.entrypoints.openai.protocol import (FIRST_ERROR, ChatMessage, OpenAIBaseModel,
                                                  StrictRequest, TokenIds)
+from pagedlm.entrypoints.openai.protocol_chat import ChatCompletionToolsParam
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----
@@ -27,6 +28,8 @@ class TokenizeChatRequest(StrictRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
+    # As vLLM's: given to the chat template, as chat completions give them (tool_choice auto).
+    tools: Annotated[list[ChatCompletionToolsParam], FIRST_ERROR] | None = None
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

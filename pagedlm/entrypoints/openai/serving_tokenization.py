@@ -12,7 +12,8 @@ from pagedlm.entrypoints.openai.protocol_tokenization import (DetokenizeRequest,
 from pagedlm.entrypoints.openai.prompt_worker import (MAX_CHARS_PER_TOKEN, PromptError,
                                                       max_prompt_chars)
 from pagedlm.entrypoints.openai.serving_engine import OpenAIServing, error_response
-from pagedlm.entrypoints.openai.serving_tools import ToolRequestError, check_tool_messages
+from pagedlm.entrypoints.openai.serving_tools import (ToolRequestError, check_tool_messages,
+                                                      check_tools)
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -33,13 +34,16 @@ class OpenAIServingTokenization(OpenAIServing):
                                       "cannot both be true.", 400, "continue_final_message")
             try:  # as chat completions check them, so the error names the same field
                 check_tool_messages(request.messages)
+                check_tools(request.tools)
             except ToolRequestError as e:
                 return error_response(str(e), 400, e.param)
+            tools = ([t.model_dump(exclude_none=True) for t in request.tools]
+                     if request.tools else None)
             try:
                 ids = (await self.prompts.chat_prompt(
                     request.messages, add_generation_prompt=request.add_generation_prompt,
                     continue_final_message=request.continue_final_message,
-                    chat_template=request.chat_template or self.chat_template,
+                    chat_template=request.chat_template or self.chat_template, tools=tools,
                     variables=request.chat_template_kwargs,
                     add_special_tokens=request.add_special_tokens))["prompt_token_ids"]
             except PromptError as e:

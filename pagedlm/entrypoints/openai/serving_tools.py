@@ -11,7 +11,8 @@ from typing import Callable
 
 from pagedlm.entrypoints.openai.protocol import ChatMessage
 from pagedlm.entrypoints.openai.protocol_chat import (ChatCompletionNamedToolChoiceParam,
-                                                      ChatCompletionRequest)
+                                                      ChatCompletionRequest,
+                                                      ChatCompletionToolsParam)
 from pagedlm.entrypoints.openai.tool_parsers import ToolParser
 from pagedlm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedlm.entrypoints.openai.tool_parsers.constrained import (NamedFunctionParser,
@@ -43,9 +44,10 @@ class ToolPlan:
 NO_TOOLS = ToolPlan(None, None, None)
 
 
-def _check_tools(request: ChatCompletionRequest) -> None:
+def check_tools(tools: list[ChatCompletionToolsParam] | None) -> None:
+    """A request's tools as chat completions and /tokenize take them (ToolRequestError)."""
     seen: set[str] = set()
-    for i, tool in enumerate(request.tools or []):
+    for i, tool in enumerate(tools or []):
         fn = tool.function
         if not _FUNCTION_NAME.match(fn.name):
             raise ToolRequestError(
@@ -113,7 +115,7 @@ def plan_tools(request: ChatCompletionRequest, auto_parser: type[ToolParser] | N
             raise ToolRequestError("tool_choice needs tools: no tools were given.",
                                    "tool_choice")
         return NO_TOOLS
-    _check_tools(request)
+    check_tools(request.tools)
     if choice is None:
         choice = "auto"
     if choice == "none":
