@@ -246,7 +246,7 @@ def _error(r: httpx.Response, status: int, param: str | None) -> dict:
     ({"input": "x", "dimensions": 8}, 400, "dimensions"),
     ({"input": ""}, 400, "input"),
     ({"input": []}, 400, "input"),
-    ({"input": [[1, 2], []]}, 400, "input"),
+    ({"input": [[1, 2], []]}, 400, "input[1]"),
     ({"input": [1, 99999999]}, 400, "input"),
     ({"input": [[5, 6], [-1]]}, 400, "input"),
     ({"input": "hello " * 600}, 400, "input"),
@@ -256,6 +256,20 @@ def _error(r: httpx.Response, status: int, param: str | None) -> dict:
 ])
 def test_bad_embedding_requests(server, body, status, param):
     _error(httpx.post(server.base_url + "/embeddings", json=body, timeout=60), status, param)
+
+
+@pytest.mark.parametrize("bad", [[1] * 600, [1, 99999999]], ids=["too long", "bad id"])
+def test_a_bad_input_among_many_is_refused_before_any_runs(server, bad):
+    """The last of 2,048 inputs too long (or holding an id outside the vocabulary): the
+    engine refused it after the others were added, and those ran for nobody (64 of 2,047
+    embeddings computed, measured). Now every input is checked first."""
+    wait_until_idle(server.engine)
+    before = server.engine.metrics.snapshot.prompt_tokens
+    err = _error(httpx.post(server.base_url + "/embeddings", timeout=60,
+                            json={"input": [[8, 9]] * 2047 + [bad]}), 400, "input[2047]")
+    assert err["message"].startswith("input[2047]"), err
+    wait_until_idle(server.engine)
+    assert server.engine.metrics.snapshot.prompt_tokens == before
 
 
 def test_generation_on_a_pooling_server_is_400(server, client):
