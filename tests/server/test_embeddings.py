@@ -272,11 +272,13 @@ def test_a_bad_input_among_many_is_refused_before_any_runs(server, bad):
     assert server.engine.metrics.snapshot.prompt_tokens == before
 
 
-def test_generation_on_a_pooling_server_is_400(server, client):
+@pytest.mark.parametrize("max_tokens", [2, 600])  # 600: past the context, checked later
+def test_generation_on_a_pooling_server_is_400(server, client, max_tokens):
+    with pytest.raises(openai.BadRequestError, match="runner='pooling'") as e:
+        client.completions.create(model=MODEL, prompt=SHORT, max_tokens=max_tokens)
+    assert e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError, match="runner='pooling'"):
-        client.completions.create(model=MODEL, prompt=SHORT, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="runner='pooling'"):
-        client.chat.completions.create(model=MODEL, max_tokens=2,
+        client.chat.completions.create(model=MODEL, max_tokens=max_tokens,
                                        messages=[{"role": "user", "content": "hi"}])
     assert client.embeddings.create(model=MODEL, input="still serving").data
 

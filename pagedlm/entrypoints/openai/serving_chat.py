@@ -55,7 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser = tool_parser  # set with --enable-auto-tool-choice
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
-        if (err := self.check_model(request.model)) is not None:
+        if (err := self.check_generates(request.model)) is not None:
             return err
         if (err := self.refuse_request_template(request.chat_template)) is not None:
             return err

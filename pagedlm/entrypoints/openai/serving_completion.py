@@ -24,7 +24,7 @@ from pagedlm.outputs import PositionLogprobs, RequestOutput
 class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest) -> Response:
-        if (err := self.check_model(request.model)) is not None:
+        if (err := self.check_generates(request.model)) is not None:
             return err
         try:
             params = request.to_sampling_params(self.max_logprobs)

@@ -254,6 +254,17 @@ class OpenAIServing:
         self.max_logprobs = engine.model_config.max_logprobs
         self.trust_request_chat_template = trust_request_chat_template
 
+    def check_generates(self, model: str | None) -> JSONResponse | None:
+        """check_model, then a pooling server's 400 for completions and chat at once: after
+        the context's check, a long max_tokens was refused for the context instead."""
+        if (err := self.check_model(model)) is not None:
+            return err
+        if self.engine.model_config.runner == "pooling":
+            return error_response("This server runs runner='pooling' (`--runner pooling`): it "
+                                  "computes embeddings (/v1/embeddings) and cannot generate "
+                                  "text.", 400, "model")
+        return None
+
     def refuse_request_template(self, template: str | None) -> JSONResponse | None:
         """A request's own chat_template is code run by the server: refused unless trusted
         (vLLM's --trust-request-chat-template, after CVE-2025-61620)."""
