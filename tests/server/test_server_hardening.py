@@ -284,6 +284,15 @@ def test_api_key_on_every_route(server, method, path, body):
     assert r.status_code == (404 if "unload" in path else 200), r.text[:300]
 
 
+def test_the_key_scheme_is_case_insensitive(server):
+    """RFC 9110: the scheme ("bearer", "BEARER") is case-insensitive; the key is not."""
+    url = server.url + "/v1/models"
+    for value in (f"bearer {API_KEY}", f"BEARER  {API_KEY}", f"Bearer {API_KEY}"):
+        assert httpx.get(url, headers={"Authorization": value}).status_code == 200, value
+    for value in (f"Bearer {API_KEY.upper()}", f"Basic {API_KEY}", API_KEY, f"Bearer{API_KEY}"):
+        assert httpx.get(url, headers={"Authorization": value}).status_code == 401, value
+
+
 def test_engine_events_needs_the_key(server):
     assert httpx.get(server.url + "/engine/events").status_code == 401
     with httpx.stream("GET", server.url + "/engine/events", headers=AUTH, timeout=30) as r:

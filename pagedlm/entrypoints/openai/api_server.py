@@ -72,15 +72,18 @@ class APIKeyMiddleware:
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
         if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
                 or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)):
             return await self.app(scope, receive, send)
-        given = Headers(scope=scope).get("authorization", "").encode()
-        if not hmac.compare_digest(given, self.expected):
+        given = Headers(scope=scope).get("authorization", "")
+        # The scheme's case is the client's (RFC 9110: case-insensitive), the key's is not.
+        scheme, _, key = given.strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                 self.expected):
             message = ("Missing API key: send it as 'Authorization: Bearer KEY'." if not given
                        else "Incorrect API key provided.")
             response = JSONResponse(error_body(message, 401), status_code=401,
