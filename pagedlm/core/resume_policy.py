@@ -65,7 +65,7 @@ class ResumePolicy:
                 self.block_manager.share_prompt(leader, s, shared // self.block_manager.block_size)
 
     def hold_back(self, seqs: list[Sequence], remaining: list[int]
-                   ) -> tuple[list[Sequence], list[int]]:
+                  ) -> tuple[list[Sequence], list[int]]:
         """A running group's sequences and tokens less what held_back holds. An n > 1
         group's sequences draw from one generator, in a step's row order: one whose prefill
         is done waits for the others, so that all decode from the same step again."""
@@ -89,7 +89,7 @@ class ResumePolicy:
                    and len(seq.token_ids) - seq.num_computed_tokens > 1)
 
     def room_to_resume(self, group: SequenceGroup, seqs: list[Sequence], remaining: list[int],
-                        prefixes: dict[Sequence, list[int]]) -> bool:
+                       prefixes: dict[Sequence, list[int]]) -> bool:
         """Whether a group holding its last tokens back has room for the prefill and the
         decode after it (1 + k slots each; k = 0 where the whole cache could never hold the
         group's, as its decode then gives them up, so that it never waits for good): admitted
