@@ -82,6 +82,21 @@ class BlockManager:
         `shared_tokens`: a multiple of the block size the sequences share (their prompt)."""
         return self._shared_prompt_blocks(seq_lens, shared_tokens) <= self.max_admissible_blocks
 
+    def shared_prompt_tokens(self, seqs: list[Sequence]) -> int:
+        """The tokens whose blocks a group's sequences share: those of their prompt's full
+        blocks (forked from one prompt, each copies the partial one on its first write); 0
+        for one sequence."""
+        if len(seqs) < 2:
+            return 0
+        n = seqs[0].num_prompt_tokens
+        return n - n % self.block_size
+
+    def can_ever_fit_group(self, seqs: list[Sequence], seq_lens: list[int]) -> bool:
+        """can_ever_fit for a group's sequences at these lengths, sharing their prompt: counted
+        n times, the speculating decode of a long prompt's group gave up its drafts where it
+        would have been preempted and come back with them (--deterministic's promise)."""
+        return self.can_ever_fit(seq_lens, self.shared_prompt_tokens(seqs))
+
     def can_share_prompt(self, seq_lens: list[int], shared_tokens: int) -> bool:
         """Whether sequences without blocks sharing their first `shared_tokens` tokens' blocks
         (a multiple of the block size) fit in the pool now, less the watermark (an admission).

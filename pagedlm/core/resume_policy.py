@@ -32,15 +32,11 @@ class ResumePolicy:
         prompt: 2 of 9 tokens). (its first sequence, the tokens of the prompt's full blocks)
         while the others wait for them; None otherwise."""
         leader = seqs[0]
-        shared = self._shared_tokens(leader)
-        if (len(seqs) < 2 or not shared or leader.num_computed_tokens >= shared
+        shared = self.block_manager.shared_prompt_tokens(seqs)
+        if (not shared or leader.num_computed_tokens >= shared
                 or seqs[1].block_table or seqs[1].num_computed_tokens):
             return None
         return leader, shared
-
-    def _shared_tokens(self, seq: Sequence) -> int:
-        """The tokens of seq's prompt's full blocks."""
-        return seq.num_prompt_tokens - seq.num_prompt_tokens % self.block_manager.block_size
 
     def room_to_share(self, group: SequenceGroup, seqs: list[Sequence], shared: int) -> bool:
         """Whether the cache has room now for the whole group once its sequences share the
@@ -57,7 +53,7 @@ class ResumePolicy:
         if len(seqs) < 2:
             return
         leader = seqs[0]
-        shared = self._shared_tokens(leader)
+        shared = self.block_manager.shared_prompt_tokens(seqs)
         if leader.num_computed_tokens < shared:
             return
         for s in seqs[1:]:
@@ -104,4 +100,5 @@ class ResumePolicy:
         cache could never hold the group's slots: its decode then gives them up)."""
         if self.spec_policy is None:
             return [0] * len(seqs)
-        return self.spec_policy.fitting_lookahead(group, seqs, self.block_manager.can_ever_fit)
+        return self.spec_policy.fitting_lookahead(group, seqs,
+                                                  self.block_manager.can_ever_fit_group)

@@ -152,7 +152,7 @@ class Scheduler:
                 victim = max([*pending, group], key=self._key)
                 if lookahead and any(lookahead) and (
                         multi or not policy.deterministic
-                        or (victim is group and not bm.can_ever_fit(
+                        or (victim is group and not bm.can_ever_fit_group(seqs,
                             [len(s.token_ids) + k for s, k in zip(seqs, lookahead)]))):
                     # Plain decoding before anyone is preempted (multi-step: always; its
                     # tokens are the same either way). Deterministic: k is the
@@ -240,7 +240,7 @@ class Scheduler:
         if (policy is None or not policy.deterministic
                 or not all(is_decode(s.num_computed_tokens, n) for s, n in zip(seqs, tokens))):
             return None
-        lookahead = policy.fitting_lookahead(group, seqs, self.block_manager.can_ever_fit)
+        lookahead = policy.fitting_lookahead(group, seqs, self.block_manager.can_ever_fit_group)
         return lookahead if any(lookahead) else None
 
     def _schedule_waiting(self, sched_out: SchedulerOutput, num_seqs: int) -> None:
@@ -380,8 +380,7 @@ class Scheduler:
 
     def _can_ever_fit(self, seqs: list[Sequence]) -> bool:
         lens = [len(s.token_ids) for s in seqs]
-        lead = self.resume.prompt_leader(seqs) if len(seqs) > 1 else None
-        shared = lead[1] if lead is not None else 0
+        shared = self.block_manager.shared_prompt_tokens(seqs)
         # A step computes the shared prompt, and a later one the rest of every sequence.
         step = max(shared, sum(lens) - len(lens) * shared)
         return (self.block_manager.can_ever_fit(lens, shared)

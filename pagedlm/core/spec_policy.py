@@ -53,11 +53,12 @@ class SpecPolicy:
         return max(0, min(k, left, room))
 
     def fitting_lookahead(self, group: SequenceGroup, seqs: list[Sequence],
-                          can_ever_fit: Callable[[list[int]], bool]) -> list[int]:
+                          can_ever_fit: Callable[[list[Sequence], list[int]], bool]
+                          ) -> list[int]:
         """The sequences' k, all 0 where the whole cache could never hold their tokens and
         lookahead slots together (those slots are given up rather than waited for)."""
         ks = [self.lookahead(group, s) for s in seqs]
-        if any(ks) and not can_ever_fit([len(s.token_ids) + k for s, k in zip(seqs, ks)]):
+        if any(ks) and not can_ever_fit(seqs, [len(s.token_ids) + k for s, k in zip(seqs, ks)]):
             return [0] * len(seqs)
         return ks
 

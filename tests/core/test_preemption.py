@@ -140,9 +140,10 @@ def tiny_llama(tmp_path_factory, default_model_dir):
 
 
 def alone_and_youngest(path, probe, prompt_len, filler_len, filler_tokens, **engine):
-    """Under deterministic=True (unless engine says otherwise) the probe (a prompt_len-token prompt) alone, then as the
-    youngest of a batch with two fillers that preempt it: (alone, in the batch, (computed
-    tokens, output tokens) at each of its preemptions); every block free afterwards."""
+    """Under deterministic=True (unless engine says otherwise) the probe (a prompt_len-token
+    prompt) alone, then as the youngest of a batch with two fillers that preempt it: (alone,
+    in the batch, (computed tokens, output tokens) at each of its preemptions); every block
+    free afterwards."""
     llm = LLM(path, **{"deterministic": True, "block_size": 8, "max_num_seqs": 8, **engine})
     try:
         prompt = {"prompt_token_ids": list(range(100, 100 + prompt_len))}
@@ -215,3 +216,19 @@ def test_a_group_recomputed_shares_its_prompt_again(tiny_llama, deterministic, e
     assert [len(c.token_ids) for c in busy.outputs] == [16] * 4
     if deterministic:
         assert_outputs_bitwise_equal(alone.outputs, busy.outputs)
+
+
+def test_a_speculating_group_with_a_long_prompt_keeps_its_drafts(tiny_llama):
+    """Under deterministic=True a seeded n=3 group speculating with a draft model (the
+    target itself), its 100-token prompt shared: where its decode found no room, the check
+    whether the cache (33 blocks) could ever hold it counted the prompt three times (said
+    never), so it decoded plainly instead of being preempted with its drafts, and its tokens
+    followed the load. It emits what it emits alone."""
+    probe = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=40, ignore_eos=True,
+                           logprobs=1)
+    alone, busy, preempted = alone_and_youngest(
+        tiny_llama, probe, 100, 60, 80, num_gpu_blocks_override=33,
+        enable_prefix_caching=False,
+        speculative_config={"model": tiny_llama, "num_speculative_tokens": 3})
+    assert preempted, preempted
+    assert_outputs_bitwise_equal(alone.outputs, busy.outputs)
