@@ -358,9 +358,10 @@ class MultiprocExecutor(Executor):
         stopped = [r for r in ranks if self.procs[r].is_stopped()]
         if not stopped:
             return "stopped, or stuck in a collective"
-        return (f"{_ranks(stopped)} {'is' if len(stopped) == 1 else 'are'} stopped (a signal "
-                f"or a debugger)" + (", the others wait for it" if len(stopped) < len(ranks)
-                                     else ""))
+        one = len(stopped) == 1
+        return (f"{_ranks(stopped)} {'is' if one else 'are'} stopped (a signal or a debugger)"
+                + (f", the others wait for {'it' if one else 'them'}"
+                   if len(stopped) < len(ranks) else ""))
 
     def check_health(self) -> None:
         if self.is_shutdown:

@@ -7,8 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from pagedlm.entrypoints.openai.protocol import (LOGPROBS_LIMIT, MAX_LOGPROBS, OpenAIBaseModel,
-                                                 PromptInput, PromptLogprobs,
-                                                 SamplingRequest,
+                                                 PromptInput, PromptLogprobs, SamplingRequest,
                                                  UsageInfo)
 from pagedlm.sampling_params import MAX_TOKEN_COUNT, SamplingParams
 

@@ -117,7 +117,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             if len(ids) > self.max_model_len:
                 raise ValueError(f"{where}: prompt is too long: {len(ids)} tokens, but "
                                  f"max_model_len is {self.max_model_len}.")
-            if texts is None and not all(0 <= t < vocab for t in ids):
+            # min and max: C loops, a few ms for a body's 2^19 ids on the event loop.
+            if texts is None and (min(ids) < 0 or max(ids) >= vocab):
                 raise ValueError(f"{where} contains token ids outside the vocabulary "
                                  f"[0, {vocab}): {[t for t in ids if not 0 <= t < vocab][:5]}.")
         return prompts
