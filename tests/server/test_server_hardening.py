@@ -666,7 +666,7 @@ def test_a_500_says_the_connection_closes(engine, monkeypatch):
     assert b"a bug" in data
 
 
-# ---- many invalid values (s63) ----
+# ---- bodies of many invalid values ----
 
 N_BAD = 400_000  # under the default --max-request-body-values (2^19)
 
