@@ -103,7 +103,8 @@ class Scheduler:
     # -- the three queues ---------------------------------------------------------------------
     def _schedule_running(self, sched_out: SchedulerOutput) -> tuple[bool, int]:
         """Schedule running groups; returns whether any had to be preempted for lack of blocks,
-        and the unfinished sequences of the groups still running."""
+        and the sequences of the groups still running (best_of for one still on its
+        prompt)."""
         bm = self.block_manager
         # Under fcfs every key's priority is 0: the arrival order alone sorts them the same.
         order = sorted(self.running, key=self._key if self.config.policy == "priority"
@@ -173,7 +174,12 @@ class Scheduler:
         if multi:
             sched_out.num_steps = steps
         self.running = [g for g in order if id(g) not in preempted]
-        return bool(preempted), sum(len(unfinished[id(g)]) for g in self.running)
+        # A group still on its prompt counts the best_of sequences it forks into, as its
+        # admission did: counted as one, a second group was admitted beside it, and the two
+        # ran more sequences than max_num_seqs (5 of 4, measured), so a step's budget could
+        # no longer hold all their decodes and a seeded group's split over two steps.
+        return bool(preempted), sum(g.sampling_params.best_of if g.is_fresh
+                                    else len(unfinished[id(g)]) for g in self.running)
 
     def _drop_multi_step(self, sched_out: SchedulerOutput) -> None:
         """A prompt joined the step: it runs once, and the decodes' lookahead slots go back."""

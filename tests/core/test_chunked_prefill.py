@@ -68,3 +68,37 @@ def test_budget_below_max_model_len_needs_chunking():
               num_gpu_blocks_override=64)
     out = llm.generate([LONG[:600]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].prompt_token_ids) > 32 and len(out[0].outputs[0].token_ids) == 4
+
+
+
+def test_a_group_on_its_prompt_counts_its_sequences_to_come(tmp_path, default_model_dir):
+    """max_num_seqs 4: an n=2 group still prefilling (chunked, a budget of 4) counted as one
+    sequence, so an n=3 group was admitted beside it and five sequences ran; the budget then
+    split the seeded group's decodes over two steps, and its draws came in another order
+    (deterministic=True: tokens differed from the 3rd). It waits for room now, never more
+    than 4 run, and it emits what it emits alone."""
+    from tests.conftest import make_tiny_model
+    path = make_tiny_model(tmp_path, "llama", default_model_dir)
+    probe = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True,
+                           logprobs=1)
+    other = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 110))}
+    alone_llm = LLM(path, deterministic=True, block_size=8)
+    alone = alone_llm.generate(prompt, probe, use_tqdm=False)[0]
+    alone_llm.shutdown()
+    llm = LLM(path, deterministic=True, block_size=8, max_num_batched_tokens=4, max_num_seqs=4)
+    sched = llm.llm_engine.scheduler
+    most, schedule = [], sched.schedule
+
+    def counted():
+        out = schedule()
+        most.append(sum(len(g.unfinished_seqs()) for g in sched.running))
+        return out
+    sched.schedule = counted
+    outs = llm.generate([{"prompt_token_ids": list(range(5, 35))}, prompt], [other, probe],
+                        use_tqdm=False)
+    assert max(most) <= 4, max(most)
+    assert_outputs_bitwise_equal(alone.outputs, outs[-1].outputs)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    llm.shutdown()
