@@ -202,7 +202,7 @@ class Scheduler:
         for group in sorted(self.swapped, key=self._key):
             all_seqs = group.unfinished_seqs()
             seqs, tokens = self._plan(group, all_seqs)
-            if not seqs or num_seqs + len(all_seqs) > self.config.max_num_seqs:
+            if not seqs or num_seqs + group.max_num_seqs > self.config.max_num_seqs:
                 break
             if self.config.max_loras and not self._lora_fits(group, self._curr_loras()):
                 self.stats.num_lora_waits += 1
@@ -233,7 +233,7 @@ class Scheduler:
                 s.status = SequenceStatus.RUNNING
             self._add_scheduled(group, seqs, tokens, copies, sched_out, lookahead)
             self.running.append(group)
-            num_seqs += len(all_seqs)
+            num_seqs += group.max_num_seqs
         return num_seqs
 
     def _swap_in_lookahead(self, group: SequenceGroup, seqs: list[Sequence], tokens: list[int]
@@ -326,7 +326,7 @@ class Scheduler:
             worst = max(self.running, key=self._key)
             if worst.priority <= best.priority:
                 return
-            seqs_in_use = sum(len(g.unfinished_seqs()) for g in self.running)
+            seqs_in_use = sum(g.max_num_seqs for g in self.running)
             if (bm.can_allocate_slots(seqs, tokens, admission=True)
                     and seqs_in_use + best.max_num_seqs <= self.config.max_num_seqs):
                 return
