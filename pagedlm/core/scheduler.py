@@ -421,7 +421,7 @@ class Scheduler:
         for sg in sched_out.scheduled_groups:
             for seq, n in zip(sg.seqs, sg.num_new_tokens):
                 seq.num_computed_tokens += n
-            if len(sg.seqs) < len(sg.group.seqs):  # (a prompt's first sequence, among others)
+            if len(sg.seqs) == 1 and len(sg.group.seqs) > 1:  # (a prompt's first sequence)
                 self.resume.join_leader(sg.group)
         if updates is not None:
             for group, parent, child in updates.forks:
