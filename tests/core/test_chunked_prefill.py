@@ -7,6 +7,7 @@ import pytest
 
 from pagedlm import LLM, SamplingParams
 from tests.compare_utils import MODES, assert_greedy_match, assert_outputs_bitwise_equal
+from tests.conftest import needs_kernels
 
 LONG = " ".join(f"Line {i}: the committee reviewed item {i * 7 % 13} and moved on."
                 for i in range(30))
@@ -71,6 +72,7 @@ def test_budget_below_max_model_len_needs_chunking():
 
 
 
+@needs_kernels  # deterministic=True
 def test_a_group_on_its_prompt_counts_its_sequences_to_come(tmp_path, default_model_dir):
     """max_num_seqs 4: an n=2 group still prefilling (chunked, a budget of 4) counted as one
     sequence, so an n=3 group was admitted beside it and five sequences ran; the budget then

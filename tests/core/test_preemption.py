@@ -10,6 +10,7 @@ import pytest
 
 from pagedlm import LLM, SamplingParams
 from tests.compare_utils import MODES, assert_greedy_outputs_match, assert_outputs_bitwise_equal
+from tests.conftest import needs_kernels
 
 PROMPTS = ["The history of the printing press", "List three prime numbers:",
            "A short poem about rain:", "def add(a, b):", "Translate 'good morning' to French:",
@@ -165,6 +166,7 @@ def alone_and_youngest(path, probe, prompt_len, filler_len, filler_tokens, **eng
     return alone, outs[-1], [p[1:] for p in preempted if p[0] == outs[-1].request_id]
 
 
+@needs_kernels  # deterministic=True
 def test_prompt_logprobs_survive_a_recompute_preemption_mid_prompt(tiny_llama):
     """A prompt preempted by recompute while it is prefilled in chunks scores its positions
     again from the start: those replace the ones it had. The list outgrew the prompt instead
@@ -180,6 +182,7 @@ def test_prompt_logprobs_survive_a_recompute_preemption_mid_prompt(tiny_llama):
     assert_outputs_bitwise_equal([alone.outputs[0]], [busy.outputs[0]])
 
 
+@needs_kernels  # deterministic=True
 def test_a_seeded_group_resumes_its_draws_in_order(tiny_llama):
     """Under deterministic=True a seeded n=3 group preempted by recompute, whose prefill
     then takes several steps (a budget of 40 tokens for 3 x 50), emits what it emits alone:
@@ -218,6 +221,7 @@ def test_a_group_recomputed_shares_its_prompt_again(tiny_llama, deterministic, e
         assert_outputs_bitwise_equal(alone.outputs, busy.outputs)
 
 
+@needs_kernels  # deterministic=True
 def test_a_speculating_group_with_a_long_prompt_keeps_its_drafts(tiny_llama):
     """Under deterministic=True a seeded n=3 group speculating with a draft model (the
     target itself), its 100-token prompt shared: where its decode found no room, the check
