@@ -13,6 +13,7 @@ from pagedlm.config import CacheConfig, ModelConfig
 from pagedlm.spec_decode.draft_config import check_draft_model, draft_model_config
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.proposer import ProposalRequest
+from tests.conftest import needs_kernels
 from tests.models.test_model_loading import _tiny_hf_state, write_tiny_gguf
 
 
@@ -194,6 +195,7 @@ PROMPTS = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,", "Once upon 
            "Water boils at", "The quick brown fox", "import numpy as np\n", "Dear Sir,"]
 
 
+@needs_kernels  # deterministic=True
 def test_greedy_outputs_equal_plain_decoding_end_to_end(draft_dir):
     """A random draft is mostly rejected, but every output is the target's: under
     --deterministic, token for token the plain engine's. Every KV block is free afterwards
@@ -224,6 +226,7 @@ def test_greedy_outputs_equal_plain_decoding_end_to_end(draft_dir):
     assert outputs[False] == outputs[True]
 
 
+@needs_kernels  # deterministic=True
 def test_accepted_drafts_with_preemption_and_n_2(draft_dir):
     """The draft as its own target: drafts are accepted (bonus tokens, two-token catch-ups),
     through recompute preemptions (a 24-block cache) and an n=2 request, and the greedy outputs
@@ -254,6 +257,7 @@ def test_accepted_drafts_with_preemption_and_n_2(draft_dir):
     assert outputs[False] == outputs[True]
 
 
+@needs_kernels  # deterministic=True
 def test_seeded_output_does_not_depend_on_load(draft_dir):
     """Under --deterministic a seeded temperature-1 request speculating with a draft model
     emits the same tokens in a batch that shares its prompt's blocks (prefix caching), forks
@@ -301,6 +305,7 @@ def test_seeded_output_does_not_depend_on_load(draft_dir):
     assert outputs[False] == outputs[True]
 
 
+@needs_kernels  # deterministic=True
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_seeded_requests_through_preemptions(draft_dir, mode):
     """Under --deterministic two seeded requests emit the same tokens and logprobs alone and as
