@@ -27,6 +27,7 @@ garbage-collected or the interpreter exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -38,6 +39,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -231,6 +233,37 @@ def _send_within(conn: Connection, data: bytes, deadline: float | None) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """Holds back a Ctrl-C until the block ends, then raises it as it would have been: a
+    KeyboardInterrupt inside a pipe's write or read leaves part of a message there, which no
+    later call can follow (every worker had to be stopped, and the LLM was lost). A second
+    Ctrl-C within the block raises at once (a write held by a stopped worker waits up to the
+    step's deadline). Only the main thread takes signals, and only where Python set the
+    handler can it be put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed = []
+
+    def hold(signum: int, frame: object) -> None:
+        pressed.append(signum)
+        if len(pressed) > 1:
+            raise KeyboardInterrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    if before is None:
+        yield
+        return
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if len(pressed) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -262,6 +295,7 @@ class MultiprocExecutor(Executor):
         # A call sent whose answers were not all read (interrupted): its method, whether it
         # has a deadline, and the ranks still to answer.
         self._unanswered: tuple[str, bool, dict[int, Connection]] | None = None
+        self._stopped_because = ""  # the failure that stopped the workers, for later calls
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         self.procs: list[WorkerProcess] = []
         self.conns: list[Connection] = []
@@ -283,8 +317,7 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None
                        ) -> list[Any]:
-        if self.is_shutdown:
-            raise WorkerFailedError("the executor's workers have been shut down.")
+        self._check_running()
         if self._unanswered:
             # A call interrupted while the workers ran it (Ctrl-C in a notebook): its answers
             # come first, or every later call would read the one before's (KeyError in the
@@ -298,25 +331,28 @@ class MultiprocExecutor(Executor):
         deadline = (time.monotonic() + self.step_timeout_s if method == "execute_model"
                     else None)
         sent, error = 0, None
-        try:
-            for conn in self.conns:
-                if not _send_within(conn, payload, deadline):
-                    error = (f"worker rank {sent} did not read {method!r} within "
-                             f"{self.step_timeout_s:g} s (PAGEDLM_ENGINE_ITERATION_TIMEOUT_S): "
-                             f"{self._why_late([sent])}")
-                    break
-                sent += 1
-        except OSError:  # (failed outside the except: the cause is not this OSError)
-            error = self._cause(f"could not send {method!r} to the workers", method)
-        except BaseException:
-            # Interrupted inside a write: that pipe holds part of a message, which no later
-            # call can follow.
-            self._fail_quietly(f"interrupted while sending {method!r} to the workers")
-            raise
-        if error is not None:
-            self._fail(error)
-        pending = dict(enumerate(self.conns))
-        self._unanswered = (method, deadline is not None, pending)
+        with _ctrl_c_deferred():
+            try:
+                for conn in self.conns:
+                    if not _send_within(conn, payload, deadline):
+                        error = (f"worker rank {sent} did not read {method!r} within "
+                                 f"{self.step_timeout_s:g} s "
+                                 f"(PAGEDLM_ENGINE_ITERATION_TIMEOUT_S): "
+                                 f"{self._why_late([sent])}")
+                        break
+                    sent += 1
+            except OSError:  # (failed outside the except: the cause is not this OSError)
+                error = self._cause(f"could not send {method!r} to the workers", method)
+            except BaseException:
+                # A second Ctrl-C inside a write: that pipe holds part of a message, which no
+                # later call can follow.
+                self._fail_quietly(f"interrupted while sending {method!r} to the workers")
+                raise
+            if error is not None:
+                self._fail(error)
+            # Before the Ctrl-C held back is raised: the next call reads these answers first.
+            pending = dict(enumerate(self.conns))
+            self._unanswered = (method, deadline is not None, pending)
         results = self._gather(method, deadline, pending)
         self._unanswered = None
         return results
@@ -335,18 +371,24 @@ class MultiprocExecutor(Executor):
                 rank = sentinels.get(ready)
                 if rank is None:
                     rank = next(r for r, c in pending.items() if c is ready)
-                    try:
-                        status, value = pending[rank].recv()
-                    except (EOFError, OSError):
-                        status, value = "closed", None
-                    if status == "closed":
-                        self._fail(self._cause(
-                            f"worker rank {rank} closed its pipe during {method!r}", method))
-                    if status == "error":
-                        self._fail(self._cause(f"worker rank {rank} failed in {method!r}: "
-                                               f"{value}", method))
-                    results[rank] = value
-                    del pending[rank]
+                    with _ctrl_c_deferred():  # a message read is a message used
+                        try:
+                            status, value = pending[rank].recv()
+                        except (EOFError, OSError):
+                            status, value = "closed", None
+                        except BaseException:  # a second Ctrl-C: part of a message read
+                            self._fail_quietly(f"interrupted while reading {method!r}'s "
+                                               f"answers")
+                            raise
+                        if status == "closed":
+                            self._fail(self._cause(
+                                f"worker rank {rank} closed its pipe during {method!r}",
+                                method))
+                        if status == "error":
+                            self._fail(self._cause(f"worker rank {rank} failed in "
+                                                   f"{method!r}: {value}", method))
+                        results[rank] = value
+                        del pending[rank]
                 elif rank in pending and not pending[rank].poll():
                     self.procs[rank].join(1.0)  # its exit status comes a moment after
                     self._fail(f"{self.procs[rank].describe_exit()} during {method!r}")
@@ -363,9 +405,14 @@ class MultiprocExecutor(Executor):
                 + (f", the others wait for {'it' if one else 'them'}"
                    if len(stopped) < len(ranks) else ""))
 
-    def check_health(self) -> None:
+    def _check_running(self) -> None:
         if self.is_shutdown:
-            raise WorkerFailedError("the executor's workers have been shut down.")
+            raise WorkerFailedError("the executor's workers have been shut down"
+                                    + (f" ({self._stopped_because})."
+                                       if self._stopped_because else "."))
+
+    def check_health(self) -> None:
+        self._check_running()
         if (message := self._dead_worker("while the engine was idle")) is not None:
             self._fail(message)
 
@@ -391,6 +438,7 @@ class MultiprocExecutor(Executor):
     def _fail_quietly(self, message: str) -> None:
         # Not logged here: the caller gets the error (the engine loop logs it, once).
         logger.debug("%s; stopping all workers", message)
+        self._stopped_because = message
         # The others may be blocked in a collective with the failed one: no polite shutdown.
         for proc in self.procs:
             proc.kill()

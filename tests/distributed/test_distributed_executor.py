@@ -236,6 +236,60 @@ def test_ctrl_c_mid_generate_leaves_the_llm_usable(tiny_models):
         "interrupted": True, "same": True, "free": True}
 
 
+INTERRUPTED_SEND = """\
+import json, os, signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from pagedlm import LLM, SamplingParams
+from pagedlm.executor.abstract import WorkerFailedError
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512,
+          kv_cache_memory_bytes=16 * 2**20)
+prompts, presses = json.loads(sys.argv[2]), int(sys.argv[3])
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+# A stopped worker holds the send of a step past the pipe's buffer for as long as it is
+# stopped: the Ctrl-Cs come while the parent writes that step.
+victim = llm.llm_engine.executor.procs[1]
+os.kill(victim.pid, signal.SIGSTOP)
+for i in range(presses):
+    threading.Timer(0.5 + 0.5 * i, os.kill, (os.getpid(), signal.SIGINT)).start()
+threading.Timer(2.0, os.kill, (victim.pid, signal.SIGCONT)).start()
+try:
+    llm.generate("Hello", SamplingParams(max_tokens=4, allowed_token_ids=list(range(40_000))),
+                 use_tqdm=False)
+    interrupted = False
+except KeyboardInterrupt:
+    interrupted = True
+try:
+    same = [list(o.outputs[0].token_ids)
+            for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref
+    after = "same" if same else "differs"
+except WorkerFailedError as e:
+    after = str(e)
+bm = llm.llm_engine.block_manager
+print(json.dumps({"interrupted": interrupted, "after": after,
+                  "free": bm.num_free_blocks == bm.num_blocks}))
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_while_a_step_is_sent(tiny_models, presses):
+    """Ctrl-C while the parent writes a step to the workers' pipes: the write ends first, so
+    the pipes stay whole and the LLM usable (it stopped every worker, for good: a pipe holding
+    part of a message cannot be followed). A second Ctrl-C gives up on the write: the workers
+    are stopped and the next call says why."""
+    out = subprocess.run([sys.executable, "-c", INTERRUPTED_SEND, tiny_models["llama"],
+                          json.dumps(PROMPTS), str(presses)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["interrupted"] and result["free"], result
+    if presses == 1:
+        assert result["after"] == "same", result
+    else:
+        assert "interrupted while sending 'execute_model'" in result["after"], result
+    assert_no_workers_left()
+
+
 def test_a_stopped_worker_cannot_block_the_send_past_the_deadline(tiny_models, monkeypatch):
     """A stopped worker stops reading its pipe: a step larger than the socket's buffer (here a
     request's 40,000 allowed_token_ids) blocked the send for good, before the step's deadline
