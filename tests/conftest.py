@@ -72,9 +72,19 @@ def hf_default_model(default_model_dir):
 # The native kernels are built with gcc at first use; without it, or with
 # PAGEDLM_DISABLE_KERNELS=1, every op takes its PyTorch path, which the tests of that path cover
 # (and deterministic=True, which needs the kernels, is refused).
-needs_kernels = pytest.mark.skipif(
-    shutil.which("gcc") is None or kernels_disabled(),
-    reason="the native kernels are off (no C compiler, or PAGEDLM_DISABLE_KERNELS=1)")
+KERNELS_OFF = "the native kernels are off (no C compiler, or PAGEDLM_DISABLE_KERNELS=1)"
+needs_kernels = pytest.mark.skipif(shutil.which("gcc") is None or kernels_disabled(),
+                                   reason=KERNELS_OFF)
+
+
+def require_kernels() -> None:
+    """For a module of kernel tests: skipped where the kernels are off on purpose, failed where
+    they should have built (a build error must not pass as a skip)."""
+    from pagedlm.kernels import loader
+    if shutil.which("gcc") is None or kernels_disabled():
+        pytest.skip(KERNELS_OFF)
+    if not loader.available():
+        pytest.fail("the native quantized kernels did not build (see the warning above)")
 
 
 def make_tiny_model(root, arch: str, default_model_dir: str, **overrides) -> str:

@@ -17,7 +17,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from pagedlm.kernels import loader, quant
 from pagedlm.model_executor.layers.quantization import kernels
-from tests.conftest import needs_kernels
+from tests.conftest import needs_kernels, require_kernels
 from tests.kernels.test_quant_dot import _kernel
 
 pytestmark = needs_kernels
@@ -63,8 +63,7 @@ def _gguf(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module", autouse=True)
 def native():
-    if not loader.available():
-        pytest.fail("the native quantized kernels did not build (see the warning above)")
+    require_kernels()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -14,7 +14,7 @@ import torch
 
 from pagedlm.kernels import loader, quant
 from pagedlm.model_executor.layers.quantization import kernels
-from tests.conftest import needs_kernels
+from tests.conftest import needs_kernels, require_kernels
 
 # Every test here runs the kernels themselves: nothing to test where they are off.
 pytestmark = needs_kernels
@@ -23,8 +23,7 @@ QUANTIZE = {"q4_1": kernels.quantize_q4_1, "q8_0": kernels.quantize_q8_0}
 
 @pytest.fixture(scope="module", autouse=True)
 def native():
-    if not loader.available():
-        pytest.fail("the native quantized kernels did not build (see the warning above)")
+    require_kernels()
 
 
 def _kernel(fmt, x, qweight, threads):

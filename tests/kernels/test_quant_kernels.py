@@ -9,8 +9,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from pagedlm.kernels import loader, quant
+from pagedlm.kernels import quant
 from pagedlm.model_executor.layers.quantization import kernels
+from tests.conftest import require_kernels
 from tests.kernels.test_kquant_kernels import _kernel16
 
 # (N, K): SmolLM2-135M's qkv, o, gate_up, down; a Llama-7B-like down projection slice; an odd
@@ -36,8 +37,7 @@ def _pack(fmt: str, w: torch.Tensor):
 
 @pytest.fixture(scope="module", autouse=True)
 def native():
-    if not loader.available():
-        pytest.fail("the native quantized kernels did not build (see the warning above)")
+    require_kernels()
 
 
 @pytest.mark.parametrize("path", ["native", "disabled"])
