@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedlm.config_checks import is_int
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -19,5 +21,5 @@ class RequestLimits:
         for name in ("max_bad_words", "max_logit_bias", "max_stop_strings",
                      "max_stop_token_ids"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            if not is_int(v) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}.")

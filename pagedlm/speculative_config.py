@@ -10,12 +10,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagedlm.config_checks import is_int
+
 SPEC_METHODS = ("ngram", "draft_model")
 FIELD = "speculative_config"
 
 
 def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{FIELD}.{name} must be an integer >= {low}, got {value!r}.")
 
 
