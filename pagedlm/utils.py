@@ -1,7 +1,11 @@
 """Small helpers shared across modules."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from pagedlm import envs
@@ -50,10 +54,41 @@ def lower_thread_priority() -> None:
     Linux only, where a thread's nice value is its own (elsewhere setpriority would take the
     thread id for a process id)."""
     import sys
-    import threading
     if not sys.platform.startswith("linux"):
         return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Holds back a Ctrl-C until the block ends, then raises it as it would have been: for what
+    must not stop half done, as a message on a worker's pipe (a KeyboardInterrupt inside its
+    write left part of it there, which no later call could follow: every worker had to be
+    stopped, and the LLM was lost) or a step sent to some Ray actors and not the others. A
+    second Ctrl-C within the block raises at once (a write held by a stopped worker waits up
+    to the step's deadline). Only the main thread takes signals, and only where Python set
+    the handler can it be put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed = []
+
+    def hold(signum: int, frame: object) -> None:
+        pressed.append(signum)
+        if len(pressed) > 1:
+            raise KeyboardInterrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    if before is None:
+        yield
+        return
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if len(pressed) == 1:
+            signal.raise_signal(signal.SIGINT)

@@ -27,7 +27,6 @@ garbage-collected or the interpreter exits.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -39,7 +38,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import weakref
@@ -50,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from pagedlm import envs
 from pagedlm.config import EngineConfig
 from pagedlm.executor.abstract import Executor, WorkerFailedError
+from pagedlm.utils import ctrl_c_deferred
 
 if TYPE_CHECKING:
     from pagedlm.worker.worker import Worker
@@ -233,37 +232,6 @@ def _send_within(conn: Connection, data: bytes, deadline: float | None) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _ctrl_c_deferred():
-    """Holds back a Ctrl-C until the block ends, then raises it as it would have been: a
-    KeyboardInterrupt inside a pipe's write or read leaves part of a message there, which no
-    later call can follow (every worker had to be stopped, and the LLM was lost). A second
-    Ctrl-C within the block raises at once (a write held by a stopped worker waits up to the
-    step's deadline). Only the main thread takes signals, and only where Python set the
-    handler can it be put back."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pressed = []
-
-    def hold(signum: int, frame: object) -> None:
-        pressed.append(signum)
-        if len(pressed) > 1:
-            raise KeyboardInterrupt
-
-    before = signal.getsignal(signal.SIGINT)
-    if before is None:
-        yield
-        return
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
-        if len(pressed) == 1:
-            signal.raise_signal(signal.SIGINT)
-
-
 def _ranks(ranks: list[int]) -> str:
     return f"worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -331,7 +299,7 @@ class MultiprocExecutor(Executor):
         deadline = (time.monotonic() + self.step_timeout_s if method == "execute_model"
                     else None)
         sent, error = 0, None
-        with _ctrl_c_deferred():
+        with ctrl_c_deferred():
             try:
                 for conn in self.conns:
                     if not _send_within(conn, payload, deadline):
@@ -371,7 +339,7 @@ class MultiprocExecutor(Executor):
                 rank = sentinels.get(ready)
                 if rank is None:
                     rank = next(r for r, c in pending.items() if c is ready)
-                    with _ctrl_c_deferred():  # a message read is a message used
+                    with ctrl_c_deferred():  # a message read is a message used
                         try:
                             status, value = pending[rank].recv()
                         except (EOFError, OSError):

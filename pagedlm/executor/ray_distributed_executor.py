@@ -19,6 +19,7 @@ from typing import Any
 from pagedlm import envs
 from pagedlm.config import EngineConfig
 from pagedlm.executor.abstract import Executor, WorkerFailedError
+from pagedlm.utils import ctrl_c_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,15 @@ class RayDistributedExecutor(Executor):
                   wrapped: bool = False) -> list[Any]:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
-        refs = [(getattr(a, "execute_method").remote(name, *args, **(kwargs or {})) if wrapped
-                 else getattr(a, name).remote(*args, **(kwargs or {}))) for a in self.actors]
+        with ctrl_c_deferred():  # all actors get the call, or they wait for each other
+            try:
+                refs = [(getattr(a, "execute_method").remote(name, *args, **(kwargs or {}))
+                         if wrapped else getattr(a, name).remote(*args, **(kwargs or {})))
+                        for a in self.actors]
+            except KeyboardInterrupt:  # a second Ctrl-C: some actors have it, the others not
+                logger.debug("interrupted while sending %r; stopping all workers", name)
+                self.shutdown()
+                raise
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
