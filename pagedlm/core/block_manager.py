@@ -47,6 +47,10 @@ class BlockManager:
         self.hash_block = get_block_hash_fn(hash_algo)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        # The blocks registered in the prefix cache since the step's schedule began: they are
+        # registered before the step computes them (see allocate_slots), so a step that fails
+        # must take them back.
+        self._step_registrations: list[int] = []
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -159,9 +163,20 @@ class BlockManager:
         self._extend_hashes(seq, num_tokens)
         full = min(num_tokens // self.block_size, len(seq.block_table))
         for i in range(seq.num_cached_blocks, full):
-            self.device.register(seq.block_table[i], seq.block_hashes[i],
-                              self._block_content(seq, i))
+            if self.device.register(seq.block_table[i], seq.block_hashes[i],
+                                    self._block_content(seq, i)):
+                self._step_registrations.append(seq.block_table[i])
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+
+    def begin_step(self) -> None:
+        self._step_registrations.clear()
+
+    def forget_step_registrations(self) -> None:
+        """The step's registered blocks unfindable again: its K/V may never have been written
+        (a Ctrl-C in the forward, a failed worker)."""
+        for block_id in self._step_registrations:
+            self.device.forget(block_id)
+        self._step_registrations.clear()
 
     # -- allocation ---------------------------------------------------------------------------
     def _new_blocks(self, seq: Sequence, num_new_tokens: int, pool: BlockPool,

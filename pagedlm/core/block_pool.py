@@ -58,11 +58,25 @@ class BlockPool:
         block_id = self.cached.get(block_hash)
         return block_id if block_id is not None and self.content[block_id] == content else None
 
-    def register(self, block_id: int, block_hash: object, content: tuple) -> None:
-        """Make a full, computed block findable by its hash (first copy wins)."""
+    def register(self, block_id: int, block_hash: object, content: tuple) -> bool:
+        """Make a full, computed block findable by its hash (first copy wins); whether it
+        was made so."""
         if self.enable_caching and block_hash not in self.cached:
             self.cached[block_hash] = block_id
             self.block_hash[block_id], self.content[block_id] = block_hash, content
+            return True
+        return False
+
+    def forget(self, block_id: int) -> None:
+        """Make a registered block unfindable again (its K/V was never written)."""
+        block_hash = self.block_hash[block_id]
+        if block_hash is None:
+            return
+        del self.cached[block_hash]
+        self.block_hash[block_id] = self.content[block_id] = None
+        if self.ref_counts[block_id] == 0:
+            del self.free_cached[block_id]
+            self.free_plain.append(block_id)
 
     def is_free(self, block_id: int) -> bool:
         return self.ref_counts[block_id] == 0

@@ -81,6 +81,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         sched_out = SchedulerOutput()
+        self.block_manager.begin_step()
         self._budget = self.config.max_num_batched_tokens
         if self.config.policy == "priority":
             self._preempt_for_priority(sched_out)

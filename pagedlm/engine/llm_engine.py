@@ -37,6 +37,7 @@ from pagedlm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
+from pagedlm.utils import ctrl_c_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -221,11 +222,12 @@ class LLMEngine:
         structured = None
         if params.structured_outputs is not None:  # last: the request is otherwise valid
             structured = self.structured_output.register(request_id, params.structured_outputs)
-        self._add_sequence_group(request_id, processed, params, arrival_time, priority,
-                                 lora_request, pooling)
-        if structured is not None:
-            self.requests[request_id].structured_output = structured
-            self._structured_ids.add(request_id)
+        with ctrl_c_deferred():  # in the engine's map and the scheduler's queue, or neither
+            self._add_sequence_group(request_id, processed, params, arrival_time, priority,
+                                     lora_request, pooling)
+            if structured is not None:
+                self.requests[request_id].structured_output = structured
+                self._structured_ids.add(request_id)
 
     def _prepare_token_constraints(self, params: SamplingParams) -> None:
         """Tokenize bad_words unless the caller's side did (engine/request_prep.py); build the
@@ -319,13 +321,24 @@ class LLMEngine:
         # (group, finished) pairs; finished without running: still reported.
         reported = [(g, True) for g in sched.ignored_groups]
         if sched.scheduled_groups:
-            self._execute(sched)
+            try:
+                self._execute(sched)
+            except BaseException:
+                # Its K/V may never have been written (a Ctrl-C in the forward, a failed
+                # worker), and the blocks the schedule registered in the prefix cache would
+                # give later prompts that garbage as their prefix (wrong tokens, for good).
+                self.block_manager.forget_step_registrations()
+                raise
             for sg in sched.scheduled_groups:
                 finished = sg.group.is_finished()
                 if finished or any(sg.num_samples):
                     reported.append((sg.group, finished))
         elif sched.has_cache_ops:  # everything was swapped out: the copies must still happen
-            self.executor.execute_model(self.request_builder.build(sched))
+            try:
+                self.executor.execute_model(self.request_builder.build(sched))
+            except BaseException:
+                self.block_manager.forget_step_registrations()
+                raise
         now = time.time()
         outputs = aborted
         for group, finished in reported:

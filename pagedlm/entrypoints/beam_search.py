@@ -31,6 +31,7 @@ from pagedlm.outputs import (CompletionOutput, EmbeddingRequestOutput, PositionL
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.sequence import SequenceStatus
+from pagedlm.utils import ctrl_c_deferred
 
 
 @dataclass
@@ -302,8 +303,11 @@ class BeamSearchDriver:
                                  params, engine.config, engine.eos_token_ids, engine.tokenizer,
                                  arrival_time or time.time(), processed.cache_salt, priority,
                                  lora_request)
-        self._add_step(search)  # the engine checks the prompt: nothing is left on a refusal
-        self.searches[request_id] = search
+        # The engine checks the prompt: nothing is left on a refusal. A Ctrl-C waits: its step
+        # requests in the engine with no search to abort them by were run by the next call.
+        with ctrl_c_deferred():
+            self._add_step(search)
+            self.searches[request_id] = search
 
     def _add_step(self, search: BeamSearch) -> None:
         added = []

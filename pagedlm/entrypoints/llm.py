@@ -187,11 +187,12 @@ class LLM:
                     raise ValueError(f"sampling_params entries must be SamplingParams, got "
                                      f"{type(p).__name__}.")
                 request_id = str(next(self.request_counter))
+                added.append(request_id)  # first: a Ctrl-C may come as soon as it is queued
                 self._driver.add_request(request_id, prompt, p, priority=prio,
                                          lora_request=lora)
-                added.append(request_id)
-        except Exception:
-            # All or nothing: a bad prompt must not leave the earlier ones queued.
+        except BaseException:
+            # All or nothing: a bad prompt, or a Ctrl-C, must not leave the earlier ones
+            # queued (the next call ran them and returned their outputs with its own).
             self._driver.abort_request(added)
             raise
 

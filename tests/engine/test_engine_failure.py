@@ -320,3 +320,88 @@ def test_an_interrupted_generate_leaves_nothing_for_the_next(tiny_model):
     outs = llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 2
     llm.shutdown()
+
+
+def test_ctrl_c_while_prompts_are_added_leaves_none_queued(tiny_model):
+    """Ctrl-C while generate queues its prompts (tokenizing a long list): the ones queued are
+    taken back. They stayed (the add loop took back only on Exception), and the next call ran
+    them and returned their outputs beside its own. Interrupted here in the 3rd prompt's
+    tokenization, and just after the 3rd was queued (a Ctrl-C there missed it too)."""
+    llm = LLM(tiny_model, num_gpu_blocks_override=256)
+    engine = llm.llm_engine
+    free = engine.block_manager.num_free_blocks
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(["Hi", "Ho"], greedy, use_tqdm=False)]
+    for where in ("tokenizing", "queued"):
+        real = (engine.input_preprocessor.process if where == "tokenizing"
+                else engine.add_request)
+        calls = 0
+
+        def interrupted(*args, real=real, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == 3 and where == "tokenizing":
+                raise KeyboardInterrupt
+            out = real(*args, **kwargs)
+            if calls == 3:
+                raise KeyboardInterrupt
+            return out
+
+        target = engine.input_preprocessor if where == "tokenizing" else engine
+        name = "process" if where == "tokenizing" else "add_request"
+        setattr(target, name, interrupted)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate([f"Tell me a story {i}" for i in range(8)], greedy,
+                             use_tqdm=False)
+        finally:
+            delattr(target, name)
+        assert calls == 3
+        assert not engine.has_unfinished_requests(), where
+        assert engine.get_num_unfinished_requests() == 0, where
+        outs = llm.generate(["Hi", "Ho"], greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, where
+        assert engine.block_manager.num_free_blocks == free
+    llm.shutdown()
+
+
+def test_ctrl_c_in_the_forward_leaves_no_unwritten_block_in_the_prefix_cache(tiny_model):
+    """Ctrl-C in the model's forward: the blocks the step's schedule had registered in the
+    prefix cache (before the step computes them, so that a prompt admitted in the same step
+    can share them) hold K/V never written. They stayed findable, and the same prompts asked
+    again read that garbage as their cached prefix: every token differed, for good. Here the
+    last layer is interrupted in the prefill of prompts of 8+ blocks."""
+    llm = LLM(tiny_model, num_gpu_blocks_override=256, block_size=16)
+    reference = LLM(tiny_model, num_gpu_blocks_override=256, block_size=16,
+                    enable_prefix_caching=False)
+    engine = llm.llm_engine
+    assert engine.config.cache_config.enable_prefix_caching
+    free = engine.block_manager.num_free_blocks
+    words = "river valley station flow method study report north south stone water".split()
+    prompts = [f"Item {i}: " + " ".join(words[(i + j) % len(words)] for j in range(120))
+               for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy,
+                                                                use_tqdm=False)]
+    layers = engine.executor.worker.model.layers
+    last = layers[str(len(layers) - 1)]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    last.forward = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        del last.forward
+    assert engine.block_manager.num_free_blocks == free
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == want
+    # Caching still works: the prompts' blocks are found on a third ask.
+    hits = engine.block_manager.prefix_hits
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
+                                                         use_tqdm=False)] == want
+    assert engine.block_manager.prefix_hits > hits
+    llm.shutdown()
+    reference.shutdown()
