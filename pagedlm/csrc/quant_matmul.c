@@ -133,20 +133,40 @@ static void quantize_row_q8(int8_t *q, float *d, float *s, const float *x, int K
         const float *xb = x + (size_t)b * QK;
         int8_t *qb = q + (size_t)b * QK;
         float amax;
+        int nonfinite;
 #ifdef __AVX2__
-        __m256 v[4], mx = _mm256_setzero_ps();
+        __m256 v[4], mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(xb + 8 * i);
-            mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+            const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]);
+            mx = _mm256_max_ps(mx, a);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));
         }
+        nonfinite = _mm256_movemask_ps(bad);
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #else
         amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+        nonfinite = 0;
+        for (int j = 0; j < QK; j++) {
+            amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            nonfinite |= !(fabsf(xb[j]) < INFINITY);
+        }
 #endif
-        const float dx = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        if (nonfinite) {
+            /* A NaN or an infinity in the block: the row's outputs are NaN (the float product
+             * gives NaN or an infinity). Quantized as the others, a NaN was dropped or kept by
+             * its lane in the max, converted to INT_MIN (q = -128), and 127 / inf made x * 0 a
+             * NaN: finite garbage came out, up to 1e7 with q4_1's offset term. */
+            memset(qb, 0, QK);
+            d[b] = NAN;
+            if (s) s[b] = NAN;
+            continue;
+        }
+        /* Below 2^-120, 127 / amax overflowed to inf and every q became -128 (the block's
+         * sign and size wrong); such a block is 0 to 8 bits anyway. */
+        const float dx = amax / 127.0f, id = amax >= 0x1p-120f ? 127.0f / amax : 0.0f;
         int sum = 0;
 #ifdef __AVX2__
         __m256i i[4];

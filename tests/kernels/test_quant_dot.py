@@ -38,7 +38,8 @@ def _kernel(fmt, x, qweight, threads):
 
 def test_activation_quantization_matches_the_reference_bit_for_bit():
     """Random rows and the edge cases: exact ties (amax 127 makes the scale 1, so x.5 must
-    round to even), an all-zero block, huge and tiny magnitudes, one lone nonzero."""
+    round to even), an all-zero block, huge and tiny magnitudes, one lone nonzero, a block
+    below 2^-120 and one with a NaN."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 192, generator=gen) * torch.logspace(-3, 3, 7)[:, None]
     x[0, :32] = torch.tensor([127.0, -127.0] + [k + 0.5 for k in range(-15, 15)])
@@ -47,9 +48,15 @@ def test_activation_quantization_matches_the_reference_bit_for_bit():
     x[3, 96:128] *= 1e-30
     x[4, 128:160] = 0.0
     x[4, 140] = -3.0
+    x[5, 160:192] = x[5, 160:192] / x[5, 160:192].abs().max() * 1e-37  # below 2^-120: 0
+    x[6, 0] = float("nan")  # d and s NaN, q 0
     q, d, s = quant.quantize_activations(x)
     rq, rd, rs = kernels.quantize_activations_reference(x)
-    assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(s, rs)
+    assert torch.equal(q, rq)
+    for got, want in ((d, rd), (s, rs)):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(),
+                                                                      want.nan_to_num())
+    assert q[5, 160:192].eq(0).all() and q[6, :32].eq(0).all() and d[6, 0].isnan()
     assert q[0, 2:8].tolist() == [-14, -14, -12, -12, -10, -10]  # -14.5 .. -9.5: ties to even
     assert q[1, 32:64].eq(0).all() and d[1, 1] == 0
     assert q[4, 140] == -127 and q.abs().max() <= 127
@@ -139,3 +146,32 @@ def test_scalar_build_gives_the_vector_builds_bits(fmt, scalar_library):
         scalar_library.qmm_quantize_activations(p(q.data_ptr()), p(d.data_ptr()),
                                                 p(s.data_ptr()), p(x.data_ptr()), m, k)
         assert all(torch.equal(a, b) for a, b in zip((q, d, s), quant.quantize_activations(x)))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", *kernels.GGUF_ONLY_FORMATS])
+def test_non_finite_x_makes_its_row_nan_and_a_tiny_block_counts_as_zero(fmt):
+    """A NaN or an infinity in x makes its row's outputs NaN on every kernel path, as the
+    float product's are NaN or infinite: quantized like any block, a NaN was kept or dropped
+    by its lane in the max and converted to INT_MIN, and 127 / inf made x * 0 a NaN, so finite
+    garbage came out (up to 1e7 with an offset term). A block below 2^-120, whose 127 / amax
+    overflowed (every q -128: the block's sign and size wrong), counts as 0."""
+    from tests.kernels.test_kquant_kernels import _kernel16, random_blocks
+    bw = kernels.BLOCK_WEIGHTS[fmt]
+    n, k = 20, max(2 * bw, 64)
+    gen = torch.Generator().manual_seed(3)
+    blocks = (QUANTIZE[fmt](torch.randn(n, k, generator=gen)) if fmt in QUANTIZE
+              else random_blocks(fmt, n, k, seed=3))
+    x = torch.randn(24, k, generator=gen)
+    for row, col, value in [(0, 0, "nan"), (1, 31, "nan"), (2, 32, "inf"), (3, 5, "-inf")]:
+        x[row, col] = float(value)
+    x[4, :32] = torch.randn(32, generator=gen) * 1e-38
+    x[5] = x[4]
+    x[5, :32] = 0.0
+    paths = {"kernels": _kernel(fmt, x, blocks, 2), "two limbs": _kernel16(fmt, x, blocks, 2)}
+    if quant.qgemm_min_rows(fmt):
+        paths["qgemm"] = torch.empty(24, n)
+        quant.qgemm(fmt, paths["qgemm"], x, blocks)
+    for name, y in paths.items():
+        assert y[:4].isnan().all(), (name, y[:4])
+        assert y[4:].isfinite().all(), name
+        assert torch.equal(y[4], y[5]), name

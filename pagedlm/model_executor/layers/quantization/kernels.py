@@ -74,17 +74,23 @@ def dequantize_reference(fmt: str, qweight: torch.Tensor,
 def quantize_activations_reference(x: torch.Tensor
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] float32 as the block formats' kernels quantize it, per 32-block: d = amax / 127,
-    q = round-half-even(x * (127 / amax)) as int8 (all 0 where amax is 0), and q4_1's offset
-    term s = d * sum(q); returns (q [M, K], d [M, K/32], s [M, K/32]). Every step is one
-    float32 operation, so the bits are the kernels'."""
+    q = round-half-even(x * (127 / amax)) as int8 (all 0 where amax is below 2^-120), and
+    q4_1's offset term s = d * sum(q); returns (q [M, K], d [M, K/32], s [M, K/32]). A block
+    holding a NaN or an infinity has q 0 and d, s NaN (its row's outputs NaN). Every step is
+    one float32 operation, so the bits are the kernels'."""
     m, k = x.shape
     xb = x.float().reshape(m, k // QK, QK)
+    finite = xb.isfinite().all(-1)
+    xb = torch.where(finite[..., None], xb, 0.0)
     amax = xb.abs().amax(-1)
     d = amax / 127
-    inv = torch.where(amax != 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    inv = torch.where(amax >= 2.0 ** -120, torch.full_like(amax, 127) / amax,
+                      torch.zeros_like(amax))
     q = (xb * inv[..., None]).round()  # torch.round: ties to even
     s = d * q.sum(-1)  # the integer sum is exact in float32 (|sum| <= 32 * 127)
-    return q.to(torch.int8).reshape(m, k), d, s
+    nan = torch.full_like(d, float("nan"))
+    return (q.to(torch.int8).reshape(m, k), torch.where(finite, d, nan),
+            torch.where(finite, s, nan))
 
 
 def activation_limbs_reference(x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor,
