@@ -105,8 +105,9 @@ int llama_decode_f32(const dims_t *d, const layer_t *layers, float *x, float *re
             memcpy(residual, tmp, (size_t)M * H * sizeof(float));
         }
         linear(&L->qkv, qkv, h, M, qkvn, H, nthreads, seg, x16);
+        /* (positions from the engine's own decode rows, below max_model_len: unchecked) */
         rotary_f32(qkv, qkvn, Hq, qkv + qn, qkvn, Hk, positions, d->cos, d->sin, M, D,
-                   (int)d->rotary_half);
+                   (int)d->rotary_half, INT64_MAX);
         write_kv_f32(L->k_cache, L->v_cache, (int)d->kv_type, qkv + qn, qkvn, qkv + qn + kvn,
                      qkvn, slots, M, kvn);
         for (int t = 0; t < M; t++)

@@ -14,7 +14,7 @@ _p, _i, _f, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 library = typed_library({
     "rms_norm_f32": ([_p, _p, _p, _i64, _p, _i64, _p, _i, _i, _f], None),
     "silu_and_mul_f32": ([_p, _p, _i64, _i, _i], None),
-    "rotary_f32": ([_p, _i64, _i, _p, _i64, _i, _p, _p, _p, _i, _i, _i], None),
+    "rotary_f32": ([_p, _i64, _i, _p, _i64, _i, _p, _p, _p, _i, _i, _i, _i64], _i64),
     "write_kv_f32": ([_p, _p, _i, _p, _i64, _p, _i64, _p, _i, _i], None),
     "argmax_rows_f32": ([_p, _p, _i64, _i, _i], None),
 })
@@ -46,6 +46,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """float32 RMSNorm of x [T, H] (rows contiguous); with residual, of x + residual, returned
     with that sum (new tensors; the inputs are not modified)."""
     num_tokens, hidden = x.shape
+    # (A shorter weight or a smaller residual was read past its end.)
+    if weight.shape != (hidden,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} needs a weight of ({hidden},) and a "
+                         f"residual of x's shape, got {tuple(weight.shape)} and "
+                         f"{None if residual is None else tuple(residual.shape)}")
     out = torch.empty((num_tokens, hidden), dtype=torch.float32)
     fn = library().rms_norm_f32
     if residual is None:
@@ -61,6 +66,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] float32 (rows contiguous) -> silu(x[:, :I]) * x[:, I:], [T, I]."""
     num_tokens, width = x.shape
+    if width % 2:  # (its last column was dropped)
+        raise ValueError(f"silu_and_mul: x's width must be even (gate and up), got {width}")
     out = torch.empty((num_tokens, width // 2), dtype=torch.float32)
     library().silu_and_mul_f32(out.data_ptr(), x.data_ptr(), _rows(x), num_tokens,
                                width // 2)
@@ -76,9 +83,19 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
     if q.stride(2) != 1 or q.stride(1) != head_dim or k.stride(2) != 1 or k.stride(1) != head_dim:
         raise ValueError(f"q/k heads must be contiguous, got strides {q.stride()} / "
                          f"{k.stride()}")
-    library().rotary_f32(q.data_ptr(), q.stride(0), num_q_heads, k.data_ptr(),
-                         k.stride(0), k.shape[1], positions.data_ptr(), cos.data_ptr(),
-                         sin.data_ptr(), num_tokens, head_dim, cos.shape[1])
+    # (k with fewer tokens, or fewer positions, was read and written past its end.)
+    if (k.shape[0] != num_tokens or k.shape[2] != head_dim or positions.shape != (num_tokens,)
+            or sin.shape != cos.shape or 2 * cos.shape[1] > head_dim):
+        raise ValueError(f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)} and positions "
+                         f"{tuple(positions.shape)} must agree, with cos/sin of [max_position, "
+                         f"<= D/2], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    bad = library().rotary_f32(q.data_ptr(), q.stride(0), num_q_heads, k.data_ptr(),
+                               k.stride(0), k.shape[1], positions.data_ptr(), cos.data_ptr(),
+                               sin.data_ptr(), num_tokens, head_dim, cos.shape[1],
+                               cos.shape[0])
+    if bad:  # checked in C before anything is rotated: a reduction here costs more
+        raise ValueError(f"rotary: position {positions[bad - 1].item()} is outside the "
+                         f"tables' [0, {cos.shape[0]})")
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

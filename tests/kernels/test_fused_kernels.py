@@ -192,3 +192,36 @@ def test_narrow_cache_window_and_soft_cap(cache_dtype):
                             backend=b(), sliding_window=32, logits_soft_cap=20.0)
             for b in (NativeKernelBackend, TorchSDPABackend)]
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-5, atol=2e-5)
+
+
+def test_inputs_that_disagree_raise_on_both_paths(kernel_path):
+    """The layers' ops with inputs whose shapes disagree, or a position outside the rotary
+    tables: a ValueError (the PyTorch path's errors) from the native path too, which read and
+    wrote past the tensors' ends instead (a k with fewer tokens than q corrupted the heap, a
+    shorter weight was read past, a position of -1 read 8.5e34 from before the tables) or
+    dropped the odd column of SiLU-and-mul's input."""
+    errors = (ValueError, RuntimeError, IndexError)
+    norm = RMSNorm(64)
+    with pytest.raises(errors):
+        norm(torch.randn(3, 128))  # the weight is 64 long
+    with pytest.raises(errors):
+        norm(torch.randn(3, 64), torch.randn(3, 32))
+    x, one_row = torch.randn(3, 64), torch.randn(1, 64)
+    try:  # (read past its one row: off by up to 5.9)
+        got = norm(x, one_row)
+    except ValueError:
+        pass
+    else:
+        assert torch.allclose(got[1], x + one_row) and torch.allclose(got[0], norm(x + one_row))
+    with pytest.raises(errors):
+        SiluAndMul()(torch.randn(3, 17))
+    rope = RotaryEmbedding(head_dim=64, max_position=16, base=10000.0)
+    q, k = torch.randn(4, 2, 64), torch.randn(4, 1, 64)
+    cases = [(torch.arange(4), k[:2]), (torch.arange(3), k), (torch.tensor([0, 1, 16, 2]), k)]
+    if kernel_path == "native":  # (torch's indexing takes -1 as the tables' last row)
+        cases.append((torch.tensor([0, -1, 2, 3]), k))
+    for positions, kk in cases:
+        before = q.clone()
+        with pytest.raises(errors):
+            rope(positions, q, kk)
+        assert torch.equal(q, before)  # nothing rotated before the error
