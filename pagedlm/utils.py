@@ -63,14 +63,15 @@ def lower_thread_priority() -> None:
 
 
 @contextlib.contextmanager
-def ctrl_c_deferred() -> Iterator[None]:
+def ctrl_c_deferred(note: str | None = None) -> Iterator[None]:
     """Holds back a Ctrl-C until the block ends, then raises it as it would have been: for what
     must not stop half done, as a message on a worker's pipe (a KeyboardInterrupt inside its
     write left part of it there, which no later call could follow: every worker had to be
     stopped, and the LLM was lost) or a step sent to some Ray actors and not the others. A
     second Ctrl-C within the block raises at once (a write held by a stopped worker waits up
-    to the step's deadline). Only the main thread takes signals, and only where Python set
-    the handler can it be put back."""
+    to the step's deadline). `note`: written to stderr at the first, where the block may last
+    (os.write: a handler that printed could meet the print it interrupted). Only the main
+    thread takes signals, and only where Python set the handler can it be put back."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -80,6 +81,9 @@ def ctrl_c_deferred() -> Iterator[None]:
         pressed.append(signum)
         if len(pressed) > 1:
             raise KeyboardInterrupt
+        if note:
+            with contextlib.suppress(OSError):
+                os.write(2, note.encode())
 
     before = signal.getsignal(signal.SIGINT)
     if before is None:

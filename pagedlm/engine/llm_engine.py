@@ -40,6 +40,7 @@ from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
 from pagedlm.utils import ctrl_c_deferred
 
 logger = logging.getLogger(__name__)
+_STEP_NOTE = "pagedlm: Ctrl-C: stopping after this engine step (press it again to stop now)\n"
 
 
 class LLMEngine:
@@ -289,6 +290,15 @@ class LLMEngine:
         return self.block_manager.usage()
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """One step: schedule, run the model, process its outputs. A Ctrl-C waits for the step
+        to end (a second one does not): interrupted at any line of the scheduler's or the
+        output processor's bookkeeping, the engine kept half of it (a group out of every
+        queue holding its blocks, a request the next call ran, a worker's state for a request
+        gone), which no abort could find."""
+        with ctrl_c_deferred(_STEP_NOTE):
+            return self._run_step()
+
+    def _run_step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         t0 = time.perf_counter()
         aborted = self._abort_failed_grammars() if self._structured_ids else []
         observers = self.observers

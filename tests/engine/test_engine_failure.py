@@ -405,3 +405,49 @@ def test_ctrl_c_in_the_forward_leaves_no_unwritten_block_in_the_prefix_cache(tin
     assert engine.block_manager.prefix_hits > hits
     llm.shutdown()
     reference.shutdown()
+
+
+def test_a_ctrl_c_in_the_schedulers_bookkeeping_waits_for_the_step_to_end(tiny_model):
+    """A real Ctrl-C (SIGINT) sent as the scheduler admits the 2nd prompt, between taking its
+    group out of the waiting queue and putting it in the running one: the step ends first,
+    then generate raises. Raised there, it left the group in no queue, where no abort found
+    it: its blocks leaked, it stayed in the engine's requests, and the blocks it had
+    registered in the prefix cache were never computed (wrong tokens for those prompts, for
+    good)."""
+    from pagedlm.core.scheduler import Scheduler
+    llm = LLM(tiny_model, num_gpu_blocks_override=256)
+    reference = LLM(tiny_model, num_gpu_blocks_override=256, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    free = engine.block_manager.num_free_blocks
+    words = "river valley station flow method study report north south stone water".split()
+    prompts = [f"Entry {i}: " + " ".join(words[(3 * i + j) % len(words)] for j in range(60))
+               for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy,
+                                                                use_tqdm=False)]
+    target, admitted = Scheduler._add_scheduled.__code__, []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not target:
+            return None
+        if event == "return":
+            admitted.append(1)
+            if len(admitted) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+        return tracer
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores it
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGINT, before)
+    assert len(admitted) >= 2
+    assert not engine.requests and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == free
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == want
+    llm.shutdown()
+    reference.shutdown()
