@@ -104,7 +104,13 @@ class LLM:
                 raise ValueError(f"lora_request has {len(loras)} entries but there are "
                                  f"{len(prompts)} prompts; pass one, or one per prompt.")
         self._add_requests(prompts, params, list(priority), loras)
-        return self._run_engine(use_tqdm)
+        try:
+            return self._run_engine(use_tqdm)
+        except BaseException:
+            # Ctrl-C (or a failed step), from the moment the requests are queued: they are
+            # dropped, or the next call would run them and return their outputs with its own.
+            self._driver.abort_all()
+            raise
 
     def embed(self, prompts: PromptType | Seq[PromptType],
               pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
@@ -205,11 +211,6 @@ class LLM:
         outputs: list[RequestOutput] = []
         try:
             self._step_until_done(engine, bar, outputs)
-        except BaseException:
-            # Ctrl-C (or a failed step): the requests this call added are dropped, or the next
-            # call would run them to the end and return their outputs with its own.
-            engine.abort_all()
-            raise
         finally:
             bar.close()
         # Requests finish out of order; hand them back in the order they were given.

@@ -407,13 +407,34 @@ def test_ctrl_c_in_the_forward_leaves_no_unwritten_block_in_the_prefix_cache(tin
     reference.shutdown()
 
 
+@contextlib.contextmanager
+def _sigint_at(code, event: str, nth: int, seen: list):
+    """A real SIGINT (Ctrl-C) sent when `code` reaches its nth `event` ('call', 'return')."""
+    def tracer(frame, ev, arg):
+        if frame.f_code is not code:
+            return None
+        if ev == event:
+            seen.append(1)
+            if len(seen) == nth:
+                os.kill(os.getpid(), signal.SIGINT)
+        return tracer
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores it
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_ctrl_c_in_the_schedulers_bookkeeping_waits_for_the_step_to_end(tiny_model):
     """A real Ctrl-C (SIGINT) sent as the scheduler admits the 2nd prompt, between taking its
     group out of the waiting queue and putting it in the running one: the step ends first,
     then generate raises. Raised there, it left the group in no queue, where no abort found
     it: its blocks leaked, it stayed in the engine's requests, and the blocks it had
     registered in the prefix cache were never computed (wrong tokens for those prompts, for
-    good)."""
+    good). A Ctrl-C as the run begins, its requests queued, takes them back too."""
     from pagedlm.core.scheduler import Scheduler
     llm = LLM(tiny_model, num_gpu_blocks_override=256)
     reference = LLM(tiny_model, num_gpu_blocks_override=256, enable_prefix_caching=False)
@@ -425,29 +446,15 @@ def test_a_ctrl_c_in_the_schedulers_bookkeeping_waits_for_the_step_to_end(tiny_m
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy,
                                                                 use_tqdm=False)]
-    target, admitted = Scheduler._add_scheduled.__code__, []
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not target:
-            return None
-        if event == "return":
-            admitted.append(1)
-            if len(admitted) == 2:
-                os.kill(os.getpid(), signal.SIGINT)
-        return tracer
-
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores it
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
+    for code, event, nth in [(Scheduler._add_scheduled.__code__, "return", 2),
+                             (LLM._run_engine.__code__, "call", 1)]:
+        seen: list = []
+        with _sigint_at(code, event, nth, seen), pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, greedy, use_tqdm=False)
-    finally:
-        sys.settrace(None)
-        signal.signal(signal.SIGINT, before)
-    assert len(admitted) >= 2
-    assert not engine.requests and not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == free
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert got == want
+        assert len(seen) >= nth, code.co_name
+        assert not engine.requests and not engine.has_unfinished_requests(), code.co_name
+        assert engine.block_manager.num_free_blocks == free
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert got == want, code.co_name
     llm.shutdown()
     reference.shutdown()
