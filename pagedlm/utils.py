@@ -86,9 +86,10 @@ def ctrl_c_deferred(note: str | None = None) -> Iterator[None]:
                 os.write(2, note.encode())
 
     before = signal.getsignal(signal.SIGINT)
-    if before is None:
+    if before is None or getattr(before, "holds_ctrl_c", False):  # or held already, outside
         yield
         return
+    hold.holds_ctrl_c = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGINT, hold)
     try:
         yield
