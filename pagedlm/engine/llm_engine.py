@@ -296,7 +296,15 @@ class LLMEngine:
         queue holding its blocks, a request the next call ran, a worker's state for a request
         gone), which no abort could find."""
         with ctrl_c_deferred(_STEP_NOTE):
-            return self._run_step()
+            try:
+                return self._run_step()
+            except BaseException:
+                # The step's K/V may never have been written (a second Ctrl-C, one in the
+                # forward, a failed worker), and the blocks its schedule registered in the
+                # prefix cache would give later prompts that garbage as their prefix (wrong
+                # tokens, for good). Computed ones are only lost to the cache.
+                self.block_manager.forget_step_registrations()
+                raise
 
     def _run_step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         t0 = time.perf_counter()
@@ -331,24 +339,13 @@ class LLMEngine:
         # (group, finished) pairs; finished without running: still reported.
         reported = [(g, True) for g in sched.ignored_groups]
         if sched.scheduled_groups:
-            try:
-                self._execute(sched)
-            except BaseException:
-                # Its K/V may never have been written (a Ctrl-C in the forward, a failed
-                # worker), and the blocks the schedule registered in the prefix cache would
-                # give later prompts that garbage as their prefix (wrong tokens, for good).
-                self.block_manager.forget_step_registrations()
-                raise
+            self._execute(sched)
             for sg in sched.scheduled_groups:
                 finished = sg.group.is_finished()
                 if finished or any(sg.num_samples):
                     reported.append((sg.group, finished))
         elif sched.has_cache_ops:  # everything was swapped out: the copies must still happen
-            try:
-                self.executor.execute_model(self.request_builder.build(sched))
-            except BaseException:
-                self.block_manager.forget_step_registrations()
-                raise
+            self.executor.execute_model(self.request_builder.build(sched))
         now = time.time()
         outputs = aborted
         for group, finished in reported:

@@ -365,12 +365,14 @@ def test_ctrl_c_while_prompts_are_added_leaves_none_queued(tiny_model):
     llm.shutdown()
 
 
-def test_ctrl_c_in_the_forward_leaves_no_unwritten_block_in_the_prefix_cache(tiny_model):
-    """Ctrl-C in the model's forward: the blocks the step's schedule had registered in the
-    prefix cache (before the step computes them, so that a prompt admitted in the same step
-    can share them) hold K/V never written. They stayed findable, and the same prompts asked
-    again read that garbage as their cached prefix: every token differed, for good. Here the
-    last layer is interrupted in the prefill of prompts of 8+ blocks."""
+def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_model):
+    """A KeyboardInterrupt in the model's forward (a Ctrl-C on the single-process executor),
+    or in the scheduler after it admitted prompts (a second Ctrl-C, which does not wait for
+    the step): the blocks the schedule had registered in the prefix cache (before the step
+    computes them, so that a prompt admitted in the same step can share them) hold K/V never
+    written. They stayed findable, and the same prompts asked again read that garbage as
+    their cached prefix: every token differed, for good. Prompts of 8+ blocks."""
+    from pagedlm.core.block_manager import BlockManager
     llm = LLM(tiny_model, num_gpu_blocks_override=256, block_size=16)
     reference = LLM(tiny_model, num_gpu_blocks_override=256, block_size=16,
                     enable_prefix_caching=False)
@@ -378,31 +380,44 @@ def test_ctrl_c_in_the_forward_leaves_no_unwritten_block_in_the_prefix_cache(tin
     assert engine.config.cache_config.enable_prefix_caching
     free = engine.block_manager.num_free_blocks
     words = "river valley station flow method study report north south stone water".split()
-    prompts = [f"Item {i}: " + " ".join(words[(i + j) % len(words)] for j in range(120))
-               for i in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy,
-                                                                use_tqdm=False)]
     layers = engine.executor.worker.model.layers
     last = layers[str(len(layers) - 1)]
+    real_allocate = BlockManager.allocate_slots
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    last.forward = interrupted
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(prompts, greedy, use_tqdm=False)
-    finally:
-        del last.forward
-    assert engine.block_manager.num_free_blocks == free
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert got == want
-    # Caching still works: the prompts' blocks are found on a third ask.
-    hits = engine.block_manager.prefix_hits
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
-                                                         use_tqdm=False)] == want
-    assert engine.block_manager.prefix_hits > hits
+    def admit_then_interrupt(self, *args, **kwargs):
+        copies = real_allocate(self, *args, **kwargs)
+        if kwargs.get("admission"):
+            raise KeyboardInterrupt
+        return copies
+
+    for case, (owner, name, fn) in enumerate([(last, "forward", interrupted),
+                                              (BlockManager, "allocate_slots",
+                                               admit_then_interrupt)]):
+        prompts = [f"Item {case} {i}: " + " ".join(words[(i + j) % len(words)]
+                                                   for j in range(120)) for i in range(4)]
+        want = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy,
+                                                                    use_tqdm=False)]
+        setattr(owner, name, fn)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(prompts, greedy, use_tqdm=False)
+        finally:
+            if owner is last:
+                del last.forward
+            else:
+                BlockManager.allocate_slots = real_allocate
+        assert engine.block_manager.num_free_blocks == free
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert got == want, name
+        # Caching still works: the prompts' blocks are found on a third ask.
+        hits = engine.block_manager.prefix_hits
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
+                                                             use_tqdm=False)] == want
+        assert engine.block_manager.prefix_hits > hits
     llm.shutdown()
     reference.shutdown()
 
