@@ -155,9 +155,12 @@ def panel_gemm(fmt: str) -> str | None:
 def dequant_gemm_min_rows(fmt: str, limbs: int = 1) -> int:
     """Inputs of this many rows or more run faster as dequantize + GEMM (float32, or bfloat16
     panels where panel_gemm says and x takes one limb) than through `matmul`. With two
-    limbs the kernels' arithmetic doubles and the float32 GEMM's does not: half the rows."""
+    limbs the kernels' arithmetic doubles and the float32 GEMM's does not: half the rows,
+    but never within the fused decode stack's rows (gemv.GEMV_MAX_ROWS), which runs the
+    kernels there: a build without AVX2 switched at 8, and the stack's 8-row steps differed
+    from the layers' (7.5e-3 in a logprob)."""
     if limbs == 2:
-        return max(1, _float_dequant_gemm_min_rows(fmt) // 2)
+        return max(gemv.GEMV_MAX_ROWS + 1, _float_dequant_gemm_min_rows(fmt) // 2)
     route = panel_gemm(fmt)
     if route == "amx":
         return _AMX_DEQUANT_MIN_ROWS.get(fmt, _AMX_DEFAULT_MIN_ROWS)

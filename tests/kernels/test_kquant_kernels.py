@@ -526,6 +526,17 @@ def test_precise_activations_take_two_limbs_and_float32(fmt, monkeypatch):
     assert torch.equal(many, torch.nn.functional.linear(x, kernels.dequantize(fmt, blocks)))
 
 
+def test_the_two_limb_switch_stays_above_the_fused_decode_stacks_rows(monkeypatch):
+    """The fused decode stack runs the kernels up to gemv.GEMV_MAX_ROWS rows, as the layers
+    must: a build without AVX2 (its float switch at 16 rows, here imitated) halved it to 8
+    for two limbs, where the layers ran dequantize + GEMM and the stack's 8-row steps differed
+    from theirs (7.5e-3 in a logprob; h3's repro_scalar_switch.py)."""
+    from pagedlm.kernels import gemv
+    monkeypatch.setattr(quant, "_float_dequant_gemm_min_rows", lambda fmt: 16)
+    for fmt in ("q4_1", "q8_0", *FORMATS):
+        assert quant.dequant_gemm_min_rows(fmt, limbs=2) > gemv.GEMV_MAX_ROWS, fmt
+
+
 def test_two_limbs_are_refused_where_no_kernel_takes_them():
     """i8 takes float x (no limbs to split)."""
     qweight, scale = kernels.quantize_i8(torch.randn(8, 64))
