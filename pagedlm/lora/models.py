@@ -231,6 +231,10 @@ class LoRAModelManager:
             self._write_slot(self.slot_ids.index(lora_id), None, None)
 
     def _write_slot(self, slot: int, lora_id: int | None, weights: SlotWeights | None) -> None:
+        # Empty until every layer is written: a Ctrl-C midway left the slot half zeroed (an
+        # eviction) or half loaded, still marked as its adapter, which then ran on it (wrong
+        # tokens, for good).
+        self.slot_ids[slot] = None
         for name, layer in self.layers.items():
             layer.set_slot(slot, None if weights is None else weights.get(name))
         self.slot_ids[slot] = lora_id

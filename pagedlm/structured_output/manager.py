@@ -28,7 +28,7 @@ from pagedlm.structured_output.bitmask import GrammarBitmask, bitmask_width
 from pagedlm.structured_output.registry import backend_class, check_backend
 from pagedlm.structured_output.request import StructuredOutputRequest
 from pagedlm.structured_output.sandbox import GrammarSandbox
-from pagedlm.utils import lower_thread_priority
+from pagedlm.utils import ctrl_c_deferred, lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
@@ -114,20 +114,23 @@ class StructuredOutputManager:
                 found.waiters += 1
                 return found
             self.backend_cls.validate(params)
-            if self._check_pool is None:
-                # One thread each: specs queue behind each other, never behind the step loop,
-                # and at most one is compiled in each place at a time.
-                self._check_pool = ThreadPoolExecutor(1, "pagedlm-grammar-check",
-                                                      initializer=lower_thread_priority)
-                self._compile_pool = ThreadPoolExecutor(1, "pagedlm-grammar",
-                                                        initializer=lower_thread_priority)
-            comp = Compilation(waiters=1)
-            self._compilations[key] = comp
-            while len(self._compilations) > _CACHE_SIZE:
-                self._compilations.popitem(last=False)
-            self._unfinished.add(comp)
-            comp.grammar.add_done_callback(lambda _: self._finished(comp))
-            self._check_pool.submit(self._check, params, comp)
+            # Cached and submitted, or neither: a Ctrl-C between left a compilation nothing
+            # would ever finish, and every later request with the spec waited on it for good.
+            with ctrl_c_deferred():
+                if self._check_pool is None:
+                    # One thread each: specs queue behind each other, never behind the step
+                    # loop, and at most one is compiled in each place at a time.
+                    self._check_pool = ThreadPoolExecutor(1, "pagedlm-grammar-check",
+                                                          initializer=lower_thread_priority)
+                    self._compile_pool = ThreadPoolExecutor(1, "pagedlm-grammar",
+                                                            initializer=lower_thread_priority)
+                comp = Compilation(waiters=1)
+                self._compilations[key] = comp
+                while len(self._compilations) > _CACHE_SIZE:
+                    self._compilations.popitem(last=False)
+                self._unfinished.add(comp)
+                comp.grammar.add_done_callback(lambda _: self._finished(comp))
+                self._check_pool.submit(self._check, params, comp)
         return comp
 
     def release(self, comp: Compilation) -> None:

@@ -388,3 +388,35 @@ def test_an_adapter_deleted_on_disk_fails_only_its_own_requests(tiny, tmp_path):
     assert_greedy_outputs_match(expected["copy1"], firsts(
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=b)))
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_an_eviction_interrupted_midway_leaves_no_half_slot(tiny, tiny_llm):
+    """A Ctrl-C while loading an adapter evicts another from its device slot, the slot zeroed
+    layer by layer: the slot was still marked as the evicted adapter's, which then ran on the
+    half-zeroed weights (wrong tokens, for good, no error). Here the 3rd layer's write raises."""
+    from pagedlm.lora.layers import BaseLayerWithLoRA
+    base, loras, _ = tiny
+    want = firsts(tiny_llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=loras[0]))
+    small = LLM(base, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=8,
+                num_gpu_blocks_override=128)
+    for lora in loras[:2]:  # both slots and the cache hold adapters 1 and 2
+        small.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=lora)
+    real, calls = BaseLayerWithLoRA.set_slot, []
+
+    def set_slot(self, slot, weights):
+        calls.append(weights is None)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(self, slot, weights)
+
+    BaseLayerWithLoRA.set_slot = set_slot
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            small.llm_engine.add_lora(loras[2])  # evicts adapter 1, the least recently used
+    finally:
+        BaseLayerWithLoRA.set_slot = real
+    assert calls[:3] == [True] * 3  # interrupted while zeroing the evicted adapter's slot
+    for _ in range(2):
+        assert_greedy_outputs_match(want, firsts(small.generate(
+            PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=loras[0])))
+    small.shutdown()

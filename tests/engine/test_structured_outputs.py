@@ -383,3 +383,27 @@ def test_backend_is_imported_at_the_first_structured_request_not_at_start_up(mon
         manager.backend_cls
     with pytest.raises(ValueError, match=r"structured_outputs_backend .*'xgrammar'"):
         StructuredOutputManager("outlines", None, 10, frozenset())
+
+
+def test_a_ctrl_c_while_a_spec_is_queued_leaves_it_compilable(llm):
+    """A real Ctrl-C (SIGINT) between a new spec's entry in the compilation cache and its
+    submission to the compile threads: the interrupt waits for the submission. Raised there,
+    it left a compilation nothing would ever finish, and every later request with that spec
+    waited on it for good."""
+    from concurrent.futures import Future
+
+    from tests.engine.test_engine_failure import _sigint_at
+    spec = StructuredOutputsParams(regex="[a-z]{4}-[0-9]{3}-ctrl-c")
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=spec)
+    seen: list = []
+    with _sigint_at(Future.add_done_callback.__code__, "call", 1, seen), \
+            pytest.raises(KeyboardInterrupt):
+        llm.generate("Code:", params, use_tqdm=False)
+    assert seen
+    done: list = []
+    thread = threading.Thread(target=lambda: done.append(
+        llm.generate("Code:", params, use_tqdm=False)), daemon=True)
+    thread.start()
+    thread.join(60)  # (compiled in well under a second)
+    assert done, "the spec's compilation never finished"
+    assert re.fullmatch("[a-z]{4}-[0-9]{3}-ctrl-c", done[0][0].outputs[0].text)
