@@ -5,7 +5,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pagedlm import envs
@@ -62,38 +62,83 @@ def lower_thread_priority() -> None:
         pass
 
 
+class _CtrlCHold:
+    """The SIGINT handler while a Ctrl-C is held (ctrl_c_deferred)."""
+
+    def __init__(self, note: str | None, second_stops: bool) -> None:
+        self.note = note
+        self.second_stops = second_stops  # may a second Ctrl-C raise now
+        self.pressed = 0
+        self.raised = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.pressed += 1
+        if self.pressed == 1 and self.note:
+            with contextlib.suppress(OSError):
+                os.write(2, self.note.encode())
+        if self.pressed > 1 and self.second_stops:
+            self.stop()
+
+    def stop(self) -> None:
+        self.raised = True
+        raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
-def ctrl_c_deferred(note: str | None = None) -> Iterator[None]:
+def ctrl_c_deferred(note: str | None = None, second_stops: bool = True) -> Iterator[None]:
     """Holds back a Ctrl-C until the block ends, then raises it as it would have been: for what
     must not stop half done, as a message on a worker's pipe (a KeyboardInterrupt inside its
     write left part of it there, which no later call could follow: every worker had to be
     stopped, and the LLM was lost) or a step sent to some Ray actors and not the others. A
     second Ctrl-C within the block raises at once (a write held by a stopped worker waits up
-    to the step's deadline). `note`: written to stderr at the first, where the block may last
-    (os.write: a handler that printed could meet the print it interrupted). Only the main
-    thread takes signals, and only where Python set the handler can it be put back."""
+    to the step's deadline); with second_stops=False, only inside ctrl_c_stoppable(). `note`:
+    written to stderr at the first, where the block may last (os.write: a handler that
+    printed could meet the print it interrupted). A block inside another only looks. Only the
+    main thread takes signals, and only where Python set the handler can it be put back."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    pressed = []
-
-    def hold(signum: int, frame: object) -> None:
-        pressed.append(signum)
-        if len(pressed) > 1:
-            raise KeyboardInterrupt
-        if note:
-            with contextlib.suppress(OSError):
-                os.write(2, note.encode())
-
     before = signal.getsignal(signal.SIGINT)
-    if before is None or getattr(before, "holds_ctrl_c", False):  # or held already, outside
+    if before is None or isinstance(before, _CtrlCHold):
         yield
         return
-    hold.holds_ctrl_c = True  # type: ignore[attr-defined]
+    hold = _CtrlCHold(note, second_stops)
     signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, before)
-        if len(pressed) == 1:
+        if hold.pressed and not hold.raised:
             signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def ctrl_c_stoppable() -> Iterator[None]:
+    """Inside ctrl_c_deferred(second_stops=False): where a second Ctrl-C may stop at once (one
+    pressed before raises on entry)."""
+    hold = (signal.getsignal(signal.SIGINT)
+            if threading.current_thread() is threading.main_thread() else None)
+    if not isinstance(hold, _CtrlCHold) or hold.second_stops:
+        yield
+        return
+    if hold.pressed > 1:
+        hold.stop()
+    hold.second_stops = True
+    try:
+        yield
+    finally:
+        hold.second_stops = False
+
+
+def run_through_ctrl_c(fn: Callable[[], None]) -> None:
+    """fn(), idempotent, to its end whatever Ctrl-Cs come (their KeyboardInterrupts dropped):
+    for the cleanup of a call a Ctrl-C already stops. One pressed again as the cleanup began
+    skipped it (the call's requests ran in the next one)."""
+    done = False
+    while not done:
+        try:
+            with ctrl_c_deferred(second_stops=False):
+                fn()
+                done = True
+        except KeyboardInterrupt:
+            pass

@@ -30,6 +30,12 @@ class ExecuteModelRequestBuilder:
             seq.synced_block_ids = None
             self._finished_seq_ids.append(seq.seq_id)
 
+    def not_delivered(self, req: ExecuteModelRequest) -> None:
+        """req's step failed (a second Ctrl-C, a failed worker): its drops go again with the
+        next step (the workers drop idempotently), or they kept those requests for good."""
+        self._finished_req_ids = req.finished_req_ids + self._finished_req_ids
+        self._finished_seq_ids = req.finished_seq_ids + self._finished_seq_ids
+
     def build(self, sched_out: SchedulerOutput) -> ExecuteModelRequest:
         req = ExecuteModelRequest(
             blocks_to_swap_in=sched_out.blocks_to_swap_in,

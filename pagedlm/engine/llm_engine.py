@@ -30,17 +30,18 @@ from pagedlm.metrics.stats import (EngineStats, FinishedStep, ScheduledStep, Ste
                                    StepTimes)
 from pagedlm.metrics.tracer import StepTracer, TraceMeta
 from pagedlm.model_executor.layers.token_constraints import TokenConstraints
-from pagedlm.model_io import LoRAStats, is_decode
+from pagedlm.model_io import ExecuteModelRequest, LoRAStats, ModelRunnerOutput, is_decode
 from pagedlm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
-from pagedlm.utils import ctrl_c_deferred
+from pagedlm.utils import ctrl_c_deferred, ctrl_c_stoppable
 
 logger = logging.getLogger(__name__)
-_STEP_NOTE = "pagedlm: Ctrl-C: stopping after this engine step (press it again to stop now)\n"
+_STEP_NOTE = ("pagedlm: Ctrl-C: stopping after this engine step (press it again to stop "
+              "sooner)\n")
 
 
 class LLMEngine:
@@ -258,10 +259,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
-        self._structured_ids -= ids
-        for group in self.scheduler.abort(ids):
-            self.requests.pop(group.request_id, None)
-            self.request_builder.request_finished(group)
+        with ctrl_c_deferred(second_stops=False):  # a group taken off its queue is freed
+            self._structured_ids -= ids
+            for group in self.scheduler.abort(ids):
+                self.requests.pop(group.request_id, None)
+                self.request_builder.request_finished(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -291,11 +293,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One step: schedule, run the model, process its outputs. A Ctrl-C waits for the step
-        to end (a second one does not): interrupted at any line of the scheduler's or the
-        output processor's bookkeeping, the engine kept half of it (a group out of every
-        queue holding its blocks, a request the next call ran, a worker's state for a request
-        gone), which no abort could find."""
-        with ctrl_c_deferred(_STEP_NOTE):
+        to end, a second one only for the model's run (or its start): interrupted at any line
+        of the scheduler's or the output processor's bookkeeping, the engine kept half of it
+        (a group out of every queue holding its blocks, a block counted twice or never, a
+        request the next call ran), which no abort could find."""
+        with ctrl_c_deferred(_STEP_NOTE, second_stops=False):
             try:
                 return self._run_step()
             except BaseException:
@@ -345,7 +347,7 @@ class LLMEngine:
                 if finished or any(sg.num_samples):
                     reported.append((sg.group, finished))
         elif sched.has_cache_ops:  # everything was swapped out: the copies must still happen
-            self.executor.execute_model(self.request_builder.build(sched))
+            self._execute_model(self.request_builder.build(sched))
         now = time.time()
         outputs = aborted
         for group, finished in reported:
@@ -381,13 +383,21 @@ class LLMEngine:
                 outputs.append(report[0])
         return outputs
 
+    def _execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput | None:
+        try:
+            with ctrl_c_stoppable():  # (the step's one place a second Ctrl-C stops at once)
+                return self.executor.execute_model(request)
+        except BaseException:
+            self.request_builder.not_delivered(request)
+            raise
+
     def _execute(self, sched: SchedulerOutput) -> None:
         request = self.request_builder.build(sched)
         if self._structured_ids:  # (its time shows as the scheduler's in the breakdown)
             request.grammar_bitmask = self.structured_output.grammar_bitmask(
                 sched.scheduled_groups)
         t1 = time.perf_counter()
-        result = self.executor.execute_model(request)
+        result = self._execute_model(request)
         st = self.stats
         st.model_time += time.perf_counter() - t1
         st.prepare_time += result.timings.prepare_s

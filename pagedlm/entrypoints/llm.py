@@ -18,6 +18,7 @@ from pagedlm.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingRequ
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedlm.transformers_utils.chat_template import chat_conversations, load_chat_template
+from pagedlm.utils import run_through_ctrl_c
 
 ChatMessages = list[dict]
 
@@ -109,7 +110,7 @@ class LLM:
         except BaseException:
             # Ctrl-C (or a failed step), from the moment the requests are queued: they are
             # dropped, or the next call would run them and return their outputs with its own.
-            self._driver.abort_all()
+            run_through_ctrl_c(self._driver.abort_all)
             raise
 
     def embed(self, prompts: PromptType | Seq[PromptType],
@@ -199,7 +200,7 @@ class LLM:
         except BaseException:
             # All or nothing: a bad prompt, or a Ctrl-C, must not leave the earlier ones
             # queued (the next call ran them and returned their outputs with its own).
-            self._driver.abort_request(added)
+            run_through_ctrl_c(lambda: self._driver.abort_request(added))
             raise
 
     def _run_engine(self, use_tqdm: bool) -> list[RequestOutput]:

@@ -238,7 +238,13 @@ def _ranks(ranks: list[int]) -> str:
 
 def _stop_workers(procs: list[WorkerProcess], conns: list[Connection]) -> None:
     """Ask every worker to leave, then kill the ones that do not. Used at shutdown and by the
-    finalizer (it must not refer to the executor)."""
+    finalizer (it must not refer to the executor), which runs once: a Ctrl-C waits for the
+    workers to be gone (a second one does not), or they were never reaped."""
+    with ctrl_c_deferred():
+        _stop_and_reap(procs, conns)
+
+
+def _stop_and_reap(procs: list[WorkerProcess], conns: list[Connection]) -> None:
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps((_SHUTDOWN, (), {})))
