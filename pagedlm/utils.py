@@ -131,14 +131,17 @@ def ctrl_c_stoppable() -> Iterator[None]:
 
 
 def run_through_ctrl_c(fn: Callable[[], None]) -> None:
-    """fn(), idempotent, to its end whatever Ctrl-Cs come (their KeyboardInterrupts dropped):
-    for the cleanup of a call a Ctrl-C already stops. One pressed again as the cleanup began
-    skipped it (the call's requests ran in the next one)."""
-    done = False
+    """fn() to its end whatever Ctrl-Cs come, then one KeyboardInterrupt if any came: for
+    cleanups (a call's dropped requests, stopping workers). A Ctrl-C as the cleanup began
+    skipped it (the call's requests ran in the next one; the workers were never reaped). fn
+    runs once: a Ctrl-C before the hold starts comes before fn does."""
+    done = interrupted = False
     while not done:
         try:
             with ctrl_c_deferred(second_stops=False):
                 fn()
                 done = True
         except KeyboardInterrupt:
-            pass
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt

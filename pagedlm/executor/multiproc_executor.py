@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from pagedlm import envs
 from pagedlm.config import EngineConfig
 from pagedlm.executor.abstract import Executor, WorkerFailedError
-from pagedlm.utils import ctrl_c_deferred
+from pagedlm.utils import ctrl_c_deferred, run_through_ctrl_c
 
 if TYPE_CHECKING:
     from pagedlm.worker.worker import Worker
@@ -239,9 +239,9 @@ def _ranks(ranks: list[int]) -> str:
 def _stop_workers(procs: list[WorkerProcess], conns: list[Connection]) -> None:
     """Ask every worker to leave, then kill the ones that do not. Used at shutdown and by the
     finalizer (it must not refer to the executor), which runs once: a Ctrl-C waits for the
-    workers to be gone (a second one does not), or they were never reaped."""
-    with ctrl_c_deferred():
-        _stop_and_reap(procs, conns)
+    workers to be gone (at most _JOIN_TIMEOUT_S each, then they are killed), or they were
+    never reaped."""
+    run_through_ctrl_c(lambda: _stop_and_reap(procs, conns))
 
 
 def _stop_and_reap(procs: list[WorkerProcess], conns: list[Connection]) -> None:
