@@ -63,11 +63,11 @@ REASSOC void silu_and_mul_f32(float* out, const float* x, int64_t x_stride, int 
  * cos/sin: [max_position, half] tables, looked up by positions[t]. Returns 0, or 1 + the
  * first token whose position is outside the tables, before anything is rotated (the tables
  * were read past their ends). */
-int64_t rotary_f32(float* q, int64_t q_stride, int Hq, float* k, int64_t k_stride, int Hk,
-                   const int64_t* positions, const float* cos_table, const float* sin_table,
-                   int T, int D, int half, int64_t max_position) {
+int rotary_f32(float* q, int64_t q_stride, int Hq, float* k, int64_t k_stride, int Hk,
+               const int64_t* positions, const float* cos_table, const float* sin_table, int T,
+               int D, int half, int64_t max_position) {
     for (int t = 0; t < T; t++)
-        if (positions[t] < 0 || positions[t] >= max_position) return (int64_t)t + 1;
+        if (positions[t] < 0 || positions[t] >= max_position) return t + 1;
 #pragma omp parallel for if ((int64_t)T * (Hq + Hk) * D >= PAR_MIN_ELEMS) schedule(static)
     for (int t = 0; t < T; t++) {
         const float* c = cos_table + (size_t)positions[t] * half;

@@ -14,7 +14,7 @@ _p, _i, _f, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 library = typed_library({
     "rms_norm_f32": ([_p, _p, _p, _i64, _p, _i64, _p, _i, _i, _f], None),
     "silu_and_mul_f32": ([_p, _p, _i64, _i, _i], None),
-    "rotary_f32": ([_p, _i64, _i, _p, _i64, _i, _p, _p, _p, _i, _i, _i, _i64], _i64),
+    "rotary_f32": ([_p, _i64, _i, _p, _i64, _i, _p, _p, _p, _i, _i, _i, _i64], _i),
     "write_kv_f32": ([_p, _p, _i, _p, _i64, _p, _i64, _p, _i, _i], None),
     "argmax_rows_f32": ([_p, _p, _i64, _i, _i], None),
 })

@@ -52,9 +52,9 @@ void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_str
                   const float *residual, int64_t res_stride, const float *weight, int T, int H,
                   float eps);
 void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int T, int I);
-int64_t rotary_f32(float *q, int64_t q_stride, int Hq, float *k, int64_t k_stride, int Hk,
-                   const int64_t *positions, const float *cos_table, const float *sin_table,
-                   int T, int D, int half, int64_t max_position);
+int rotary_f32(float *q, int64_t q_stride, int Hq, float *k, int64_t k_stride, int Hk,
+               const int64_t *positions, const float *cos_table, const float *sin_table, int T,
+               int D, int half, int64_t max_position);
 void write_kv_f32(void *k_cache, void *v_cache, int kv_type, const float *k, int64_t k_stride,
                   const float *v, int64_t v_stride, const int64_t *slots, int T, int row);
 void argmax_rows_f32(int64_t *out, const float *x, int64_t x_stride, int T, int V);
