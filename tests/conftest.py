@@ -73,15 +73,20 @@ def hf_default_model(default_model_dir):
 # PAGEDLM_DISABLE_KERNELS=1, every op takes its PyTorch path, which the tests of that path cover
 # (and deterministic=True, which needs the kernels, is refused).
 KERNELS_OFF = "the native kernels are off (no C compiler, or PAGEDLM_DISABLE_KERNELS=1)"
-needs_kernels = pytest.mark.skipif(shutil.which("gcc") is None or kernels_disabled(),
-                                   reason=KERNELS_OFF)
+
+
+def kernels_off() -> bool:
+    return shutil.which("gcc") is None or kernels_disabled()
+
+
+needs_kernels = pytest.mark.skipif(kernels_off(), reason=KERNELS_OFF)
 
 
 def require_kernels() -> None:
     """For a module of kernel tests: skipped where the kernels are off on purpose, failed where
     they should have built (a build error must not pass as a skip)."""
     from pagedlm.kernels import loader
-    if shutil.which("gcc") is None or kernels_disabled():
+    if kernels_off():
         pytest.skip(KERNELS_OFF)
     if not loader.available():
         pytest.fail("the native quantized kernels did not build (see the warning above)")

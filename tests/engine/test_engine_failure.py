@@ -28,6 +28,7 @@ import pytest
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.metrics.tracer import records_path
+from tests.compare_utils import assert_greedy_outputs_match
 from tests.conftest import make_tiny_model
 from tests.server_utils import free_port
 
@@ -380,7 +381,9 @@ def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_
     assert engine.config.cache_config.enable_prefix_caching
     free = engine.block_manager.num_free_blocks
     words = "river valley station flow method study report north south stone water".split()
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # (A cached prefix is read by another kernel than a computed one: other float sums, so
+    # near-ties may part; the garbage a poisoned block gives is no near-tie.)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     layers = engine.executor.worker.model.layers
     last = layers[str(len(layers) - 1)]
     real_allocate = BlockManager.allocate_slots
@@ -399,8 +402,7 @@ def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_
                                                admit_then_interrupt)]):
         prompts = [f"Item {case} {i}: " + " ".join(words[(i + j) % len(words)]
                                                    for j in range(120)) for i in range(4)]
-        want = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy,
-                                                                    use_tqdm=False)]
+        want = [o.outputs[0] for o in reference.generate(prompts, greedy, use_tqdm=False)]
         setattr(owner, name, fn)
         try:
             with pytest.raises(KeyboardInterrupt):
@@ -411,12 +413,12 @@ def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_
             else:
                 BlockManager.allocate_slots = real_allocate
         assert engine.block_manager.num_free_blocks == free
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        assert got == want, name
+        got = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert assert_greedy_outputs_match(want, got) >= 3, name
         # Caching still works: the prompts' blocks are found on a third ask.
         hits = engine.block_manager.prefix_hits
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
-                                                             use_tqdm=False)] == want
+        got = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert assert_greedy_outputs_match(want, got) >= 3, name
         assert engine.block_manager.prefix_hits > hits
     llm.shutdown()
     reference.shutdown()
@@ -462,9 +464,8 @@ def test_a_ctrl_c_in_the_schedulers_bookkeeping_waits_for_the_step_to_end(tiny_m
     words = "river valley station flow method study report north south stone water".split()
     prompts = [f"Entry {i}: " + " ".join(words[(3 * i + j) % len(words)] for j in range(60))
                for i in range(4)]
-    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy,
-                                                                use_tqdm=False)]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    want = [o.outputs[0] for o in reference.generate(prompts, greedy, use_tqdm=False)]
     for code, event, nth in [(Scheduler._add_scheduled.__code__, "return", 2),
                              (Scheduler._add_scheduled.__code__, "return", (2, 3)),
                              (LLM._run_engine.__code__, "call", 1)]:
@@ -474,7 +475,7 @@ def test_a_ctrl_c_in_the_schedulers_bookkeeping_waits_for_the_step_to_end(tiny_m
         assert len(seen) >= max((nth,) if isinstance(nth, int) else nth), code.co_name
         assert not engine.requests and not engine.has_unfinished_requests(), code.co_name
         assert engine.block_manager.num_free_blocks == free
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        assert got == want, code.co_name
+        got = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert assert_greedy_outputs_match(want, got) >= 3, code.co_name
     llm.shutdown()
     reference.shutdown()
