@@ -65,6 +65,13 @@ def test_models_health_version(server, client):
     # The page answers HEAD as GET (uptime probes send it; it was a 405).
     r = httpx.head(server.url + "/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    # So do the other GET routes (they were 405), behind the key where the GET is.
+    for path in ("/version", "/metrics", "/v1/models"):
+        r = httpx.head(server.url + path, headers=AUTH)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+        assert r.headers["content-type"] == httpx.get(server.url + path,
+                                                      headers=AUTH).headers["content-type"]
+    assert httpx.head(server.url + "/v1/models").status_code == 401
 
 
 def test_completion_usage_matches_tokenizer(client, tokenizer):

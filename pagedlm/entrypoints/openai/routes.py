@@ -189,12 +189,16 @@ async def health(raw: Request) -> Response:
     return error_response(f"The engine is not running: {engine.dead_error!r}", 503)
 
 
+# The other GET routes answer HEAD as well (HTTP asks it of every GET resource, and uptime
+# probes send it); kept out of the schema, where each route has one operation.
+@server_router.head("/version", include_in_schema=False)
 @server_router.get("/version", response_model=VersionResponse,
                    responses=responses(None, 401, 500))
 async def version() -> dict:
     return {"version": pagedlm.__version__}
 
 
+@server_router.head("/metrics", include_in_schema=False)
 @server_router.get("/metrics", responses=responses(None, 401, 500, ok_content={
     CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
     ok_description="Prometheus metrics (text exposition format)."))
@@ -238,6 +242,7 @@ async def engine_events(raw: Request) -> Response:
                                    headers={"Cache-Control": "no-cache"})
 
 
+@server_router.head("/v1/models", include_in_schema=False)
 @server_router.get("/v1/models", response_model=ModelList, responses=responses(None, 401, 500))
 async def list_models(raw: Request) -> dict:
     return ModelList(data=_serving(raw).models.cards()).model_dump()
