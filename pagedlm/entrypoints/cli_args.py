@@ -361,7 +361,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             f"{DEFAULT_REQUEST_READ_TIMEOUT_S:g})")
     group.add_argument("--timeout-graceful-shutdown", type=_positive_seconds,
                        default=DEFAULT_GRACEFUL_SHUTDOWN_S, metavar="SECONDS",
-                       help="On SIGTERM or SIGINT, requests still running after SECONDS are "
+                       help="On SIGTERM, SIGINT or SIGHUP (a closed terminal; under nohup it "
+                            "stays ignored), requests still running after SECONDS are "
                             "cancelled (aborted in the engine) and the server exits: a long "
                             "stream, or a client that stopped reading, cannot hold the "
                             "shutdown. (default: "

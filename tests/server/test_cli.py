@@ -294,17 +294,28 @@ def test_serve_stops_cleanly_on_sigint(served):
     assert proc.wait(30) == 0
 
 
-def test_serve_shuts_the_engine_down_on_sigterm(tmp_path):
-    """A supervisor's SIGTERM stops the server as Ctrl-C does: the engine's shutdown runs (the
-    trace file is written, no temporary file left) and the exit status is 0. uvicorn raised
-    the signal again under its default action, which killed the process (-15) first."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
+def test_serve_shuts_the_engine_down_on_sigterm(tmp_path, signum):
+    """A supervisor's SIGTERM, or a closed terminal's SIGHUP, stops the server as Ctrl-C does:
+    a stream under way gets its end, the engine's shutdown runs (the trace file is written,
+    no temporary file left) and the exit status is 0. uvicorn raised SIGTERM again under its
+    default action, which killed the process (-15) first; SIGHUP's default killed it at once
+    (-1), the stream cut without its [DONE]."""
     log, trace = tmp_path / "serve.log", tmp_path / "run.json"
-    url, proc = _start_serve(log, "--trace-file", str(trace))
+    # A long grace: a busy machine must not turn the stream's end into the grace's cut.
+    url, proc = _start_serve(log, "--trace-file", str(trace),
+                             "--timeout-graceful-shutdown", "120")
     try:
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"prompt": PROMPT, "max_tokens": 3})
         assert r.status_code == 200, r.text
-        proc.send_signal(signal.SIGTERM)
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signum)
+            rest = list(lines)
+        assert "data: [DONE]" in rest, rest[-3:]
         assert proc.wait(30) == 0, log.read_text()
     finally:
         if proc.poll() is None:

@@ -277,14 +277,22 @@ def run_server(args: argparse.Namespace, start: ServerStart | None = None) -> No
         # temporary file left), Ray's processes left to outlive us by 30-40 s.
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+        # A closed terminal's SIGHUP killed the server at once by its default action: streams
+        # cut without their end, no engine shutdown. It now stops the server as SIGTERM does;
+        # under nohup (SIGHUP ignored) it stays ignored.
+        hangup = signal.getsignal(signal.SIGHUP) if main else None
+        if hangup == signal.SIG_DFL:
+            signal.signal(signal.SIGHUP, lambda _s, frame: server.handle_exit(signal.SIGTERM,
+                                                                               frame))
         try:
             server.run(sockets=[sock])
         except (KeyboardInterrupt, _Terminated):
-            pass  # a server stopped with Ctrl-C or SIGTERM stopped cleanly (0), unlike a start
-            # cut short (130)
+            pass  # a server stopped with Ctrl-C, SIGTERM or SIGHUP stopped cleanly (0), unlike
+            # a start cut short (130)
         finally:
             if main:
                 signal.signal(signal.SIGTERM, previous)
+                signal.signal(signal.SIGHUP, hangup)
     finally:
         engine.shutdown()
         sock.close()
