@@ -46,6 +46,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     prompt_logprobs: list[PositionLogprobs | None] | None
+    # Under RequestOutputKind.DELTA a sequence whose finish an earlier output carried is left
+    # out (as vLLM's per-sequence deltas do): match completions by their .index.
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None

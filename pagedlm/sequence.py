@@ -103,6 +103,7 @@ class OutputCursor:
     """How much of each sequence earlier outputs carried (DELTA outputs send only the rest)."""
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (tokens, chars)
     prompt_logprobs_sent: bool = False
+    finish_sent: frozenset[int] = frozenset()  # seq_ids whose finish a DELTA output carried
 
 
 @dataclass

@@ -219,8 +219,13 @@ def make_request_output(group: SequenceGroup, finished: bool | None = None
     if ranked:
         seqs = sorted(seqs, key=lambda q: q.cumulative_logprob, reverse=True)[:params.n]
     sent = dict(group.cursor.sent) if delta else group.cursor.sent  # only DELTA advances it
+    finish_sent = group.cursor.finish_sent
     completions = []
     for i, seq in enumerate(seqs):
+        if delta and seq.seq_id in finish_sent:
+            # Said once: a finished sequence repeated in every later delta of its group gave a
+            # stream's choice its finish_reason again on every step (n > 1).
+            continue
         sent_tokens, sent_text = sent.get(seq.seq_id, (0, 0))
         token_ids = seq.output_token_ids
         logprobs = seq.output_logprobs if params.logprobs is not None else None
@@ -232,6 +237,8 @@ def make_request_output(group: SequenceGroup, finished: bool | None = None
             token_ids, text = token_ids[sent_tokens:], text[sent_text:]
             logprobs = logprobs[sent_tokens:] if logprobs is not None else None
             sent[seq.seq_id] = (seq.num_output_tokens, text_end)
+            if seq.status.finished:
+                finish_sent = finish_sent | {seq.seq_id}
         completions.append(CompletionOutput(
             index=i, text=text, token_ids=list(token_ids),
             cumulative_logprob=seq.cumulative_logprob if ranked or logprobs is not None else None,
@@ -240,7 +247,7 @@ def make_request_output(group: SequenceGroup, finished: bool | None = None
             stop_reason=seq.stop_reason))
     send_prompt_lp = not delta or not group.cursor.prompt_logprobs_sent
     cursor = OutputCursor(sent, group.cursor.prompt_logprobs_sent
-                          or (delta and group.prompt_logprobs is not None))
+                          or (delta and group.prompt_logprobs is not None), finish_sent)
     output = RequestOutput(request_id=group.request_id, prompt=group.prompt,
                            prompt_token_ids=group.prompt_token_ids,
                            prompt_logprobs=group.prompt_logprobs if send_prompt_lp else None,

@@ -45,9 +45,27 @@ def test_deltas_add_up_to_the_final_output(engine):
     assert len(finals) == 1 and finals[0].finished
     assert len(deltas) >= 12 and deltas[-1].finished and not deltas[0].finished
     for c in finals[0].outputs:
-        text = "".join(o.outputs[c.index].text for o in deltas if len(o.outputs) > c.index)
-        ids = [t for o in deltas if len(o.outputs) > c.index for t in o.outputs[c.index].token_ids]
+        mine = [d for o in deltas for d in o.outputs if d.index == c.index]
+        text = "".join(d.text for d in mine)
+        ids = [t for d in mine for t in d.token_ids]
         assert text == c.text and ids == c.token_ids and len(ids) == 12
+    wait_until_idle(engine)
+    assert_all_blocks_free(engine)
+
+
+def test_a_finished_sequence_reports_its_finish_once(engine):
+    """n > 1 under DELTA: a sequence that finished before its siblings came again, empty but
+    with its finish_reason, in every later output of its group: a stream's choice got a
+    finish chunk per step (the server sends one wherever finish_reason is set)."""
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=40, n=4, ignore_eos=True,
+                       stop=["e"],  # each stops after a few tokens, at its own step
+                       output_kind=RequestOutputKind.DELTA)
+    deltas = asyncio.run(collect(engine, "Once upon a time", p, "finish-once"))
+    finishes = [(k, d.index) for k, o in enumerate(deltas) for d in o.outputs if d.finish_reason]
+    assert sorted(i for _, i in finishes) == [0, 1, 2, 3], finishes
+    assert len({k for k, _ in finishes}) > 1, "all four finished in one step: nothing tested"
+    for k, i in finishes:  # nothing more of a sequence after its finish
+        assert not [d for o in deltas[k + 1:] for d in o.outputs if d.index == i]
     wait_until_idle(engine)
     assert_all_blocks_free(engine)
 

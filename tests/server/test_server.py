@@ -119,6 +119,14 @@ def test_completion_stream_equals_non_stream_with_seed_and_n(client, tokenizer):
     exact = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, n=2, seed=3,
                                       extra_body={"ignore_eos": True})
     assert exact.usage.completion_tokens == 14
+    # A choice that stops before its siblings says so once (it did on every later step).
+    stops = dict(model=MODEL, max_tokens=30, n=4, temperature=1.0, seed=5, stop=["e"],
+                 stream=True, extra_body={"ignore_eos": True})
+    for chunks in (client.completions.create(prompt=PROMPT, **stops),
+                   client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}],
+                                                  **stops)):
+        finishes = [c.index for chunk in chunks for c in chunk.choices if c.finish_reason]
+        assert sorted(finishes) == [0, 1, 2, 3], finishes
 
 
 def test_chat_stream_equals_non_stream(client, tokenizer):
