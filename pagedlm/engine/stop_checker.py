@@ -34,11 +34,16 @@ def check_stop(params: SamplingParams, eos_token_ids: frozenset[int], max_model_
             # Only where the new text could complete a stop string: matches that straddle
             # token boundaries are found, and the scan stays short.
             start = max(0, len(text) - new_chars - params.max_stop_len + 1)
-            for stop in params.stop_strings:
-                idx = text.find(stop, start)
-                if idx != -1:
-                    end = idx + len(stop) if params.include_stop_str_in_output else idx
-                    return StopDecision(SequenceStatus.FINISHED_STOPPED, stop, end)
+            # The text ends at the first stop string in it, whichever the list names first
+            # (where one token brought two, the list's order chose, and the text kept a stop
+            # string); of two that start at the same place, the shorter, which a
+            # character-by-character check would have met first.
+            found = [(idx, idx + len(stop), stop) for stop in params.stop_strings
+                     if (idx := text.find(stop, start)) != -1]
+            if found:
+                idx, stop_end, stop = min(found, key=lambda f: f[:2])
+                end = stop_end if params.include_stop_str_in_output else idx
+                return StopDecision(SequenceStatus.FINISHED_STOPPED, stop, end)
     if num_output_tokens >= params.max_tokens or seq_len >= max_model_len:
         return StopDecision(SequenceStatus.FINISHED_LENGTH)
     return None

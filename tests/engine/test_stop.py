@@ -6,7 +6,9 @@ import pytest
 
 from pagedlm import SamplingParams
 from pagedlm.engine.detokenizer import IncrementalDetokenizer
+from pagedlm.engine.stop_checker import check_stop
 from pagedlm.sampling_params import RequestOutputKind
+from pagedlm.sequence import SequenceStatus
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +97,23 @@ def test_stop_strings_and_stop_token_ids(llm, tok, story):
     assert by_id.text == tok.decode(ids[:j], skip_special_tokens=True)
     assert by_id_incl.text == tok.decode(ids[:j + 1], skip_special_tokens=True)
     assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize("stops, include, end, reason", [
+    (["o", "e"], False, 1, "e"),  # the list named "o" first: the text kept an "e"
+    (["o", "e"], True, 2, "e"),
+    (["ll", "l"], False, 2, "l"),  # the same start: the shorter one ends first
+    (["ll", "l"], True, 3, "l"),
+])
+def test_the_text_ends_at_the_first_stop_string_a_token_brings(stops, include, end, reason):
+    """One token's text can complete two stop strings; the output ends at the earlier one,
+    whatever the list's order (OpenAI: the text stops at the first stop sequence)."""
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
+    text = "hello"  # all of it brought by the new token
+    d = check_stop(params, frozenset(), 100, seq_len=6, num_output_tokens=1, token_id=7,
+                   text=text, new_chars=len(text))
+    assert d is not None and d.status is SequenceStatus.FINISHED_STOPPED
+    assert (text[:d.text_end], d.stop_reason) == (text[:end], reason)
 
 
 def test_max_tokens_eos_and_ignore_eos(llm, tok):
