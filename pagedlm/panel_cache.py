@@ -98,7 +98,7 @@ def _lock_directory() -> Path:
 
 
 def _checkpoint_files(model_dir: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))
+    return sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors"))
                   + [os.path.join(model_dir, "config.json")])
 
 
@@ -215,7 +215,7 @@ def _remove_leftovers() -> None:
         remove_leftovers(Path(folder), _lock_directory())
     except OSError as e:  # a read-only cache
         logger.debug("panels' leftovers not removed: %s", e)
-    remove_stale_temporaries(glob.glob(os.path.join(folder, "*.panels.*.tmp")),
+    remove_stale_temporaries(glob.glob(os.path.join(glob.escape(folder), "*.panels.*.tmp")),
                              _LEGACY_TEMPORARY_MAX_AGE_S)
 
 
@@ -252,7 +252,7 @@ def _remove_stale(path: str) -> None:
     """Remove the panels' files beside `path` that no load will map again: the other versions
     of its checkpoint folder's, and those of folders that no longer exist."""
     tag = os.path.basename(path).split("-", 1)[0]
-    for other in glob.glob(os.path.join(os.path.dirname(path), "*.panels")):
+    for other in glob.glob(os.path.join(glob.escape(os.path.dirname(path)), "*.panels")):
         if other == path:
             continue
         if not os.path.basename(other).startswith(tag + "-"):

@@ -73,7 +73,7 @@ def panel_bytes(model_dir: str) -> int:
     embedding, which is otherwise kept as it is. 0 where the directory holds no readable
     safetensors files. An estimate for mapping ahead of the load: a file the loader rejects is
     reported by the loader."""
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")))
     vocab = _vocab_size(model_dir)
     total = head = 0
     for path in files:

@@ -663,3 +663,14 @@ def test_unsupported_hf_architecture_lists_the_supported_ones(tmp_path):
     with pytest.raises(ValueError, match=r"\['GPTNeoXForCausalLM'\] is not supported") as e:
         LLM(str(tmp_path))
     assert all(arch in str(e.value) for arch in supported_architectures())
+
+
+def test_a_model_folder_whose_path_has_glob_characters_loads(tmp_path, default_model_dir):
+    """The folder's own path went into glob patterns unescaped: a '[' in it found no
+    *.safetensors, and the load was refused."""
+    from pagedlm import LLM, SamplingParams
+    from tests.conftest import make_tiny_model
+    path = make_tiny_model(tmp_path / "run[1]", "llama", default_model_dir)
+    llm = LLM(model=path, max_model_len=64, num_gpu_blocks_override=16)
+    out = llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -41,7 +41,8 @@ def weight_memory(model_dir: str, quantization: str | None, dtype: torch.dtype
     source = gguf_source(model_dir)
     if source is not None:
         return _gguf_memory(model_dir, source, quantization, dtype)
-    elements = _safetensors_elements(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors"))
+    elements = _safetensors_elements(files)
     per_weight = _QUANTIZED_BYTES.get(quantization, dtype.itemsize)
     hint = ("" if quantization is not None or dtype.itemsize == 2
             else f"With dtype='bfloat16' they take half (about {_gib(elements * 2)}).")

@@ -51,7 +51,7 @@ _BYTES_PER_MAP = 64 * 2**20
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in the directory's *.safetensors files. The tensors are
     views of the file: a consumer copies what it keeps before asking for the next."""
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")))
     if not files:
         raise ValueError(f"model: no *.safetensors files in {model_dir}.")
     for path in files:
