@@ -236,17 +236,19 @@ def write_tiny_gguf(
     linear_rope_factor: float | None = None,
     quantize_q8: bool = True,
     types: dict[str, gguf.GGMLQuantizationType] | None = None,
+    hparams: dict[str, int | None] | None = None,
 ) -> Path:
     """types: HF name -> the ggml type to quantize that tensor to (gguf's quantize), in place
-    of the one Q8_0 tensor quantize_q8 writes."""
+    of the one Q8_0 tensor quantize_q8 writes. hparams: "{arch}." keys' values in place of
+    the tiny model's (None: left out)."""
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(TINY["layers"])
-    writer.add_context_length(4096)
-    writer.add_embedding_length(TINY["hidden"])
-    writer.add_feed_forward_length(TINY["ffn"])
-    writer.add_head_count(TINY["heads"])
-    writer.add_head_count_kv(TINY["kv_heads"])
-    writer.add_rope_dimension_count(TINY_HEAD_DIM)
+    sizes = {"block_count": TINY["layers"], "context_length": 4096,
+             "embedding_length": TINY["hidden"], "feed_forward_length": TINY["ffn"],
+             "attention.head_count": TINY["heads"], "attention.head_count_kv": TINY["kv_heads"],
+             "rope.dimension_count": TINY_HEAD_DIM, **(hparams or {})}
+    for key, value in sizes.items():
+        if value is not None:
+            writer.add_uint32(f"{arch}.{key}", value)
     writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
     if linear_rope_factor is not None:
@@ -401,6 +403,28 @@ def test_unknown_tensor_name_is_rejected(tmp_path):
     extra = {"blk.0.attn_q_norm.weight": np.ones(TINY_HEAD_DIM, dtype=np.float32)}
     gguf_file = write_tiny_gguf(tmp_path / "qnorm.gguf", state, extra_tensors=extra)
     with pytest.raises(ValueError, match="blk.0.attn_q_norm.weight"):
+        convert_gguf(str(gguf_file), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("hparams, message", [
+    # 10**9 layers were built on the meta device: the load hung, its memory past 4 GB.
+    ({"block_count": 10**9}, "llama.block_count is 1000000000, but the file's tensors hold 2"),
+    ({"block_count": 0}, "llama.block_count must be a positive integer, got 0"),
+    ({"attention.head_count": None}, "llama.attention.head_count: missing"),  # a TypeError
+    ({"attention.head_count": 0}, "llama.attention.head_count must be a positive"),
+    ({"attention.head_count_kv": 0}, "llama.attention.head_count_kv must be a positive"),
+    ({"attention.head_count_kv": 3}, r"head_count_kv \(3\) must divide"),
+    ({"embedding_length": 10**9}, "llama.embedding_length is 1000000000, but token_embd"),
+    ({"attention.key_length": 10**8}, "blk.0.attn_q.weight has 64 rows"),
+    ({"feed_forward_length": 10**9}, "llama.feed_forward_length is 1000000000"),
+    ({"rope.dimension_count": 0}, "llama.rope.dimension_count must be a positive"),
+])
+def test_sizes_that_disagree_with_the_tensors_are_refused_first(tmp_path, hparams, message):
+    """Found by a fuzz of model files: the config was built from these before any tensor was
+    compared (a hang, an allocation naming no key, or a TypeError / ZeroDivisionError)."""
+    state = _tiny_hf_state(bias=False, untied=False)
+    gguf_file = write_tiny_gguf(tmp_path / "bad.gguf", state, hparams=hparams)
+    with pytest.raises(ValueError, match=message):
         convert_gguf(str(gguf_file), str(tmp_path / "out"))
 
 

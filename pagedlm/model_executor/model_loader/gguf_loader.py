@@ -242,6 +242,7 @@ def _hf_config(reader: GGUFHeader, arch: str, spec: _ArchSpec, tensors: dict) ->
     config_class = CONFIG_MAPPING[spec.model_type or arch]
     probe = config_class()
 
+    _check_hparams(reader, arch, tensors)
     num_heads = int(hparam("attention.head_count"))
     hidden_size = int(hparam("embedding_length"))
     if "head_dim" in probe.to_dict():
@@ -290,6 +291,55 @@ def _hf_config(reader: GGUFHeader, arch: str, spec: _ArchSpec, tensors: dict) ->
         dtype="float32",
     )
     return config_class(**kwargs)
+
+
+def _check_hparams(reader: GGUFHeader, arch: str, tensors: dict) -> None:
+    """The sizes the config is built from, against the file's own tensors, before anything is
+    built from them: a block_count of 10**9 built that many layers on the meta device (the
+    load hung, its memory growing past 4 GB), and a missing or zero head count surfaced as a
+    TypeError or ZeroDivisionError from deep inside."""
+    def value(key: str, required: bool = False) -> int | None:
+        v = _metadata(reader, f"{arch}.{key}")
+        if v is None:
+            if required:
+                raise ValueError(f"{arch}.{key}: missing from the file's metadata.")
+            return None
+        if isinstance(v, (list, tuple, np.ndarray)) and not required:
+            return None  # per-layer sizes: the config class takes them as they are
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{arch}.{key} must be a positive integer, got {v!r}.")
+        return int(v)
+
+    layers = {int(n.split(".")[1]) for n in tensors
+              if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    blocks = value("block_count", required=True)
+    if blocks > len(layers):
+        raise ValueError(f"{arch}.block_count is {blocks}, but the file's tensors hold "
+                         f"{len(layers)} layers.")
+    if "token_embd.weight" not in tensors:
+        raise ValueError("the file has no token_embd.weight tensor (the token embedding).")
+    hidden = value("embedding_length", required=True)
+    width = _gguf_shape(tensors["token_embd.weight"])[-1]
+    if hidden != width:
+        raise ValueError(f"{arch}.embedding_length is {hidden}, but token_embd.weight is "
+                         f"{width} wide.")
+    heads = value("attention.head_count", required=True)
+    kv_heads = value("attention.head_count_kv")
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"{arch}.attention.head_count_kv ({kv_heads}) must divide "
+                         f"{arch}.attention.head_count ({heads}).")
+    head_dim = value("attention.key_length") or hidden // heads
+    value("rope.dimension_count")
+    q = tensors.get("blk.0.attn_q.weight")
+    if q is not None and _gguf_shape(q)[0] != heads * head_dim:
+        raise ValueError(f"blk.0.attn_q.weight has {_gguf_shape(q)[0]} rows, not "
+                         f"{arch}.attention.head_count x the head size ({heads} x {head_dim}).")
+    ffn = value("feed_forward_length")
+    up = tensors.get("blk.0.ffn_up.weight")
+    # Twice the rows where the up matrix holds the gate's too (Phi-3).
+    if ffn is not None and up is not None and _gguf_shape(up)[0] not in (ffn, 2 * ffn):
+        raise ValueError(f"{arch}.feed_forward_length is {ffn}, but blk.0.ffn_up.weight has "
+                         f"{_gguf_shape(up)[0]} rows.")
 
 
 def _gguf_shape(tensor) -> tuple[int, ...]:
