@@ -16,10 +16,13 @@ from pagedlm.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConf
 from pagedlm.model_executor.layers.quantization import (get_quantization_config,
                                                         resolve_quantization,
                                                         verify_quantization)
-from pagedlm.model_executor.model_loader.memory_check import check_fits_memory, weight_memory
-from pagedlm.model_executor.model_loader.model_path import ensure_float_weights, resolve_model
+from pagedlm.model_executor.model_loader.memory_check import (check_fits_memory,
+                                                               check_layer_count, weight_memory)
+from pagedlm.model_executor.model_loader.model_path import (ensure_float_weights, gguf_source,
+                                                             resolve_model)
 from pagedlm.pooling_params import PoolerConfig
 from pagedlm.request_limits import RequestLimits
+from pagedlm.resolved_config import resolve_hf_config
 from pagedlm.speculative_config import SpeculativeConfig
 from pagedlm.spec_decode.draft_config import check_draft_model
 from pagedlm.structured_output.registry import SUPPORTED_BACKENDS
@@ -159,6 +162,10 @@ class EngineArgs:
         # Checked here, before any worker starts: e.g. gguf on a non-GGUF model, or a GGUF
         # tensor type it cannot run.
         get_quantization_config(quantization, model_dir)
+        if gguf_source(model_dir) is None:  # (a GGUF file's layers were counted at conversion)
+            # Before the config is built: it visits every layer (their sliding windows).
+            check_layer_count(model_dir, getattr(resolve_hf_config(model_dir),
+                                                 "num_hidden_layers", None))
         model_config = ModelConfig.from_dir(self.model, model_dir, self.dtype,
                                             self.max_model_len, self.seed,
                                             quantization=quantization, runner=self.runner,

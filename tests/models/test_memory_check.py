@@ -78,3 +78,26 @@ def test_unreadable_safetensors_header(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(np.uint64(1 << 40).tobytes() + b"{}")
     with pytest.raises(ValueError, match="cannot read the safetensors header"):
         weight_memory(str(tmp_path), None, torch.float32)
+
+
+def test_a_config_with_more_layers_than_the_weights_is_refused(tmp_path, default_model_dir):
+    """num_hidden_layers of 10**9 over a 3-layer model's files: the model was built layer by
+    layer before any weight was compared, and the load never ended."""
+    from pagedlm import LLM
+    from tests.conftest import make_tiny_model
+    path = make_tiny_model(tmp_path, "llama", default_model_dir)
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(
+        {**config, "num_hidden_layers": 10**9}))
+    with pytest.raises(ValueError, match="num_hidden_layers is 1000000000 .* weights hold 3 "
+                                         "layers"):
+        LLM(model=path, max_model_len=64, num_gpu_blocks_override=16)
+
+
+def test_a_safetensors_header_that_is_not_an_object_is_named(tmp_path):
+    path = tmp_path / "model.safetensors"
+    header = b"[1, 2]"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ValueError, match=r"model.safetensors: cannot read the safetensors "
+                                         r"header \(the header is a JSON list"):
+        weight_memory(str(tmp_path), None, torch.float32)

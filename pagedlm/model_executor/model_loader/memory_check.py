@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -89,9 +90,26 @@ def _gguf_memory(model_dir: str, source: str, quantization: str | None, dtype: t
                         "path's one-time conversion", hint)
 
 
-def _safetensors_elements(files: list[str]) -> int:
-    """Weights in the safetensors files, from their JSON headers."""
-    total = 0
+def check_layer_count(model_dir: str, num_layers: object) -> None:
+    """ValueError naming num_hidden_layers where the config asks for more layers than the
+    safetensors files hold: the model was built, layer by layer, before any weight was
+    compared (10**9 layers: the load never ended)."""
+    if not isinstance(num_layers, int):
+        return  # the config class's own check names it
+    files = glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors"))
+    found = {int(m.group(1)) for _, header in _safetensors_headers(files) for name in header
+             if (m := _LAYER_INDEX.search(name))}
+    if found and num_layers > len(found):
+        raise ValueError(f"num_hidden_layers is {num_layers} in {model_dir}'s config.json, but "
+                         f"its weights hold {len(found)} layers.")
+
+
+# A decoder layer's index in a weight's name (model.layers.3.mlp..., transformer.h.3...).
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def _safetensors_headers(files: list[str]):
+    """(path, JSON header) of each safetensors file."""
     for path in files:
         try:
             with open(path, "rb") as f:
@@ -99,13 +117,25 @@ def _safetensors_elements(files: list[str]) -> int:
                 if length > os.fstat(f.fileno()).st_size - 8:
                     raise ValueError(f"a {length}-byte header is longer than the file")
                 header = json.loads(f.read(length))
+            if not isinstance(header, dict):
+                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+        except (OSError, struct.error, ValueError, RecursionError) as e:
+            raise ValueError(f"{path}: cannot read the safetensors header ({e}).") from e
+        yield path, header
+
+
+def _safetensors_elements(files: list[str]) -> int:
+    """Weights in the safetensors files, from their JSON headers."""
+    total = 0
+    for path, header in _safetensors_headers(files):
+        try:
             for name, entry in header.items():
                 if name != "__metadata__":
                     count = 1
                     for d in entry["shape"]:
                         count *= int(d)
                     total += count
-        except (OSError, struct.error, ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: cannot read the safetensors header ({e}).") from e
     return total
 
