@@ -347,7 +347,10 @@ class MultiprocExecutor(Executor):
                     rank = next(r for r, c in pending.items() if c is ready)
                     with ctrl_c_deferred():  # a message read is a message used
                         try:
-                            status, value = pending[rank].recv()
+                            # Out of pending in the read's own line: a second Ctrl-C on the
+                            # line after it left an answer read and its rank pending, and the
+                            # next call waited out the deadline for it, then lost the workers.
+                            status, value = pending.pop(rank).recv()
                         except (EOFError, OSError):
                             status, value = "closed", None
                         except BaseException:  # a second Ctrl-C: part of a message read
@@ -362,7 +365,6 @@ class MultiprocExecutor(Executor):
                             self._fail(self._cause(f"worker rank {rank} failed in "
                                                    f"{method!r}: {value}", method))
                         results[rank] = value
-                        del pending[rank]
                 elif rank in pending and not pending[rank].poll():
                     self.procs[rank].join(1.0)  # its exit status comes a moment after
                     self._fail(f"{self.procs[rank].describe_exit()} during {method!r}")

@@ -290,6 +290,63 @@ def test_ctrl_c_while_a_step_is_sent(tiny_models, presses):
     assert_no_workers_left()
 
 
+INTERRUPTED_READ = """\
+import inspect, json, os, sys, time
+os.environ["PAGEDLM_ENGINE_ITERATION_TIMEOUT_S"] = "30"
+from pagedlm import LLM, SamplingParams
+from pagedlm.executor.abstract import WorkerFailedError
+from pagedlm.executor.multiproc_executor import MultiprocExecutor
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512,
+          kv_cache_memory_bytes=16 * 2**20)
+prompts = json.loads(sys.argv[2])
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+# A second Ctrl-C on the line after an answer's read (as a trace hook can place one): raised
+# from a trace function, the exception comes at that line.
+code = MultiprocExecutor._gather.__code__
+lines, first = inspect.getsourcelines(code)
+recv_line = first + next(i for i, text in enumerate(lines) if ".recv()" in text)
+state = {"armed": True, "after_recv": False}
+def local(frame, event, arg):
+    if event == "line" and state["armed"]:
+        if state["after_recv"]:
+            state["armed"] = False
+            raise KeyboardInterrupt
+        state["after_recv"] = frame.f_lineno == recv_line
+    return local
+sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+try:
+    llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
+    interrupted = False
+except KeyboardInterrupt:
+    interrupted = True
+sys.settrace(None)
+start = time.monotonic()
+try:
+    same = [list(o.outputs[0].token_ids)
+            for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref
+    after = "same" if same else "differs"
+except WorkerFailedError as e:
+    after = str(e)
+print(json.dumps({"interrupted": interrupted, "after": after,
+                  "seconds": time.monotonic() - start}))
+"""
+
+
+def test_an_answer_read_as_the_call_is_interrupted_is_not_awaited_again(tiny_models):
+    """A second Ctrl-C on the line after a worker's answer was read (found by a line-level
+    SIGINT injection: 3 of 124 double-press points) left that rank pending: the next call
+    waited for an answer already taken, until the deadline, then stopped the workers blaming
+    a healthy rank."""
+    out = subprocess.run([sys.executable, "-c", INTERRUPTED_READ, tiny_models["llama"],
+                          json.dumps(PROMPTS)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["interrupted"] and result["after"] == "same", result
+    assert result["seconds"] < 20, result
+    assert_no_workers_left()
+
+
 def test_a_stopped_worker_cannot_block_the_send_past_the_deadline(tiny_models, monkeypatch):
     """A stopped worker stops reading its pipe: a step larger than the socket's buffer (here a
     request's 40,000 allowed_token_ids) blocked the send for good, before the step's deadline
