@@ -37,7 +37,7 @@ from pagedlm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedlm.sequence import Sequence, SequenceGroup
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.transformers_utils.tokenizer import eos_token_ids, get_tokenizer
-from pagedlm.utils import ctrl_c_deferred, ctrl_c_stoppable
+from pagedlm.utils import ctrl_c_deferred, ctrl_c_stoppable, run_through_ctrl_c
 
 logger = logging.getLogger(__name__)
 _STEP_NOTE = ("pagedlm: Ctrl-C: stopping after this engine step (press it again to stop "
@@ -54,40 +54,47 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(mc.model_dir, self.tokenizer)
         self.input_preprocessor = InputPreprocessor(self.tokenizer, mc.vocab_size)
         self.executor = Executor.get_class(config)(config, self.eos_token_ids)
-        cc = config.cache_config
-        # None unless trace_file is set; then it counts the block pools' operations too.
-        self.tracer = StepTracer(config.trace_file) if config.trace_file else None
-        self.scheduler = Scheduler(
-            config.scheduler_config, cc, self.executor.num_gpu_blocks,
-            self.executor.num_cpu_blocks,
-            pool_factory=plain_pool if self.tracer is None else self.tracer.block_pool,
-            speculative_config=config.speculative_config, deterministic=mc.deterministic)
-        # Called around every step (step() checks the list is empty, and nothing else runs).
-        self.observers: list[StepObserver] = [] if self.tracer is None else [self.tracer]
-        self.request_builder = ExecuteModelRequestBuilder()
-        self.seq_counter = itertools.count()
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
-                                                mc.max_model_len, self.seq_counter)
-        self.requests: dict[str, SequenceGroup] = {}  # in the scheduler
-        self.stats = EngineStats(self.scheduler.stats)
-        if self.tracer is not None:
-            sc = config.scheduler_config
-            self.tracer.start(TraceMeta(self.block_manager.num_blocks,
-                                        self.executor.num_cpu_blocks, cc.block_size,
-                                        sc.max_num_batched_tokens, sc.max_num_seqs,
-                                        sc.preemption_mode, mc.model))
-        # Registered adapters by id (the workers cache and may evict them; a request naming an
-        # evicted one makes them load it again from its path).
-        self.loras: dict[int, LoRARequest] = {}
-        self.structured_output = StructuredOutputManager(
-            config.structured_outputs_backend, self.tokenizer, mc.vocab_size,
-            self.eos_token_ids, config.structured_outputs_compile_timeout)
-        # Requests in the engine that have a grammar: while there are none, no step does any
-        # structured-output work.
-        self._structured_ids: set[str] = set()
-        logger.info("engine ready in %.2fs: %d KV blocks of %d tokens",
-                    time.perf_counter() - t, self.block_manager.num_blocks,
-                    config.cache_config.block_size)
+        try:
+            cc = config.cache_config
+            # None unless trace_file is set; then it counts the block pools' operations too.
+            self.tracer = StepTracer(config.trace_file) if config.trace_file else None
+            self.scheduler = Scheduler(
+                config.scheduler_config, cc, self.executor.num_gpu_blocks,
+                self.executor.num_cpu_blocks,
+                pool_factory=plain_pool if self.tracer is None else self.tracer.block_pool,
+                speculative_config=config.speculative_config, deterministic=mc.deterministic)
+            # Called around every step (step() checks the list is empty, and nothing else runs).
+            self.observers: list[StepObserver] = [] if self.tracer is None else [self.tracer]
+            self.request_builder = ExecuteModelRequestBuilder()
+            self.seq_counter = itertools.count()
+            self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
+                                                    mc.max_model_len, self.seq_counter)
+            self.requests: dict[str, SequenceGroup] = {}  # in the scheduler
+            self.stats = EngineStats(self.scheduler.stats)
+            if self.tracer is not None:
+                sc = config.scheduler_config
+                self.tracer.start(TraceMeta(self.block_manager.num_blocks,
+                                            self.executor.num_cpu_blocks, cc.block_size,
+                                            sc.max_num_batched_tokens, sc.max_num_seqs,
+                                            sc.preemption_mode, mc.model))
+            # Registered adapters by id (the workers cache and may evict them; a request naming an
+            # evicted one makes them load it again from its path).
+            self.loras: dict[int, LoRARequest] = {}
+            self.structured_output = StructuredOutputManager(
+                config.structured_outputs_backend, self.tokenizer, mc.vocab_size,
+                self.eos_token_ids, config.structured_outputs_compile_timeout)
+            # Requests in the engine that have a grammar: while there are none, no step does any
+            # structured-output work.
+            self._structured_ids: set[str] = set()
+            logger.info("engine ready in %.2fs: %d KV blocks of %d tokens",
+                        time.perf_counter() - t, self.block_manager.num_blocks,
+                        config.cache_config.block_size)
+        except BaseException:
+            # Its workers stop too: an error or a Ctrl-C from here on left them (Ray's actors,
+            # their placement group and Ray itself) with nothing to stop them, and a retry in
+            # the same process waited 120 s for CPUs they held.
+            run_through_ctrl_c(self.executor.shutdown)
+            raise
 
     @property
     def block_manager(self) -> BlockManager:

@@ -19,7 +19,7 @@ from typing import Any
 from pagedlm import envs
 from pagedlm.config import EngineConfig
 from pagedlm.executor.abstract import Executor, WorkerFailedError
-from pagedlm.utils import ctrl_c_deferred
+from pagedlm.utils import ctrl_c_deferred, run_through_ctrl_c
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,11 @@ class RayDistributedExecutor(Executor):
     def shutdown(self) -> None:
         if self.is_shutdown:
             return
+        # To its end: a Ctrl-C midway marked it done with the actors, the placement group and
+        # Ray still up (a later LLM in the process waited 120 s for their CPUs).
+        run_through_ctrl_c(self._release)
+
+    def _release(self) -> None:
         super().shutdown()
         import ray
         if not ray.is_initialized():

@@ -471,3 +471,23 @@ def test_serve_tp2_answers_the_openai_client_and_leaves_no_worker(tiny_models):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_an_engine_interrupted_after_its_workers_started_stops_them(tiny_models, monkeypatch):
+    """A Ctrl-C (or an error) in LLMEngine's construction after the executor started left its
+    workers to whatever collected the executor: with Ray, its actors and placement group and
+    Ray itself stayed up (a retry in the process waited 120 s for their CPUs, then failed);
+    with mp, for as long as the traceback kept the engine (a notebook keeps the last one)."""
+    from pagedlm.engine import llm_engine
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm_engine, "Scheduler", interrupted)
+    try:
+        LLM(tiny_models["llama"], tensor_parallel_size=2, max_model_len=512,
+            kv_cache_memory_bytes=16 * 2**20)
+    except KeyboardInterrupt:
+        # While the traceback still holds the half-built engine and its executor.
+        assert_no_workers_left(timeout=1.0)
+    else:
+        raise AssertionError("the construction was not interrupted")
