@@ -120,3 +120,33 @@ def test_ctrl_c_stops_a_ray_server_at_once(tiny_models):
         served.proc.send_signal(signal.SIGINT)
         assert served.proc.wait(60) == 0, served.log
         assert time.monotonic() - start < 15, served.log
+
+
+def test_a_ctrl_c_in_shutdown_still_releases_the_actors(tiny_models, ray_cluster, monkeypatch):
+    """shutdown() marked itself done first: a Ctrl-C in its middle left the other actor and
+    the placement group up, and a second shutdown() did nothing (a later Ray LLM in the
+    process waited 120 s for their CPUs)."""
+    from ray.util.placement_group import placement_group_table
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, distributed_executor_backend="ray",
+              max_model_len=256, kv_cache_memory_bytes=8 * 2**20)
+    executor = llm.llm_engine.executor
+    pids, group = executor.worker_pids(), executor.placement_group
+    kill = ray.kill
+    calls = []
+
+    def interrupted_kill(actor, **kwargs):
+        calls.append(actor)
+        kill(actor, **kwargs)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # as a Ctrl-C after the first actor's kill
+    monkeypatch.setattr(ray, "kill", interrupted_kill)
+    with pytest.raises(KeyboardInterrupt):
+        llm.llm_engine.executor.shutdown()
+    assert len(set(map(str, calls))) == 2  # both actors killed
+    assert placement_group_table(group)["state"] == "REMOVED"
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+              for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
