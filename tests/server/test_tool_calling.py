@@ -466,6 +466,31 @@ def test_parsers_return_unparsable_output_as_content(parser, text):
     assert text.startswith(content or "")  # streamed content never runs ahead of the text
 
 
+@pytest.mark.parametrize("parser, text, call", [
+    # A name that is half an escaped pair is no name: the text stays content.
+    ("hermes", '<tool_call>\n{"name": "\\ud83d", "arguments": {}}\n</tool_call>', None),
+    ("llama3_json", '{"arguments": {}, "name": "get_\\ud83d"}', None),
+    # Arguments keep such a character escaped, as JSON text UTF-8 can carry.
+    ("hermes", '<tool_call>\n{"arguments": {"city": "\\ud83d"}, "name": "get_weather"}'
+               '\n</tool_call>', ("get_weather", {"city": "\ud83d"})),
+    ("pythonic", '[get_weather(city="\\ud800")]', ("get_weather", {"city": "\ud800"})),
+])
+def test_a_lone_surrogate_a_model_writes_never_reaches_the_response(parser, text, call):
+    """JSON's \\ud83d (and Python's) decodes to a lone surrogate, which UTF-8 cannot carry:
+    a call holding one made the response's serialization fail, a 500 (a stream's error
+    event said 400)."""
+    whole = get_tool_parser(parser)().extract_tool_calls(text)
+    streamed = _stream_parse(get_tool_parser(parser)(), text, 3)
+    for content, calls in ((whole.content, whole.calls), streamed):
+        for name, args in calls:
+            (name + args).encode("utf-8")  # what the response must carry
+        if call is None:
+            assert calls == [] and text.startswith(content or "")
+        else:
+            assert [(n, json.loads(a)) for n, a in calls] == [call]
+    assert call is not None or whole.content == text
+
+
 def test_named_parser_streams_the_output_as_arguments():
     text = '{"city": "Lima", "unit": "celsius"}'
     assert NamedFunctionParser("get_weather").extract_tool_calls(text).calls == [

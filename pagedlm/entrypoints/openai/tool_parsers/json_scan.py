@@ -57,6 +57,23 @@ def value_end(s: str, pos: int, final: bool = False) -> int | None:
     return None
 
 
+def utf8(text: str) -> bool:
+    """False for text holding a lone surrogate: JSON's \\ud83d (half of an escaped pair, as
+    a model may write) decodes to one, which no response can carry (the serializer raised:
+    a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def json_text(value) -> str:
+    """value as JSON, its non-ASCII characters as themselves where UTF-8 can carry them."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if utf8(text) else json.dumps(value)
+
+
 def scan_call(obj: str, complete: bool) -> ParsedToolCall | None:
     """The call in `obj`, a {"name", "arguments"|"parameters"} object written so far.
 
@@ -69,6 +86,8 @@ def scan_call(obj: str, complete: bool) -> ParsedToolCall | None:
         try:
             name = json.loads(f'"{head.group(1)}"')
         except ValueError:  # an escape JSON does not have, such as \q
+            return None
+        if not utf8(name):
             return None
         start = head.end()
         end = value_end(obj, start, final=complete)
@@ -84,10 +103,10 @@ def scan_call(obj: str, complete: bool) -> ParsedToolCall | None:
         return ParsedToolCall(None)
     try:
         data = json.loads(obj)
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        if (not isinstance(data, dict) or not isinstance(data.get("name"), str)
+                or not utf8(data["name"])):
             return None
-        args = json.dumps(data.get("arguments", data.get("parameters", {})),
-                          ensure_ascii=False)
+        args = json_text(data.get("arguments", data.get("parameters", {})))
     except (ValueError, RecursionError):  # not JSON, or nested too deeply to read
         return None
     return ParsedToolCall(data["name"], args, done=True)

@@ -8,13 +8,12 @@ closing parenthesis is: a partial Python literal has no JSON text to send yet.
 from __future__ import annotations
 
 import ast
-import json
 import re
 
 from pagedlm.entrypoints.openai.tool_parsers.abstract_tool_parser import (ParsedOutput,
                                                                           ParsedToolCall,
                                                                           ToolParser)
-from pagedlm.entrypoints.openai.tool_parsers.json_scan import skip_ws
+from pagedlm.entrypoints.openai.tool_parsers.json_scan import json_text, skip_ws
 
 START, END = "<|python_start|>", "<|python_end|>"
 _CALL_NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.]*)\s*\(")
@@ -60,7 +59,7 @@ def _arguments_json(call_text: str) -> str | None:
         except (ValueError, TypeError, RecursionError, MemoryError):
             return None
     try:
-        return json.dumps(args, ensure_ascii=False)
+        return json_text(args)
     except (TypeError, ValueError, RecursionError):  # a set, bytes, complex: no JSON for it
         return None
 
