@@ -185,6 +185,23 @@ def test_completion_logprobs(client, tokenizer):
         assert logprob == pytest.approx(max(top.values()))
 
 
+def test_streamed_text_offsets_are_the_tokens_own(client):
+    """A streamed completion's text_offset counted the characters sent, which lag the tokens
+    while a stop string could still cut the text (it is held back): offsets ran behind the
+    non-streamed answer's."""
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+                  stop=["never written, held back"], extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs).choices[0].logprobs
+    streamed, tokens = [], []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed += c.logprobs.text_offset
+                tokens += c.logprobs.tokens
+    assert tokens == full.tokens
+    assert streamed == full.text_offset == [sum(map(len, full.tokens[:i])) for i in range(8)]
+
+
 def test_completion_echo_with_logprobs(client, tokenizer):
     n_prompt = len(tokenizer.encode(PROMPT))
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,

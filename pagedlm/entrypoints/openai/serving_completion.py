@@ -127,7 +127,9 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request: CompletionRequest, request_id: str, model: str, streams):
         created = int(time.time())
         n = request.n
-        offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        # Choice index -> where its next token's text starts (text_offset): the tokens' own
+        # texts, not the characters sent, which lag them while a stop string may still cut.
+        offsets: dict[int, int] = {}
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         ended: set[int] = set()  # prompts whose final output came
@@ -152,7 +154,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue  # nothing new to say (text held back, or partial UTF-8)
                     logprobs = self._logprobs(ids, positions, offsets[index]) if wants_lp \
                         else None
-                    offsets[index] += len(text)
+                    if logprobs is not None and logprobs.tokens:
+                        offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=model,
                         choices=[CompletionResponseChoice(
