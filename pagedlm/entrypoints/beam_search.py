@@ -255,8 +255,9 @@ def new_beam_search(request_id: str, prompt: str | None, prompt_token_ids: list[
     request (a private copy; ValueError naming the field). The prompt itself is checked when
     the first step's requests are added."""
     if config.speculative_config is not None:
-        raise ValueError(f"beam search (use_beam_search, LLM.beam_search) is not supported on "
-                         f"an engine with speculative_config (method "
+        # The field first: the server reports an error's first word as its param.
+        raise ValueError(f"use_beam_search: beam search (LLM.beam_search too) is not supported "
+                         f"on an engine with speculative_config (method "
                          f"{config.speculative_config.method!r}): start one without it.")
     params = params.clone()  # the caller may change its copy's plain attributes later
     params.verify()
