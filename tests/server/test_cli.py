@@ -364,6 +364,11 @@ def test_a_long_stream_cannot_hold_the_shutdown(tmp_path):
     text = log.read_text()
     assert "timeout graceful shutdown exceeded" in text
     assert "unhandled error" not in text
+    # The client is told, and the log has a line, not a traceback per stream.
+    events = [c for c in chunks if c]
+    assert "The server is shutting down" in events[-2] and events[-1] == "data: [DONE]", \
+        events[-3:]
+    assert "Exception in ASGI application" not in text and "CancelledError" not in text
 
 
 def test_configs_check_their_own_fields_and_are_frozen(monkeypatch):
