@@ -21,8 +21,9 @@ process, so a worker that dies (SIGKILL, out of memory) or raises makes the call
 second with a WorkerFailedError naming the rank, and every other worker is stopped (they may be
 blocked in a collective with the dead one); `check_health` finds a worker that died between
 calls. Workers ignore Ctrl-C (the engine decides when they stop), die with the thread that
-started them (PR_SET_PDEATHSIG), and are stopped when the executor is shut down,
-garbage-collected or the interpreter exits.
+started them (PR_SET_PDEATHSIG: the main thread, or one of the executor's own that lasts until
+the workers are stopped), and are stopped when the executor is shut down, garbage-collected
+or the interpreter exits.
 """
 from __future__ import annotations
 
@@ -32,15 +33,19 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
@@ -183,6 +188,34 @@ class WorkerProcess:
             self.sentinel = -1
 
 
+class _LastingThread:
+    """Runs calls on a daemon thread of its own until closed. A worker dies with the thread
+    that started it (PR_SET_PDEATHSIG), not with the process: an LLM built on a thread that
+    then ended (a pool's, a framework's start-up) found both its workers killed at its first
+    call. Built off the main thread, the executor starts its workers from one of these, closed
+    once they are stopped."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="pagedlm-worker-starter", daemon=True).start()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, future = call
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller raises it
+                future.set_exception(e)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future.result()
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+
 def _start_worker(spec: WorkerSpec, env: dict[str, str]) -> tuple[WorkerProcess, Connection]:
     ours, theirs = mp.Pipe(duplex=True)
     sentinel, child_end = os.pipe()  # the child holds child_end open until it exits
@@ -236,12 +269,15 @@ def _ranks(ranks: list[int]) -> str:
     return f"worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def _stop_workers(procs: list[WorkerProcess], conns: list[Connection]) -> None:
+def _stop_workers(procs: list[WorkerProcess], conns: list[Connection],
+                  starter: _LastingThread | None = None) -> None:
     """Ask every worker to leave, then kill the ones that do not. Used at shutdown and by the
     finalizer (it must not refer to the executor), which runs once: a Ctrl-C waits for the
     workers to be gone (at most _JOIN_TIMEOUT_S each, then they are killed), or they were
     never reaped."""
     run_through_ctrl_c(lambda: _stop_and_reap(procs, conns))
+    if starter is not None:
+        starter.close()
 
 
 def _stop_and_reap(procs: list[WorkerProcess], conns: list[Connection]) -> None:
@@ -279,10 +315,13 @@ class MultiprocExecutor(Executor):
         if pc.threads_per_worker:
             env["OMP_NUM_THREADS"] = str(pc.threads_per_worker)
         # Registered first: workers started before a failure below are stopped too.
-        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        starter = (None if threading.current_thread() is threading.main_thread()
+                   else _LastingThread())
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, starter)
         for rank in range(pc.world_size):
-            proc, conn = _start_worker(WorkerSpec(self.config, self.eos_token_ids, rank,
-                                                  init_method, os.getpid()), env)
+            spec = WorkerSpec(self.config, self.eos_token_ids, rank, init_method, os.getpid())
+            proc, conn = (_start_worker(spec, env) if starter is None
+                          else starter.call(lambda: _start_worker(spec, env)))
             self.procs.append(proc)
             self.conns.append(conn)
         logger.info("started %d worker processes (tp=%d, pp=%d, %s threads each)",

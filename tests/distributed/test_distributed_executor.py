@@ -491,3 +491,22 @@ def test_an_engine_interrupted_after_its_workers_started_stops_them(tiny_models,
         assert_no_workers_left(timeout=1.0)
     else:
         raise AssertionError("the construction was not interrupted")
+
+
+def test_an_llm_built_on_a_thread_that_ended_keeps_its_workers(tiny_models):
+    """Workers die with the thread that started them (PR_SET_PDEATHSIG), not the process: an
+    LLM built on a thread that then ended (a pool's, a framework's start-up) found both
+    workers killed (signal 9) at its first call."""
+    built = []
+    thread = threading.Thread(target=lambda: built.append(LLM(
+        tiny_models["llama"], tensor_parallel_size=2, max_model_len=512,
+        kv_cache_memory_bytes=16 * 2**20)))
+    thread.start()
+    thread.join()
+    (llm,) = built
+    time.sleep(0.5)  # the kernel's signal, where one comes, is not instant
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    llm.llm_engine.executor.shutdown()
+    assert_no_workers_left()
