@@ -305,3 +305,19 @@ def test_tensor_processors_do_what_transformers_do(arch):
             assert a.name == b.name and np.array_equal(a.weights, b.weights), (arch, name)
     assert ours.preprocess_name("model.layers.0.mlp.up_proj.weight") == (
         theirs.preprocess_name("model.layers.0.mlp.up_proj.weight"))
+
+
+@pytest.mark.parametrize("field, key, axis", [
+    ("num_experts", "expert_count", "blk.0.ffn_gate_inp.weight is 4 along its dimension 0"),
+    ("moe_intermediate_size", "expert_feed_forward_length", "blk.0.ffn_up_exps.weight is"),
+    ("shared_expert_intermediate_size", "expert_shared_feed_forward_length",
+     "blk.0.ffn_up_shexp.weight is"),
+])
+def test_expert_sizes_that_disagree_with_the_tensors_are_refused(tmp_path, field, key, axis):
+    """An expert_count of 10**6 over a 4-expert file asked the allocator for 720 GB, its
+    error naming no key (found by a fuzz of model files)."""
+    model = _hf_model("qwen2moe", False)
+    setattr(model.config, field, 10**6)  # the metadata only: the tensors keep their sizes
+    gguf_file = write_gguf(tmp_path / "moe.gguf", "qwen2moe", model)
+    with pytest.raises(ValueError, match=f"qwen2moe.{key} is 1000000, but {axis}"):
+        convert_gguf(str(gguf_file), str(tmp_path / "out"))

@@ -418,6 +418,8 @@ def test_unknown_tensor_name_is_rejected(tmp_path):
     ({"attention.key_length": 10**8}, "blk.0.attn_q.weight has 64 rows"),
     ({"feed_forward_length": 10**9}, "llama.feed_forward_length is 1000000000"),
     ({"rope.dimension_count": 0}, "llama.rope.dimension_count must be a positive"),
+    ({"rope.dimension_count": 10**6}, r"rope.dimension_count \(1000000\) must be even"),
+    ({"rope.dimension_count": 7}, r"rope.dimension_count \(7\) must be even"),
 ])
 def test_sizes_that_disagree_with_the_tensors_are_refused_first(tmp_path, hparams, message):
     """Found by a fuzz of model files: the config was built from these before any tensor was

@@ -318,8 +318,17 @@ def _check_hparams(reader: GGUFHeader, arch: str, tensors: dict) -> None:
                          f"{len(layers)} layers.")
     if "token_embd.weight" not in tensors:
         raise ValueError("the file has no token_embd.weight tensor (the token embedding).")
+
+    def shape(name: str, dims: int) -> tuple[int, ...] | None:
+        if name not in tensors:
+            return None
+        got = _gguf_shape(tensors[name])
+        if len(got) != dims:
+            raise ValueError(f"{name} has {len(got)} dimensions, not {dims}.")
+        return got
+
     hidden = value("embedding_length", required=True)
-    width = _gguf_shape(tensors["token_embd.weight"])[-1]
+    width = shape("token_embd.weight", 2)[-1]
     if hidden != width:
         raise ValueError(f"{arch}.embedding_length is {hidden}, but token_embd.weight is "
                          f"{width} wide.")
@@ -329,17 +338,25 @@ def _check_hparams(reader: GGUFHeader, arch: str, tensors: dict) -> None:
         raise ValueError(f"{arch}.attention.head_count_kv ({kv_heads}) must divide "
                          f"{arch}.attention.head_count ({heads}).")
     head_dim = value("attention.key_length") or hidden // heads
-    value("rope.dimension_count")
-    q = tensors.get("blk.0.attn_q.weight")
-    if q is not None and _gguf_shape(q)[0] != heads * head_dim:
-        raise ValueError(f"blk.0.attn_q.weight has {_gguf_shape(q)[0]} rows, not "
+    q = shape("blk.0.attn_q.weight", 2)
+    if q is not None and q[0] != heads * head_dim:
+        raise ValueError(f"blk.0.attn_q.weight has {q[0]} rows, not "
                          f"{arch}.attention.head_count x the head size ({heads} x {head_dim}).")
-    ffn = value("feed_forward_length")
-    up = tensors.get("blk.0.ffn_up.weight")
-    # Twice the rows where the up matrix holds the gate's too (Phi-3).
-    if ffn is not None and up is not None and _gguf_shape(up)[0] not in (ffn, 2 * ffn):
-        raise ValueError(f"{arch}.feed_forward_length is {ffn}, but blk.0.ffn_up.weight has "
-                         f"{_gguf_shape(up)[0]} rows.")
+    rope_dims = value("rope.dimension_count")
+    if rope_dims is not None and (rope_dims > head_dim or rope_dims % 2):
+        raise ValueError(f"{arch}.rope.dimension_count ({rope_dims}) must be even and at most "
+                         f"the head size ({head_dim}).")
+    for key, name, dims, axis, fused in (
+            ("feed_forward_length", "blk.0.ffn_up.weight", 2, 0, True),
+            ("expert_count", "blk.0.ffn_gate_inp.weight", 2, 0, False),
+            ("expert_feed_forward_length", "blk.0.ffn_up_exps.weight", 3, 1, False),
+            ("expert_shared_feed_forward_length", "blk.0.ffn_up_shexp.weight", 2, 0, False)):
+        size, got = value(key), shape(name, dims)
+        # Twice the rows where the up matrix holds the gate's too (Phi-3).
+        if size is not None and got is not None and got[axis] not in (
+                (size, 2 * size) if fused else (size,)):
+            raise ValueError(f"{arch}.{key} is {size}, but {name} is {got[axis]} along its "
+                             f"dimension {axis} (shape {got}).")
 
 
 def _gguf_shape(tensor) -> tuple[int, ...]:
