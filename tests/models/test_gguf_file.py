@@ -146,3 +146,17 @@ def test_element_count_from_the_header_alone(good):
     good.write_bytes(data[:150])  # inside the tensor list
     with pytest.raises(ValueError, match=f"{good}: cannot read the GGUF header"):
         gguf_element_count(good)
+
+
+def test_metadata_nested_too_deeply(tmp_path):
+    """An array of arrays 5000 deep (60 KB) raised a bare RecursionError from both readers."""
+    inner = struct.pack("<IQ", int(gguf.GGUFValueType.UINT8), 0)
+    for _ in range(5000):
+        inner = struct.pack("<IQ", int(gguf.GGUFValueType.ARRAY), 1) + inner
+    key = b"evil.nested"
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<I", int(gguf.GGUFValueType.ARRAY)) + inner)
+    _refused(path, "nested too deeply")
+    with pytest.raises(ValueError, match="cannot read the GGUF header"):
+        gguf_element_count(path)

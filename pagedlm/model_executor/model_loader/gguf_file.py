@@ -115,6 +115,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
         # gguf's own checks (version, duplicate names, alignment) and numpy's failures on
         # bytes that are not what the header says.
         raise ValueError(f"{path}: corrupt GGUF file: {e}.") from e
+    except RecursionError as e:  # arrays of arrays: real files nest one level at most
+        raise ValueError(f"{path}: corrupt GGUF file: metadata arrays nested too deeply to "
+                         f"read.") from e
 
 
 def check_file_start(path: str) -> int:
@@ -222,7 +225,7 @@ def gguf_element_count(path: str | os.PathLike) -> int:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             return _count_elements(m)
-    except (OSError, ValueError, struct.error, IndexError) as e:
+    except (OSError, ValueError, struct.error, IndexError, RecursionError) as e:
         raise ValueError(f"{path}: cannot read the GGUF header ({e}).") from e
 
 

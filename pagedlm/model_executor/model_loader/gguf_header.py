@@ -232,4 +232,7 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
         raise ValueError(f"{path}: truncated or corrupt GGUF file of {size} bytes: {e}.") from e
     except (ValueError, OverflowError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: corrupt GGUF file: {e}.") from e
+    except RecursionError as e:  # arrays of arrays: real files nest one level at most
+        raise ValueError(f"{path}: corrupt GGUF file: metadata arrays nested too deeply to "
+                         f"read.") from e
     return header
