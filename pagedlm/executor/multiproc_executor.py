@@ -20,10 +20,10 @@ Failures never hang the engine: while it waits for answers it also watches every
 process, so a worker that dies (SIGKILL, out of memory) or raises makes the call fail within a
 second with a WorkerFailedError naming the rank, and every other worker is stopped (they may be
 blocked in a collective with the dead one); `check_health` finds a worker that died between
-calls. Workers ignore Ctrl-C (the engine decides when they stop), die with the thread that
-started them (PR_SET_PDEATHSIG: the main thread, or one of the executor's own that lasts until
-the workers are stopped), and are stopped when the executor is shut down, garbage-collected
-or the interpreter exits.
+calls. Workers ignore Ctrl-C, SIGHUP and SIGTERM (the engine decides when they stop), die with
+the thread that started them (PR_SET_PDEATHSIG: the main thread, or one of the executor's own
+that lasts until the workers are stopped), and are stopped when the executor is shut down,
+garbage-collected or the interpreter exits.
 """
 from __future__ import annotations
 
@@ -63,9 +63,13 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN = "__shutdown__"
 # How long a worker gets to leave on its own at shutdown before it is killed.
 _JOIN_TIMEOUT_S = 5.0
-# The worker's first lines: ignore Ctrl-C before anything else can be interrupted, take the
+# The worker's first lines: ignore Ctrl-C, and the SIGHUP / SIGTERM a closed terminal or a
+# supervisor (systemd's control-group stop) sends the whole process group, before anything else
+# can be interrupted (those killed the workers under a server stopping gracefully); take the
 # parent's sys.path (pagedlm may be importable only through it), then hand over.
-_BOOTSTRAP = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+_BOOTSTRAP = ("import signal\n"
+              "for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):\n"
+              "    signal.signal(s, signal.SIG_IGN)\n"
               "import pickle, sys\n"
               "from multiprocessing.connection import Connection\n"
               "conn = Connection(int(sys.argv[1]))\n"

@@ -510,3 +510,47 @@ def test_an_llm_built_on_a_thread_that_ended_keeps_its_workers(tiny_models):
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     llm.llm_engine.executor.shutdown()
     assert_no_workers_left()
+
+
+GROUP_SIGNALED = """\
+import json, signal, sys
+from pagedlm import LLM, SamplingParams
+from pagedlm.executor.abstract import WorkerFailedError
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512,
+          kv_cache_memory_bytes=16 * 2**20)
+caught = []
+for s in (signal.SIGHUP, signal.SIGTERM):  # as a server stopping gracefully takes them
+    signal.signal(s, lambda signum, frame: caught.append(signum))
+print("ready", flush=True)
+sys.stdin.readline()  # the test signals the whole group, then writes a line
+try:
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    after = len(out[0].outputs[0].token_ids)
+except WorkerFailedError as e:
+    after = str(e)
+print(json.dumps({"caught": caught, "after": after}), flush=True)
+"""
+
+
+def test_a_signal_to_the_whole_process_group_leaves_the_workers_to_the_engine(tiny_models):
+    """A closed terminal (SIGHUP) or systemd's control-group stop (SIGTERM) signals every
+    process of the group: the workers, which ignored only SIGINT, died at once, under a server
+    that was stopping gracefully (every stream failed, exit 1)."""
+    proc = subprocess.Popen([sys.executable, "-c", GROUP_SIGNALED, tiny_models["llama"]],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        for signum in (signal.SIGHUP, signal.SIGTERM):
+            os.killpg(proc.pid, signum)
+        time.sleep(1.0)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        result = json.loads(proc.stdout.readline())
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert sorted(result["caught"]) == [signal.SIGHUP, signal.SIGTERM] and result["after"] == 4, \
+        result
+    assert_no_workers_left()
