@@ -130,6 +130,27 @@ def ctrl_c_stoppable() -> Iterator[None]:
         hold.second_stops = False
 
 
+@contextlib.contextmanager
+def ctrl_c_held_whole() -> Iterator[None]:
+    """A short block that must run whole, as reading a message that is already on its pipe:
+    every Ctrl-C waits for its end, even inside ctrl_c_stoppable() (a second one there, inside
+    a worker's answer being read, stopped every worker for good). One pressed meanwhile is
+    raised as the block ends, where a second one could have stopped."""
+    hold = (signal.getsignal(signal.SIGINT)
+            if threading.current_thread() is threading.main_thread() else None)
+    if not isinstance(hold, _CtrlCHold):
+        with ctrl_c_deferred(second_stops=False):
+            yield
+        return
+    stops, hold.second_stops = hold.second_stops, False
+    try:
+        yield
+    finally:
+        hold.second_stops = stops
+    if stops and hold.pressed > 1 and not hold.raised:
+        hold.stop()
+
+
 def run_through_ctrl_c(fn: Callable[[], None]) -> None:
     """fn() to its end whatever Ctrl-Cs come, then one KeyboardInterrupt if any came: for
     cleanups (a call's dropped requests, stopping workers). A Ctrl-C as the cleanup began

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 from pagedlm import envs
 from pagedlm.config import EngineConfig
 from pagedlm.executor.abstract import Executor, WorkerFailedError
-from pagedlm.utils import ctrl_c_deferred, run_through_ctrl_c
+from pagedlm.utils import ctrl_c_deferred, ctrl_c_held_whole, run_through_ctrl_c
 
 if TYPE_CHECKING:
     from pagedlm.worker.worker import Worker
@@ -388,7 +388,7 @@ class MultiprocExecutor(Executor):
                 rank = sentinels.get(ready)
                 if rank is None:
                     rank = next(r for r, c in pending.items() if c is ready)
-                    with ctrl_c_deferred():  # a message read is a message used
+                    with ctrl_c_held_whole():  # a message read is a message used
                         try:
                             # Out of pending in the read's own line: a second Ctrl-C on the
                             # line after it left an answer read and its rank pending, and the
@@ -396,7 +396,7 @@ class MultiprocExecutor(Executor):
                             status, value = pending.pop(rank).recv()
                         except (EOFError, OSError):
                             status, value = "closed", None
-                        except BaseException:  # a second Ctrl-C: part of a message read
+                        except BaseException:  # (not a Ctrl-C: held) part of a message read
                             self._fail_quietly(f"interrupted while reading {method!r}'s "
                                                f"answers")
                             raise

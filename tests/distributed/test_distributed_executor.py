@@ -554,3 +554,61 @@ def test_a_signal_to_the_whole_process_group_leaves_the_workers_to_the_engine(ti
     assert sorted(result["caught"]) == [signal.SIGHUP, signal.SIGTERM] and result["after"] == 4, \
         result
     assert_no_workers_left()
+
+
+SECOND_PRESS_IN_READ = """\
+import inspect, json, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from pagedlm import LLM, SamplingParams
+from pagedlm.executor.abstract import WorkerFailedError
+from pagedlm.executor.multiproc_executor import MultiprocExecutor
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512,
+          kv_cache_memory_bytes=16 * 2**20)
+prompts = json.loads(sys.argv[2])
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+code = MultiprocExecutor._gather.__code__
+lines, first = inspect.getsourcelines(code)
+recv_line = first + next(i for i, text in enumerate(lines) if ".recv()" in text)
+state = {"calls": 0, "presses": 0}
+def local(frame, event, arg):
+    # The second press as an answer that is already on its pipe is read.
+    if event == "line" and state["presses"] == 1 and frame.f_lineno == recv_line:
+        state["presses"] = 2
+        os.kill(os.getpid(), signal.SIGINT)
+    return local
+def calls(frame, event, arg):
+    if frame.f_code is not code:
+        return None
+    state["calls"] += 1
+    if state["calls"] == 3 and state["presses"] == 0:  # the first, held by the step
+        state["presses"] = 1
+        os.kill(os.getpid(), signal.SIGINT)
+    return local
+sys.settrace(calls)
+try:
+    llm.generate(prompts, greedy, use_tqdm=False)
+    interrupted = False
+except KeyboardInterrupt:
+    interrupted = True
+sys.settrace(None)
+try:
+    same = [list(o.outputs[0].token_ids)
+            for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref
+    after = "same" if same else "differs"
+except WorkerFailedError as e:
+    after = str(e)
+print(json.dumps({"interrupted": interrupted, "presses": state["presses"], "after": after}))
+"""
+
+
+def test_a_second_ctrl_c_waits_for_the_answer_being_read(tiny_models):
+    """A second Ctrl-C while a worker's answer, already on its pipe, was read: raised inside
+    the read, it stopped every worker (part of a message read), and the LLM was lost. The
+    read is short (the message is there), so the press now waits for its end."""
+    out = subprocess.run([sys.executable, "-c", SECOND_PRESS_IN_READ, tiny_models["llama"],
+                          json.dumps(PROMPTS)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result == {"interrupted": True, "presses": 2, "after": "same"}, result
+    assert_no_workers_left()
