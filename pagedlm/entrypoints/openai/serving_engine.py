@@ -232,10 +232,11 @@ class EngineStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         except asyncio.CancelledError:
-            # uvicorn cancels what still runs at --timeout-graceful-shutdown's end: each such
+            # uvicorn cancels what still runs at --timeout-graceful-shutdown's end (or at a
+            # second Ctrl-C): each such
             # stream logged a 60-line traceback as an application error, and its client saw
             # the stream stop mid-way as if complete. One line, and the client is told.
-            logger.info("a stream still running at the shutdown's deadline was cut short")
+            logger.info("a stream still running was cut short by the server's shutdown")
             try:
                 await send({"type": "http.response.body", "body": self._cut_events.encode(),
                             "more_body": False})
