@@ -233,9 +233,9 @@ class EngineStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         except asyncio.CancelledError:
             # uvicorn cancels what still runs at --timeout-graceful-shutdown's end (or at a
-            # second Ctrl-C): each such
-            # stream logged a 60-line traceback as an application error, and its client saw
-            # the stream stop mid-way as if complete. One line, and the client is told.
+            # second Ctrl-C): each such stream logged a 60-line traceback as an application
+            # error, and its client saw the stream stop mid-way as if complete. One line, and
+            # the client is told.
             logger.info("a stream still running was cut short by the server's shutdown")
             try:
                 await send({"type": "http.response.body", "body": self._cut_events.encode(),
