@@ -147,12 +147,20 @@ def test_help():
     assert all(cmd in top.stdout for cmd in ("serve", "generate", "chat"))
 
 
-def _start_serve(log: Path, *flags: str) -> tuple[str, subprocess.Popen]:
-    """`pagedlm serve *flags` as a real subprocess, once /health answers."""
+def _start_serve(log: Path, *flags: str, hangup=None) -> tuple[str, subprocess.Popen]:
+    """`pagedlm serve *flags` as a real subprocess, once /health answers. hangup: SIGHUP's
+    disposition to start it with (SIG_DFL, SIG_IGN), where not this process's (an ignored
+    one is inherited: a suite run under nohup)."""
     port = free_port()
+    command = cli("serve", "--port", str(port), *flags)
+    if hangup is not None:
+        command[1:3] = ["-c", f"import runpy, signal, sys; signal.signal(signal.SIGHUP, "
+                              f"signal.Handlers({int(hangup)})); del sys.argv[0]; "
+                              f"runpy.run_module('pagedlm.entrypoints.cli', run_name='__main__')",
+                        "pagedlm"]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cli("serve", "--port", str(port), *flags),
-                                stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=_env())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -304,7 +312,7 @@ def test_serve_shuts_the_engine_down_on_sigterm(tmp_path, signum):
     log, trace = tmp_path / "serve.log", tmp_path / "run.json"
     # A long grace: a busy machine must not turn the stream's end into the grace's cut.
     url, proc = _start_serve(log, "--trace-file", str(trace),
-                             "--timeout-graceful-shutdown", "120")
+                             "--timeout-graceful-shutdown", "120", hangup=signal.SIG_DFL)
     try:
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"prompt": PROMPT, "max_tokens": 3})
@@ -323,6 +331,22 @@ def test_serve_shuts_the_engine_down_on_sigterm(tmp_path, signum):
     assert json.loads(trace.read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["serve.log", "run.json", "run.steps.jsonl"])
+
+
+def test_serve_under_nohup_keeps_ignoring_sighup(tmp_path):
+    """Started with SIGHUP ignored (nohup), the server stays so: a closed terminal does not
+    stop it."""
+    url, proc = _start_serve(tmp_path / "serve.log", hangup=signal.SIG_IGN)
+    try:
+        proc.send_signal(signal.SIGHUP)
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"prompt": PROMPT, "max_tokens": 3})
+        assert r.status_code == 200 and proc.poll() is None, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_a_long_stream_cannot_hold_the_shutdown(tmp_path):
