@@ -236,16 +236,31 @@ def test_ctrl_c_mid_generate_leaves_the_llm_usable(tiny_models):
         "interrupted": True, "same": True, "free": True}
 
 
-INTERRUPTED_SEND = """\
-import json, os, signal, sys, threading
+# The subprocess scripts' shared parts: a tp=2 LLM on argv[1] and greedy references for the
+# prompts in argv[2] (SIGINT raising: pytest-xdist's workers pass it on ignored); after the
+# interrupted call, the next call's tokens against them ("same", or the executor's error).
+TP2_SCRIPT_HEAD = """\
+import inspect, json, os, signal, sys, threading, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from pagedlm import LLM, SamplingParams
 from pagedlm.executor.abstract import WorkerFailedError
+from pagedlm.executor.multiproc_executor import MultiprocExecutor
 llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512,
           kv_cache_memory_bytes=16 * 2**20)
-prompts, presses = json.loads(sys.argv[2]), int(sys.argv[3])
+prompts = json.loads(sys.argv[2])
 greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+"""
+TP2_SCRIPT_AFTER = """\
+try:
+    same = [list(o.outputs[0].token_ids)
+            for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref
+    after = "same" if same else "differs"
+except WorkerFailedError as e:
+    after = str(e)
+"""
+INTERRUPTED_SEND = TP2_SCRIPT_HEAD + """\
+presses = int(sys.argv[3])
 # A stopped worker holds the send of a step past the pipe's buffer for as long as it is
 # stopped: the Ctrl-Cs come while the parent writes that step.
 victim = llm.llm_engine.executor.procs[1]
@@ -259,12 +274,7 @@ try:
     interrupted = False
 except KeyboardInterrupt:
     interrupted = True
-try:
-    same = [list(o.outputs[0].token_ids)
-            for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref
-    after = "same" if same else "differs"
-except WorkerFailedError as e:
-    after = str(e)
+""" + TP2_SCRIPT_AFTER + """\
 bm = llm.llm_engine.block_manager
 print(json.dumps({"interrupted": interrupted, "after": after,
                   "free": bm.num_free_blocks == bm.num_blocks}))
@@ -290,17 +300,7 @@ def test_ctrl_c_while_a_step_is_sent(tiny_models, presses):
     assert_no_workers_left()
 
 
-INTERRUPTED_READ = """\
-import inspect, json, os, sys, time
-os.environ["PAGEDLM_ENGINE_ITERATION_TIMEOUT_S"] = "30"
-from pagedlm import LLM, SamplingParams
-from pagedlm.executor.abstract import WorkerFailedError
-from pagedlm.executor.multiproc_executor import MultiprocExecutor
-llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512,
-          kv_cache_memory_bytes=16 * 2**20)
-prompts = json.loads(sys.argv[2])
-greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+INTERRUPTED_READ = TP2_SCRIPT_HEAD + """\
 # A second Ctrl-C on the line after an answer's read (as a trace hook can place one): raised
 # from a trace function, the exception comes at that line.
 code = MultiprocExecutor._gather.__code__
@@ -322,12 +322,7 @@ except KeyboardInterrupt:
     interrupted = True
 sys.settrace(None)
 start = time.monotonic()
-try:
-    same = [list(o.outputs[0].token_ids)
-            for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref
-    after = "same" if same else "differs"
-except WorkerFailedError as e:
-    after = str(e)
+""" + TP2_SCRIPT_AFTER + """\
 print(json.dumps({"interrupted": interrupted, "after": after,
                   "seconds": time.monotonic() - start}))
 """
@@ -339,7 +334,8 @@ def test_an_answer_read_as_the_call_is_interrupted_is_not_awaited_again(tiny_mod
     waited for an answer already taken, until the deadline, then stopped the workers blaming
     a healthy rank."""
     out = subprocess.run([sys.executable, "-c", INTERRUPTED_READ, tiny_models["llama"],
-                          json.dumps(PROMPTS)], capture_output=True, text=True, timeout=300)
+                          json.dumps(PROMPTS)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PAGEDLM_ENGINE_ITERATION_TIMEOUT_S": "30"})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["interrupted"] and result["after"] == "same", result
@@ -556,17 +552,7 @@ def test_a_signal_to_the_whole_process_group_leaves_the_workers_to_the_engine(ti
     assert_no_workers_left()
 
 
-SECOND_PRESS_IN_READ = """\
-import inspect, json, os, signal, sys
-signal.signal(signal.SIGINT, signal.default_int_handler)
-from pagedlm import LLM, SamplingParams
-from pagedlm.executor.abstract import WorkerFailedError
-from pagedlm.executor.multiproc_executor import MultiprocExecutor
-llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512,
-          kv_cache_memory_bytes=16 * 2**20)
-prompts = json.loads(sys.argv[2])
-greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+SECOND_PRESS_IN_READ = TP2_SCRIPT_HEAD + """\
 code = MultiprocExecutor._gather.__code__
 lines, first = inspect.getsourcelines(code)
 recv_line = first + next(i for i, text in enumerate(lines) if ".recv()" in text)
@@ -592,12 +578,7 @@ try:
 except KeyboardInterrupt:
     interrupted = True
 sys.settrace(None)
-try:
-    same = [list(o.outputs[0].token_ids)
-            for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref
-    after = "same" if same else "differs"
-except WorkerFailedError as e:
-    after = str(e)
+""" + TP2_SCRIPT_AFTER + """\
 print(json.dumps({"interrupted": interrupted, "presses": state["presses"], "after": after}))
 """
 
