@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -325,7 +326,7 @@ class MultiprocExecutor(Executor):
         for rank in range(pc.world_size):
             spec = WorkerSpec(self.config, self.eos_token_ids, rank, init_method, os.getpid())
             proc, conn = (_start_worker(spec, env) if starter is None
-                          else starter.call(lambda: _start_worker(spec, env)))
+                          else starter.call(functools.partial(_start_worker, spec, env)))
             self.procs.append(proc)
             self.conns.append(conn)
         logger.info("started %d worker processes (tp=%d, pp=%d, %s threads each)",

@@ -412,6 +412,7 @@ def test_unknown_tensor_name_is_rejected(tmp_path):
     ({"block_count": 0}, "llama.block_count must be a positive integer, got 0"),
     ({"attention.head_count": None}, "llama.attention.head_count: missing"),  # a TypeError
     ({"attention.head_count": 0}, "llama.attention.head_count must be a positive"),
+    ({"attention.head_count": 10**9}, r"head_count \(1000000000\) is larger than"),
     ({"attention.head_count_kv": 0}, "llama.attention.head_count_kv must be a positive"),
     ({"attention.head_count_kv": 3}, r"head_count_kv \(3\) must divide"),
     ({"embedding_length": 10**9}, "llama.embedding_length is 1000000000, but token_embd"),

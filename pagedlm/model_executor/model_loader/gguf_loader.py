@@ -338,6 +338,9 @@ def _check_hparams(reader: GGUFHeader, arch: str, tensors: dict) -> None:
         raise ValueError(f"{arch}.attention.head_count_kv ({kv_heads}) must divide "
                          f"{arch}.attention.head_count ({heads}).")
     head_dim = value("attention.key_length") or hidden // heads
+    if head_dim < 1:
+        raise ValueError(f"{arch}.attention.head_count ({heads}) is larger than "
+                         f"{arch}.embedding_length ({hidden}).")
     q = shape("blk.0.attn_q.weight", 2)
     if q is not None and q[0] != heads * head_dim:
         raise ValueError(f"blk.0.attn_q.weight has {q[0]} rows, not "

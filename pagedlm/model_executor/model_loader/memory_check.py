@@ -1,4 +1,5 @@
-"""Will the model's weights fit in memory? Answered from file headers, before anything loads.
+"""Will the model's weights fit in memory? Answered from file headers, before anything loads
+(and, from the same headers, does a folder's config ask for more layers than its weights hold).
 
 A model larger than memory would otherwise be found out by the kernel's OOM killer minutes into
 a load, or by a machine swapping to a halt. The figure is what loading holds, by path:
