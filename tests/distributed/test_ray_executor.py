@@ -4,8 +4,11 @@ a killed actor fails the call naming its rank, and nothing is left running after
 Marked slow; skipped only where the ray extra is not installed (CI installs it)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -150,3 +153,37 @@ def test_a_ctrl_c_in_shutdown_still_releases_the_actors(tiny_models, ray_cluster
         time.sleep(0.2)
     assert not [p for p in pids if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+RAY_STARTED_HERE = """\
+import json, sys
+import psutil
+from pagedlm import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray",
+          max_model_len=256, kv_cache_memory_bytes=8 * 2**20)
+masks = {}
+for p in psutil.Process().children(recursive=True):
+    try:
+        with open(f"/proc/{p.pid}/status") as f:
+            blocked = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk"))
+        masks[" ".join(p.cmdline())[:120]] = blocked
+    except (OSError, psutil.Error):
+        pass
+llm.llm_engine.executor.shutdown()
+print(json.dumps(masks))
+"""
+
+
+def test_the_ray_it_starts_leaves_sighup_to_the_engine(tiny_models):
+    """A closed terminal signals the whole process group: the Ray daemons pagedlm started
+    died of the SIGHUP, and the engine's shutdown then waited about 35 s on their timeouts
+    (the server's exit took 41 s). They, and the actors, start with it blocked."""
+    out = subprocess.run([sys.executable, "-c", RAY_STARTED_HERE, tiny_models["llama"]],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    masks = json.loads(out.stdout.splitlines()[-1])
+    daemons = {cmd: m for cmd, m in masks.items()
+               if "gcs_server" in cmd or "raylet" in cmd or "RayWorkerWrapper" in cmd}
+    assert any("gcs_server" in c for c in daemons) and any("raylet" in c for c in daemons), masks
+    hup = 1 << (signal.SIGHUP - 1)
+    assert all(m & hup for m in daemons.values()), daemons
