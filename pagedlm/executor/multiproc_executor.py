@@ -198,7 +198,8 @@ class _LastingThread:
     that started it (PR_SET_PDEATHSIG), not with the process: an LLM built on a thread that
     then ended (a pool's, a framework's start-up) found both its workers killed at its first
     call. Built off the main thread, the executor starts its workers from one of these, closed
-    once they are stopped."""
+    once they are stopped. Not a ThreadPoolExecutor: the interpreter joins its threads at exit
+    before the executor's finalizer runs, so the workers would be killed, not stopped."""
 
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()

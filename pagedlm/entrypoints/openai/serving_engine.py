@@ -217,6 +217,12 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             fut.cancel()
 
 
+# How a stream the server's shutdown cut short ends.
+_SHUTDOWN_CUT_EVENTS = sse(json.dumps(error_body(
+    "The server is shutting down: this request was cancelled before it finished.", 503))) \
+    + sse("[DONE]")
+
+
 class EngineStreamingResponse(StreamingResponse):
     """A StreamingResponse that runs `on_close` however it ends: finished, failed, or cancelled
     because the client disconnected (even before the body generator first ran)."""
@@ -460,10 +466,8 @@ class OpenAIServing:
 
     def streaming_response(self, body: AsyncIterator[str],
                            streams: list[RequestStream]) -> EngineStreamingResponse:
-        cut = sse(json.dumps(error_body("The server is shutting down: this request was "
-                                        "cancelled before it finished.", 503))) + sse("[DONE]")
         return EngineStreamingResponse(body, on_close=lambda: self.abort(streams),
-                                       cut_events=cut)
+                                       cut_events=_SHUTDOWN_CUT_EVENTS)
 
     @staticmethod
     def stream_error(e: BaseException) -> str:
